@@ -1,0 +1,39 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Everything else is installed here.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test test-fast lint install clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+## demo: embedded NATS, a dispatcher, 4 simulated GPU workers and a mixed workload for ~30 s
+demo: $(STAMP)
+	$(BIN)/sluice demo
+
+## test: the whole suite, fault tests included, against a real nats-server
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+## test-fast: the inner loop, without the slow fault/soak tests
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not fault"
+
+## lint: ruff and mypy (mypy sees the sluice.* package through a symlink tree in .lint/)
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	rm -rf .lint && mkdir -p .lint/sluice
+	for d in schemas client dispatcher agent sim; do ln -s ../../$$d .lint/sluice/$$d; done
+	for f in sluice/*.py sluice/py.typed; do ln -s ../../$$f .lint/sluice/; done
+	cd .lint && ../$(BIN)/mypy --config-file ../pyproject.toml -p sluice
+
+clean:
+	rm -rf $(VENV) .lint build *.egg-info .pytest_cache .mypy_cache .ruff_cache

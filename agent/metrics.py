@@ -1,0 +1,25 @@
+"""The agent's Prometheus metrics, declared once (labelled by worker)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+REQUESTS = Counter(
+    "sluice_agent_requests_total", "Requests finished by the agent", ["worker", "outcome"]
+)
+ASSIGNMENTS_REFUSED = Counter(
+    "sluice_agent_assignments_refused_total", "Assignments the agent refused", ["worker", "reason"]
+)
+PROMPT_TOKENS = Counter("sluice_agent_prompt_tokens_total", "Prompt tokens processed", ["worker"])
+CACHED_TOKENS = Counter(
+    "sluice_agent_cached_tokens_total", "Prompt tokens served from the prefix cache", ["worker"]
+)
+OUTPUT_TOKENS = Counter("sluice_agent_output_tokens_total", "Tokens generated", ["worker"])
+IN_FLIGHT = Gauge("sluice_agent_in_flight", "Requests accepted and not finished", ["worker"])
+KV_USAGE = Gauge("sluice_agent_kv_usage_ratio", "Fraction of KV blocks in use", ["worker"])
+TTFT = Histogram(
+    "sluice_agent_ttft_seconds",
+    "Time from submission to first token",
+    ["worker"],
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
+)

@@ -1,0 +1,73 @@
+"""The agent's settings: ``SLUICE_AGENT_…`` variables or the ``[agent]`` table of the config
+file (``SLUICE_NATS_URL`` for the broker). Read once per process."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import ClassVar
+
+from pydantic import AliasChoices, Field, field_validator
+from pydantic_settings import SettingsConfigDict
+
+from sluice.config import SluiceSettings
+from sluice.sim.profiles import PROFILES
+
+
+def _default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class AgentSettings(SluiceSettings):
+    """Settings of one agent (one GPU engine)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="SLUICE_AGENT_", extra="forbid", populate_by_name=True
+    )
+    toml_section: ClassVar[str] = "agent"
+
+    nats_url: str = Field(
+        default="nats://127.0.0.1:4222",
+        validation_alias=AliasChoices("nats_url", "SLUICE_NATS_URL"),
+        description="The NATS server to connect to.",
+    )
+    worker_id: str = Field(
+        default_factory=_default_worker_id,
+        min_length=1,
+        max_length=64,
+        description="This worker's name, unique in the fleet (default: host-pid).",
+    )
+    models: list[str] = Field(default=["sim"], min_length=1, description="Models it serves.")
+    capacity: int = Field(default=32, ge=1, description="Requests it takes at once.")
+    profile: str = Field(default="reference", description="Simulated engine profile.")
+    speed: float = Field(
+        default=1.0, gt=0, description="Simulated time runs this many times faster than real."
+    )
+    heartbeat_s: float = Field(default=1.0, gt=0, description="Seconds between heartbeats.")
+    token_flush_ms: float = Field(
+        default=15.0, ge=0, description="Coalesce streamed tokens for up to this long."
+    )
+    token_flush_tokens: int = Field(
+        default=16, ge=1, description="...or until this many tokens are buffered."
+    )
+    drain_timeout_s: float = Field(
+        default=30.0, ge=0, description="On shutdown, wait this long for running requests."
+    )
+    metrics_port: int = Field(
+        default=0, ge=0, le=65535, description="Serve Prometheus metrics here (0: off)."
+    )
+    metrics_host: str = Field(default="127.0.0.1", description="Bind address for metrics.")
+
+    @field_validator("profile")
+    @classmethod
+    def _known_profile(cls, v: str) -> str:
+        if v not in PROFILES:
+            raise ValueError(f"unknown profile {v!r}; known: {sorted(PROFILES)}")
+        return v
+
+    @field_validator("worker_id")
+    @classmethod
+    def _safe_id(cls, v: str) -> str:
+        if any(c in v for c in ".*> \t\n"):
+            raise ValueError("worker_id may not contain '.', '*', '>' or whitespace")
+        return v

@@ -1,0 +1,38 @@
+"""The Sluice producer library.
+
+    async with Client("nats://127.0.0.1:4222") as client:
+        handle = await client.submit("my-model", "Hello", max_tokens=32, band="interactive")
+        async for chunk in handle:
+            print(chunk.text, end="")
+        result = await handle.result()
+"""
+
+from sluice.client.client import Client, RequestHandle
+from sluice.client.errors import (
+    DeadlineExceeded,
+    InvalidRequest,
+    QueueFull,
+    Rejected,
+    ResultTimeout,
+    ServiceUnavailable,
+    SluiceError,
+)
+from sluice.client.settings import ClientSettings
+from sluice.schemas.models import RejectReason, Result, Timings, TokenChunk
+
+__all__ = [
+    "Client",
+    "ClientSettings",
+    "DeadlineExceeded",
+    "InvalidRequest",
+    "QueueFull",
+    "Rejected",
+    "RejectReason",
+    "RequestHandle",
+    "Result",
+    "ResultTimeout",
+    "ServiceUnavailable",
+    "SluiceError",
+    "Timings",
+    "TokenChunk",
+]

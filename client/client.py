@@ -1,0 +1,352 @@
+"""The producer library: submit requests, stream their tokens, await their results."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from types import TracebackType
+
+import nats.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js.errors import APIError, NoStreamResponseError, NotFoundError
+from pydantic import ValidationError
+
+from sluice.client.errors import (
+    InvalidRequest,
+    QueueFull,
+    ResultTimeout,
+    ServiceUnavailable,
+    SluiceError,
+    rejection_error,
+)
+from sluice.client.settings import ClientSettings
+from sluice.schemas import names
+from sluice.schemas.codec import decode, encode
+from sluice.schemas.errors import DecodeError
+from sluice.schemas.models import DispatcherStats, Result, SubmitRequest, TokenChunk
+from sluice.transport import TransportError, connect
+
+_MAX_MSGS_EXCEEDED = 10077  # JetStream: the stream is at max_msgs with discard=new
+_RESULT_POLL_S = 2.0
+
+
+class RequestHandle:
+    """One submitted request. ``async for chunk in handle`` streams its tokens as the worker
+    produces them (each chunk once, in order, even across a retry on another worker);
+    ``await handle.result()`` returns the final :class:`Result` or raises ``Rejected``."""
+
+    def __init__(self, client: Client, request: SubmitRequest) -> None:
+        self._client = client
+        self.request = request
+        self.request_id = request.request_id
+        self._chunks: asyncio.Queue[TokenChunk | None] = asyncio.Queue()
+        self._result: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
+        self._delivered = 0  # tokens handed to the iterator so far
+        self._subs: list[Subscription] = []
+
+    # -- subscriptions (set up before the publish, so nothing is missed)
+
+    async def _subscribe(self, nc: NATS) -> None:
+        self._subs = [
+            await nc.subscribe(names.token_subject(self.request_id), cb=self._on_chunk),
+            await nc.subscribe(
+                names.result_subject(self.request.tenant, self.request_id), cb=self._on_result
+            ),
+        ]
+
+    async def _unsubscribe(self) -> None:
+        subs, self._subs = self._subs, []
+        for sub in subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def _on_chunk(self, msg: Msg) -> None:
+        with contextlib.suppress(DecodeError):
+            self._chunks.put_nowait(decode(msg.data, TokenChunk))
+
+    async def _on_result(self, msg: Msg) -> None:
+        with contextlib.suppress(DecodeError):
+            self._set_result(decode(msg.data, Result))
+
+    def _set_result(self, result: Result) -> None:
+        if not self._result.done():  # the first result wins: results are deduplicated here
+            self._result.set_result(result)
+            self._chunks.put_nowait(None)
+            asyncio.get_running_loop().create_task(self._unsubscribe())
+
+    # -- public API
+
+    @property
+    def done(self) -> bool:
+        return self._result.done()
+
+    async def result(self, timeout_s: float | None = None) -> Result:
+        """The final result. Raises ``Rejected`` (or ``DeadlineExceeded``) if the request was
+        not run, ``ResultTimeout`` after ``timeout_s`` seconds without one."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self._result.done():
+            wait = _RESULT_POLL_S
+            if deadline is not None:
+                wait = min(wait, deadline - time.monotonic())
+                if wait <= 0:
+                    raise ResultTimeout(
+                        f"no result for {self.request_id} after {timeout_s}s; it may still "
+                        "finish: Client.fetch_result() picks it up later"
+                    )
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._result), wait)
+            if not self._result.done():
+                # A result published while we were reconnecting is still in the stream.
+                found = await self._client._lookup_result(self.request.tenant, self.request_id)
+                if found is not None:
+                    self._set_result(found)
+        result = self._result.result()
+        if not result.ok and result.rejection is not None:
+            raise rejection_error(self.request_id, result.rejection)
+        return result
+
+    def __aiter__(self) -> AsyncIterator[TokenChunk]:
+        return self._stream()
+
+    async def _stream(self) -> AsyncIterator[TokenChunk]:
+        while True:
+            chunk = await self._chunks.get()
+            if chunk is None:
+                break
+            if chunk.index + len(chunk.tokens) <= self._delivered:
+                continue  # already delivered (a retried attempt streams the same positions)
+            skip = max(0, self._delivered - chunk.index)
+            if skip or chunk.index > self._delivered:
+                if chunk.index > self._delivered:
+                    continue  # a gap (a lost chunk): the result fills it in below
+                tokens = chunk.tokens[skip:]
+                chunk = TokenChunk(
+                    request_id=chunk.request_id,
+                    attempt=chunk.attempt,
+                    index=self._delivered,
+                    tokens=tokens,
+                    text=_text_of(chunk, skip),
+                )
+            self._delivered += len(chunk.tokens)
+            yield chunk
+        result = await self.result()  # raises Rejected for a request that did not run
+        if len(result.output_tokens) > self._delivered:
+            rest = result.output_tokens[self._delivered :]
+            tail = TokenChunk(
+                request_id=self.request_id,
+                attempt=result.attempt or 1,
+                index=self._delivered,
+                tokens=rest,
+                text=_tail_text(result, self._delivered),
+            )
+            self._delivered = len(result.output_tokens)
+            yield tail
+
+
+def _text_of(chunk: TokenChunk, skip: int) -> str:
+    # Token text is one leading-space word per token for simulated engines; for real engines
+    # a chunk's text cannot be split by token, so a partially repeated chunk keeps its text.
+    words = chunk.text.split(" ")[1:]
+    if len(words) == len(chunk.tokens):
+        return "".join(" " + w for w in words[skip:])
+    return chunk.text
+
+
+def _tail_text(result: Result, delivered: int) -> str:
+    words = result.text.split(" ")[1:]
+    if len(words) == len(result.output_tokens):
+        return "".join(" " + w for w in words[delivered:])
+    return ""
+
+
+class Client:
+    """Connects to NATS and submits requests to Sluice.
+
+    ``async with Client("nats://127.0.0.1:4222") as c: h = await c.submit("m", "hi")``.
+    """
+
+    def __init__(
+        self,
+        nats_url: str = "nats://127.0.0.1:4222",
+        *,
+        tenant: str = "default",
+        band: str = "standard",
+        nc: NATS | None = None,
+        publish_timeout_s: float = 5.0,
+        queue_full_retry_after_s: float = 1.0,
+    ) -> None:
+        self.nats_url = nats_url
+        self.tenant = tenant
+        self.band = band
+        self.publish_timeout_s = publish_timeout_s
+        self.queue_full_retry_after_s = queue_full_retry_after_s
+        self._nc = nc
+        self._own_nc = nc is None
+
+    @classmethod
+    def from_settings(cls, settings: ClientSettings) -> Client:
+        return cls(
+            settings.nats_url,
+            tenant=settings.tenant,
+            band=settings.band,
+            publish_timeout_s=settings.publish_timeout_s,
+            queue_full_retry_after_s=settings.queue_full_retry_after_s,
+        )
+
+    async def connect(self) -> Client:
+        if self._nc is None:
+            try:
+                self._nc = await connect(self.nats_url, "sluice-client")
+            except TransportError as exc:
+                raise ServiceUnavailable(str(exc)) from exc
+        return self
+
+    async def close(self) -> None:
+        if self._own_nc and self._nc is not None:
+            with contextlib.suppress(Exception):
+                await self._nc.close()
+        self._nc = None
+
+    async def __aenter__(self) -> Client:
+        return await self.connect()
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    @property
+    def nc(self) -> NATS:
+        if self._nc is None:
+            raise SluiceError("client is not connected: use 'async with Client(...)'")
+        return self._nc
+
+    async def submit(
+        self,
+        model: str,
+        prompt: str | Sequence[int],
+        *,
+        max_tokens: int = 256,
+        band: str | None = None,
+        tenant: str | None = None,
+        request_id: str | None = None,
+        deadline_s: float | None = None,
+    ) -> RequestHandle:
+        """Queue a request and return its handle.
+
+        ``prompt`` is text or token ids. ``request_id`` is the idempotency key: submitting the
+        same id again (within the broker's duplicate window) does not run it twice.
+        ``deadline_s``: if still queued this many seconds from now, it is rejected with
+        ``deadline_exceeded`` instead of run. Raises ``QueueFull`` at once when the band's
+        queue is at its bound, ``InvalidRequest`` for bad arguments, ``ServiceUnavailable``
+        when no dispatcher serves the band.
+        """
+        request = self._build(model, prompt, max_tokens, band, tenant, request_id, deadline_s)
+        handle = RequestHandle(self, request)
+        await handle._subscribe(self.nc)
+        try:
+            await self._publish(request)
+        except BaseException:
+            await handle._unsubscribe()
+            raise
+        return handle
+
+    def _build(
+        self,
+        model: str,
+        prompt: str | Sequence[int],
+        max_tokens: int,
+        band: str | None,
+        tenant: str | None,
+        request_id: str | None,
+        deadline_s: float | None,
+    ) -> SubmitRequest:
+        if deadline_s is not None and deadline_s <= 0:
+            raise InvalidRequest(f"deadline_s must be > 0, got {deadline_s}")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequest("prompt is empty")
+            tokens, text = None, prompt
+        else:
+            tokens, text = list(prompt), None
+            if not tokens:
+                raise InvalidRequest("prompt has no tokens")
+            if any(not isinstance(t, int) or t < 0 or t >= 2**32 for t in tokens):
+                raise InvalidRequest("token ids must be integers in [0, 2**32)")
+        now_ms = int(time.time() * 1000)
+        try:
+            return SubmitRequest(
+                request_id=request_id or uuid.uuid4().hex,
+                model=model,
+                tenant=tenant or self.tenant,
+                band=band or self.band,
+                prompt_tokens=tokens,
+                prompt_text=text,
+                max_tokens=max_tokens,
+                submitted_unix_ms=now_ms,
+                deadline_unix_ms=None if deadline_s is None else now_ms + int(deadline_s * 1000),
+            )
+        except ValidationError as exc:
+            raise InvalidRequest(str(exc)) from exc
+
+    async def _publish(self, r: SubmitRequest) -> None:
+        subject = names.request_subject(r.band, r.model, r.tenant)
+        try:
+            await self.nc.jetstream().publish(
+                subject,
+                encode(r),
+                headers={"Nats-Msg-Id": r.request_id},
+                timeout=self.publish_timeout_s,
+            )
+        except APIError as exc:
+            if exc.err_code == _MAX_MSGS_EXCEEDED:
+                raise QueueFull(
+                    r.band, r.model, self.queue_full_retry_after_s, exc.description or ""
+                ) from exc
+            raise ServiceUnavailable(f"submit to {subject} failed: {exc}") from exc
+        except NoStreamResponseError as exc:
+            raise ServiceUnavailable(
+                f"no stream accepts {subject}: band {r.band!r} is unknown or no dispatcher "
+                "has started"
+            ) from exc
+        except nats.errors.TimeoutError as exc:
+            raise ServiceUnavailable(
+                f"submit of {r.request_id} not confirmed within {self.publish_timeout_s}s; "
+                "submitting again with the same request_id is safe"
+            ) from exc
+
+    async def fetch_result(self, request_id: str, *, tenant: str | None = None) -> Result | None:
+        """The stored result of an earlier request, or None if there is none (yet)."""
+        return await self._lookup_result(tenant or self.tenant, request_id)
+
+    async def _lookup_result(self, tenant: str, request_id: str) -> Result | None:
+        try:
+            raw = await self.nc.jetstream().get_last_msg(
+                names.RESULT_STREAM, names.result_subject(tenant, request_id), direct=True
+            )
+        except (NotFoundError, NoStreamResponseError, nats.errors.NoRespondersError):
+            return None
+        except APIError:
+            return None
+        if raw.data is None:
+            return None
+        try:
+            return decode(raw.data, Result)
+        except DecodeError:
+            return None
+
+    async def stats(self, timeout_s: float = 2.0) -> DispatcherStats:
+        """Queue depths and in-flight counts from a dispatcher."""
+        try:
+            msg = await self.nc.request(names.STATS_SUBJECT, b"", timeout=timeout_s)
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as exc:
+            raise ServiceUnavailable("no dispatcher answered the stats query") from exc
+        try:
+            return decode(msg.data, DispatcherStats)
+        except DecodeError as exc:
+            raise ServiceUnavailable(f"bad stats reply: {exc}") from exc

@@ -1,0 +1,59 @@
+"""Every error the client library raises. All derive from :class:`SluiceError`."""
+
+from __future__ import annotations
+
+from sluice.schemas.models import Rejection, RejectReason
+
+
+class SluiceError(Exception):
+    """Base class of the client's errors."""
+
+
+class InvalidRequest(SluiceError, ValueError):
+    """The request was refused before it was sent (bad arguments)."""
+
+
+class QueueFull(SluiceError):
+    """The band's queue is at its bound: the publish was refused at once. Retry after
+    ``retry_after_s`` seconds, or submit to another band."""
+
+    def __init__(self, band: str, model: str, retry_after_s: float, detail: str = "") -> None:
+        self.band = band
+        self.model = model
+        self.retry_after_s = retry_after_s
+        super().__init__(
+            f"queue of band {band!r} is full (model {model!r}); retry after {retry_after_s:.1f}s"
+            + (f": {detail}" if detail else "")
+        )
+
+
+class ServiceUnavailable(SluiceError):
+    """No Sluice dispatcher has set up this band (wrong band name, or none is running), or
+    NATS cannot be reached."""
+
+
+class Rejected(SluiceError):
+    """The request was not run; ``reason`` says why (see :class:`RejectReason`)."""
+
+    def __init__(self, request_id: str, rejection: Rejection) -> None:
+        self.request_id = request_id
+        self.rejection = rejection
+        self.reason: RejectReason = rejection.reason
+        self.retry_after_s = rejection.retry_after_s
+        super().__init__(f"request {request_id} rejected ({rejection.reason}): {rejection.message}")
+
+
+class DeadlineExceeded(Rejected):
+    """The request's deadline passed while it was queued; it was not run."""
+
+
+class ResultTimeout(SluiceError, TimeoutError):
+    """No result arrived within the time the caller was willing to wait. The request may
+    still complete: fetch it later with ``Client.fetch_result``."""
+
+
+def rejection_error(request_id: str, rejection: Rejection) -> Rejected:
+    """The most specific error for a rejection."""
+    if rejection.reason is RejectReason.DEADLINE_EXCEEDED:
+        return DeadlineExceeded(request_id, rejection)
+    return Rejected(request_id, rejection)

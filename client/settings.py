@@ -1,0 +1,32 @@
+"""The client's settings (``SLUICE_CLIENT_…``, ``SLUICE_NATS_URL``): used by ``sluice submit``
+and by ``Client.from_settings``."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from pydantic import AliasChoices, Field
+from pydantic_settings import SettingsConfigDict
+
+from sluice.config import SluiceSettings
+
+
+class ClientSettings(SluiceSettings):
+    """Settings of a producer."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="SLUICE_CLIENT_", extra="forbid", populate_by_name=True
+    )
+    toml_section: ClassVar[str] = "client"
+
+    nats_url: str = Field(
+        default="nats://127.0.0.1:4222",
+        validation_alias=AliasChoices("nats_url", "SLUICE_NATS_URL"),
+        description="The NATS server to connect to.",
+    )
+    tenant: str = Field(default="default", min_length=1, description="Tenant of submissions.")
+    band: str = Field(default="standard", min_length=1, description="Default priority band.")
+    publish_timeout_s: float = Field(default=5.0, gt=0, description="Submit publish timeout.")
+    queue_full_retry_after_s: float = Field(
+        default=1.0, ge=0, description="Retry-after hint when a queue is full and none is known."
+    )

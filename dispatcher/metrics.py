@@ -1,0 +1,37 @@
+"""The dispatcher's Prometheus metrics, declared once."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+QUEUED = Gauge("sluice_dispatcher_queued", "Requests waiting in the dispatcher", ["band"])
+RUNNING = Gauge("sluice_dispatcher_running", "Requests booked on workers", ["band"])
+ADMITTED = Counter("sluice_dispatcher_admitted_total", "Requests handed to a worker", ["band"])
+COMPLETED = Counter("sluice_dispatcher_completed_total", "Requests completed", ["band"])
+REJECTED = Counter(
+    "sluice_dispatcher_rejected_total", "Requests answered with a rejection", ["reason"]
+)
+DUPLICATES = Counter("sluice_dispatcher_duplicates_total", "Duplicate submissions dropped")
+REQUEUED = Counter("sluice_dispatcher_requeued_total", "Requests re-run after a worker was lost")
+HANDOFF_REFUSED = Counter(
+    "sluice_dispatcher_handoff_refused_total", "Assignments a worker refused or did not confirm"
+)
+WORKERS = Gauge("sluice_dispatcher_workers", "Workers with a live lease")
+LEASES_EXPIRED = Counter("sluice_dispatcher_leases_expired_total", "Workers lost to lease expiry")
+DRIFT = Gauge(
+    "sluice_dispatcher_book_drift", "Booked requests a worker's heartbeat does not list", ["worker"]
+)
+QUEUE_WAIT = Histogram(
+    "sluice_dispatcher_queue_wait_seconds",
+    "Time from arrival to hand-off",
+    ["band"],
+    buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
+)
+HANDOFF = Histogram(
+    "sluice_dispatcher_handoff_seconds",
+    "Assignment request/reply round trip",
+    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 2),
+)
+BAD_INPUT = Counter(
+    "sluice_dispatcher_bad_messages_total", "Undecodable heartbeats or completions", ["kind"]
+)

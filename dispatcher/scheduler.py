@@ -1,0 +1,457 @@
+"""The scheduler core (pure): queues, limits, worker books, plan → book.
+
+``plan(now)`` is side-effect free: it walks the queued requests in priority order (see
+:mod:`sluice.dispatcher.admission`) and proposes ``Dispatch`` decisions that respect every limit
+and every worker's free capacity, counting the decisions it has already proposed. The runtime
+offers each one to its worker, and only a worker's acceptance ``book``s it: quota is taken once,
+after the worker said yes. A refusal leaves the request queued and the worker out of plans until
+its next heartbeat.
+
+The live dispatcher and the simulator drive this same class; nothing here reads a clock,
+touches NATS or asyncio.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from sluice.dispatcher.admission import AdmissionConfig, priority_key
+from sluice.dispatcher.routing import Candidate, RouteRequest, RoutingPolicy
+from sluice.schemas.models import RejectReason, Rejection
+
+
+@dataclass(frozen=True)
+class Request:
+    """A request as the scheduler holds it. ``arrived_s`` and ``deadline_s`` are on the
+    caller's clock (the same clock as every ``now_s``)."""
+
+    request_id: str
+    band: str
+    model: str
+    tenant: str
+    prompt_tokens: int
+    max_tokens: int
+    arrived_s: float
+    deadline_s: float | None = None
+    block_hashes: tuple[int, ...] = ()
+    attempt: int = 1
+    """The attempt this request will run as when next dispatched."""
+
+    @property
+    def work_tokens(self) -> int:
+        """The work the request brings to a worker, in tokens."""
+        return self.prompt_tokens + self.max_tokens
+
+    def route_view(self) -> RouteRequest:
+        return RouteRequest(
+            self.request_id, self.model, self.prompt_tokens, self.max_tokens, self.block_hashes
+        )
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """A live worker as its last heartbeat described it."""
+
+    worker_id: str
+    models: frozenset[str]
+    capacity: int
+    draining: bool = False
+    reported_pending_tokens: int = 0
+    reported_in_flight: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """Decision: offer ``request`` to ``worker_id``."""
+
+    request: Request
+    worker_id: str
+
+
+@dataclass(frozen=True)
+class Booking:
+    """A request running on a worker, as this dispatcher booked it."""
+
+    request: Request
+    worker_id: str
+    booked_s: float
+
+
+@dataclass(frozen=True)
+class Ended:
+    """A request that leaves the scheduler without running (a typed rejection)."""
+
+    request: Request
+    rejection: Rejection
+
+
+@dataclass(frozen=True)
+class EnqueueOutcome:
+    status: Literal["queued", "duplicate", "rejected"]
+    rejection: Rejection | None = None
+
+
+@dataclass(frozen=True)
+class BandSnapshot:
+    band: str
+    queued: int
+    running: int
+    limit: int
+    oldest_wait_s: float
+
+
+@dataclass
+class _Entry:
+    key: float
+    seq: int
+    request: Request = field(compare=False)
+
+
+class Scheduler:
+    """Global admission and worker selection over plain data; time is always passed in.
+
+    ``models``: the models this dispatcher serves. Empty means *discover*: a model is known once
+    a worker announced it, and a request for a model nobody announced is held for
+    ``model_grace_s`` after ``started_s`` (workers may still be starting) before it is rejected
+    as ``unknown_model``.
+    """
+
+    def __init__(
+        self,
+        config: AdmissionConfig,
+        policy: RoutingPolicy,
+        *,
+        models: Iterable[str] = (),
+        model_grace_s: float = 5.0,
+        started_s: float = 0.0,
+    ) -> None:
+        self.config = config
+        self.policy = policy
+        self._configured_models = frozenset(models)
+        self._seen_models: set[str] = set()
+        self._model_grace_until_s = started_s + model_grace_s
+        self._seq = 0
+        # (band, model) -> entries sorted by (key, seq)
+        self._queues: dict[tuple[str, str], list[tuple[float, int, str]]] = {}
+        self._queued: dict[str, _Entry] = {}
+        self._running: dict[str, Booking] = {}
+        self._running_by_band: Counter[str] = Counter()
+        self._workers: dict[str, WorkerInfo] = {}
+        self._worker_booked: dict[str, set[str]] = {}
+        self._worker_tokens: Counter[str] = Counter()
+        self._refused: set[str] = set()
+
+    # ----------------------------------------------------------------------------- queries
+
+    @property
+    def running(self) -> int:
+        """Requests booked on workers now."""
+        return len(self._running)
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for admission or a worker."""
+        return len(self._queued)
+
+    def is_queued(self, request_id: str) -> bool:
+        return request_id in self._queued
+
+    def booking(self, request_id: str) -> Booking | None:
+        return self._running.get(request_id)
+
+    def queued_request(self, request_id: str) -> Request | None:
+        entry = self._queued.get(request_id)
+        return entry.request if entry else None
+
+    def workers(self) -> dict[str, WorkerInfo]:
+        return dict(self._workers)
+
+    def booked_on(self, worker_id: str) -> frozenset[str]:
+        return frozenset(self._worker_booked.get(worker_id, ()))
+
+    def known_model(self, model: str) -> bool:
+        if self._configured_models:
+            return model in self._configured_models
+        return model in self._seen_models
+
+    def band_snapshots(self, now_s: float) -> list[BandSnapshot]:
+        oldest: dict[str, float] = {}
+        queued: Counter[str] = Counter()
+        for entry in self._queued.values():
+            r = entry.request
+            queued[r.band] += 1
+            oldest[r.band] = max(oldest.get(r.band, 0.0), now_s - r.arrived_s)
+        return [
+            BandSnapshot(
+                band=b,
+                queued=queued[b],
+                running=self._running_by_band[b],
+                limit=self.config.band_limit(b),
+                oldest_wait_s=max(0.0, oldest.get(b, 0.0)),
+            )
+            for b in self.config.bands
+        ]
+
+    # ----------------------------------------------------------------------------- input
+
+    def enqueue(self, request: Request, now_s: float) -> EnqueueOutcome:
+        """Queue a new request, or say why not. A request id already queued or running is a
+        duplicate (the first copy wins)."""
+        rid = request.request_id
+        if rid in self._queued or rid in self._running:
+            return EnqueueOutcome("duplicate")
+        rejection = self._validate(request, now_s)
+        if rejection is not None:
+            return EnqueueOutcome("rejected", rejection)
+        self._insert(request)
+        return EnqueueOutcome("queued")
+
+    def _validate(self, request: Request, now_s: float) -> Rejection | None:
+        if request.band not in self.config.bands:
+            return Rejection(
+                reason=RejectReason.UNKNOWN_BAND,
+                message=f"unknown band {request.band!r}; bands are {list(self.config.bands)}",
+            )
+        if request.prompt_tokens > self.config.max_prompt_tokens:
+            return Rejection(
+                reason=RejectReason.PROMPT_TOO_LONG,
+                message=(
+                    f"prompt of {request.prompt_tokens} tokens exceeds the limit of "
+                    f"{self.config.max_prompt_tokens}"
+                ),
+            )
+        if request.deadline_s is not None and request.deadline_s <= now_s:
+            return _deadline_rejection()
+        if not self.known_model(request.model) and now_s >= self._model_grace_until_s:
+            return self._unknown_model(request.model)
+        return None
+
+    def _unknown_model(self, model: str) -> Rejection:
+        known = sorted(self._configured_models or self._seen_models)
+        return Rejection(
+            reason=RejectReason.UNKNOWN_MODEL,
+            message=f"no worker serves model {model!r}; known models: {known}",
+        )
+
+    def _insert(self, request: Request) -> None:
+        self._seq += 1
+        key = priority_key(request.arrived_s, self.config.delay_s(request.band))
+        entry = _Entry(key, self._seq, request)
+        self._queued[request.request_id] = entry
+        q = self._queues.setdefault((request.band, request.model), [])
+        bisect.insort(q, (key, self._seq, request.request_id))
+
+    def _unqueue(self, request_id: str) -> Request:
+        entry = self._queued.pop(request_id)
+        r = entry.request
+        q = self._queues[(r.band, r.model)]
+        i = bisect.bisect_left(q, (entry.key, entry.seq, request_id))
+        del q[i]
+        if not q:
+            del self._queues[(r.band, r.model)]
+        return r
+
+    def update_worker(self, info: WorkerInfo) -> None:
+        """Record a worker's heartbeat (its lease is the runtime's ``LeaseTable``)."""
+        self._workers[info.worker_id] = info
+        self._worker_booked.setdefault(info.worker_id, set())
+        self._seen_models.update(info.models)
+        self._refused.discard(info.worker_id)
+
+    def remove_worker(self, worker_id: str) -> tuple[list[Request], list[Ended]]:
+        """A worker left or lost its lease: its bookings are released and its requests queued
+        again as their next attempt (keeping their place), or ended once out of attempts."""
+        self._workers.pop(worker_id, None)
+        self._refused.discard(worker_id)
+        requeued: list[Request] = []
+        ended: list[Ended] = []
+        for rid in sorted(self._worker_booked.pop(worker_id, set())):
+            booking = self._release(rid)
+            retry = self._retry(booking.request)
+            if isinstance(retry, Ended):
+                ended.append(retry)
+            else:
+                requeued.append(retry)
+        self._worker_tokens.pop(worker_id, None)
+        return requeued, ended
+
+    def _retry(self, request: Request) -> Request | Ended:
+        if request.attempt >= self.config.max_attempts:
+            return Ended(
+                request,
+                Rejection(
+                    reason=RejectReason.MAX_ATTEMPTS,
+                    message=f"failed on {request.attempt} workers; giving up",
+                ),
+            )
+        again = replace(request, attempt=request.attempt + 1)
+        self._insert(again)
+        return again
+
+    # ----------------------------------------------------------------------------- decide
+
+    def plan(self, now_s: float) -> list[Dispatch]:
+        """Propose dispatches for now, in priority order, within every limit. Pure."""
+        global_room = self.config.global_limit - len(self._running)
+        if global_room <= 0 or not self._queues:
+            return []
+        band_room = {
+            b: self.config.band_limit(b) - self._running_by_band[b] for b in self.config.bands
+        }
+        free: dict[str, int] = {}
+        tokens: dict[str, int] = {}
+        by_model: dict[str, list[str]] = {}
+        for wid, info in self._workers.items():
+            if info.draining or wid in self._refused:
+                continue
+            room = info.capacity - len(self._worker_booked.get(wid, ()))
+            if room <= 0:
+                continue
+            free[wid] = room
+            tokens[wid] = self._worker_tokens[wid]
+            for m in info.models:
+                by_model.setdefault(m, []).append(wid)
+
+        heads: list[tuple[float, int, str, str, int]] = []
+        for (band, model), q in self._queues.items():
+            if band_room.get(band, 0) > 0 and model in by_model:
+                key, seq, _ = q[0]
+                heads.append((key, seq, band, model, 0))
+        heapq.heapify(heads)
+
+        decisions: list[Dispatch] = []
+        while heads and global_room > 0:
+            _, _, band, model, idx = heapq.heappop(heads)
+            if band_room[band] <= 0:
+                continue
+            candidates = [
+                Candidate(
+                    worker_id=w,
+                    capacity=self._workers[w].capacity,
+                    booked=self._workers[w].capacity - free[w],
+                    booked_tokens=tokens[w],
+                    reported_pending_tokens=self._workers[w].reported_pending_tokens,
+                )
+                for w in by_model[model]
+                if free[w] > 0
+            ]
+            if not candidates:
+                continue  # every worker of this model is full: drop its queues from this plan
+            q = self._queues[(band, model)]
+            request = self._queued[q[idx][2]].request
+            if request.deadline_s is not None and request.deadline_s <= now_s:
+                chosen = None  # the sweep ends it; never run an expired request
+            else:
+                chosen = self.policy.choose(request.route_view(), candidates, now_s)
+                decisions.append(Dispatch(request, chosen))
+                free[chosen] -= 1
+                tokens[chosen] += request.work_tokens
+                global_room -= 1
+                band_room[band] -= 1
+            if idx + 1 < len(q):
+                key, seq, _ = q[idx + 1]
+                heapq.heappush(heads, (key, seq, band, model, idx + 1))
+        return decisions
+
+    # ----------------------------------------------------------------------------- outcomes
+
+    def book(self, dispatch: Dispatch, now_s: float) -> bool:
+        """The worker accepted: take the quota and record the booking. Returns False if the
+        decision went stale meanwhile (request no longer queued as that attempt)."""
+        r = dispatch.request
+        entry = self._queued.get(r.request_id)
+        if entry is None or entry.request.attempt != r.attempt:
+            return False
+        if dispatch.worker_id not in self._workers:
+            return False  # the worker was lost meanwhile: the request stays queued
+        self._unqueue(r.request_id)
+        self._running[r.request_id] = Booking(r, dispatch.worker_id, now_s)
+        self._running_by_band[r.band] += 1
+        self._worker_booked.setdefault(dispatch.worker_id, set()).add(r.request_id)
+        self._worker_tokens[dispatch.worker_id] += r.work_tokens
+        return True
+
+    def refused(self, dispatch: Dispatch) -> None:
+        """The worker refused or did not answer: keep it out of plans until it heartbeats."""
+        self._refused.add(dispatch.worker_id)
+
+    def complete(self, request_id: str) -> Request | None:
+        """A worker finished a request successfully: its result is published, so the request
+        is done wherever this dispatcher thinks it is (running, or still queued because an
+        acceptance or a completion of an earlier attempt got lost). Returns the request, or
+        None if it is not known here (already ended)."""
+        if request_id in self._running:
+            return self._release(request_id).request
+        if request_id in self._queued:
+            return self._unqueue(request_id)
+        return None
+
+    def adopt(self, request_id: str, worker_id: str, now_s: float) -> bool:
+        """A worker reports running a request this dispatcher has queued (it was dispatched
+        before a failover, or its acceptance is still in flight): book it there."""
+        entry = self._queued.get(request_id)
+        if entry is None or worker_id not in self._workers:
+            return False
+        return self.book(Dispatch(entry.request, worker_id), now_s)
+
+    def fail(self, request_id: str, worker_id: str, attempt: int) -> Request | Ended | None:
+        """A worker reports it could not finish a request: release and retry it elsewhere."""
+        booking = self._running.get(request_id)
+        if booking is None or booking.worker_id != worker_id or booking.request.attempt != attempt:
+            return None
+        self._release(request_id)
+        return self._retry(booking.request)
+
+    def cancel(self, request_id: str) -> Request | None:
+        """Remove a queued request (e.g. its result already exists)."""
+        if request_id in self._queued:
+            return self._unqueue(request_id)
+        return None
+
+    def _release(self, request_id: str) -> Booking:
+        booking = self._running.pop(request_id)
+        self._running_by_band[booking.request.band] -= 1
+        booked = self._worker_booked.get(booking.worker_id)
+        if booked is not None:
+            booked.discard(request_id)
+        self._worker_tokens[booking.worker_id] -= booking.request.work_tokens
+        return booking
+
+    def sweep(self, now_s: float) -> list[Ended]:
+        """End queued requests that must not run: deadline passed, or model still unknown
+        after the discovery grace. Returns them with their typed rejections."""
+        ended: list[Ended] = []
+        check_models = now_s >= self._model_grace_until_s
+        for rid, entry in list(self._queued.items()):
+            r = entry.request
+            if r.deadline_s is not None and r.deadline_s <= now_s:
+                ended.append(Ended(self._unqueue(rid), _deadline_rejection()))
+            elif check_models and not self.known_model(r.model):
+                ended.append(Ended(self._unqueue(rid), self._unknown_model(r.model)))
+        return ended
+
+    def drift(self, worker_id: str, now_s: float, grace_s: float) -> int:
+        """How far this dispatcher's books disagree with the worker's reported in-flight ids
+        (bookings younger than ``grace_s`` are not counted: the report may predate them)."""
+        info = self._workers.get(worker_id)
+        if info is None:
+            return 0
+        booked = {
+            rid
+            for rid in self._worker_booked.get(worker_id, ())
+            if now_s - self._running[rid].booked_s > grace_s
+        }
+        return len(booked - info.reported_in_flight)
+
+    def order(self) -> Sequence[str]:
+        """Queued request ids in the order ``plan`` considers them (for tests and stats)."""
+        return [rid for _, _, rid in sorted((e.key, e.seq, rid) for rid, e in self._queued.items())]
+
+
+def _deadline_rejection() -> Rejection:
+    return Rejection(reason=RejectReason.DEADLINE_EXCEEDED, message="deadline passed while queued")

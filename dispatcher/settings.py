@@ -1,0 +1,117 @@
+"""The dispatcher's settings: ``SLUICE_DISPATCHER_…`` variables or the ``[dispatcher]`` table
+of the config file (``SLUICE_NATS_URL`` for the broker). Read once per process."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import ClassVar
+
+from pydantic import AliasChoices, Field, model_validator
+from pydantic_settings import SettingsConfigDict
+
+from sluice.config import SluiceSettings
+from sluice.dispatcher.admission import DEFAULT_BAND_DELAY_S, AdmissionConfig
+from sluice.schemas.names import DEFAULT_BANDS
+
+
+class DispatcherSettings(SluiceSettings):
+    """Settings of one dispatcher."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="SLUICE_DISPATCHER_", extra="forbid", populate_by_name=True
+    )
+    toml_section: ClassVar[str] = "dispatcher"
+
+    nats_url: str = Field(
+        default="nats://127.0.0.1:4222",
+        validation_alias=AliasChoices("nats_url", "SLUICE_NATS_URL"),
+        description="The NATS server to connect to.",
+    )
+    dispatcher_id: str = Field(
+        default_factory=lambda: f"dispatcher-{socket.gethostname()}-{os.getpid()}",
+        min_length=1,
+        description="This dispatcher's name (in logs and assignments).",
+    )
+    bands: list[str] = Field(
+        default=list(DEFAULT_BANDS), min_length=1, description="Priority bands, most urgent first."
+    )
+    global_limit: int = Field(default=64, ge=1, description="Requests running at once, fleet-wide.")
+    band_limits: dict[str, int] = Field(
+        default_factory=dict, description="Per-band concurrency caps (default: the global limit)."
+    )
+    band_delay_s: dict[str, float] = Field(
+        default_factory=lambda: dict(DEFAULT_BAND_DELAY_S),
+        description="Aging delay per band: a request's virtual deadline is arrival + delay.",
+    )
+    queue_max_msgs: int = Field(
+        default=10_000,
+        ge=1,
+        description="Queued requests per band before submit fails with QueueFull.",
+    )
+    max_buffered: int = Field(
+        default=2_000, ge=1, description="Requests per band pulled into the dispatcher at most."
+    )
+    models: list[str] = Field(
+        default_factory=list,
+        description="Models served; empty: learn them from the workers' heartbeats.",
+    )
+    model_grace_s: float | None = Field(
+        default=None, ge=0, description="How long unknown models wait (default: one lease)."
+    )
+    max_prompt_tokens: int = Field(default=1_000_000, ge=1, description="Longest prompt accepted.")
+    max_attempts: int = Field(default=3, ge=1, description="Runs of a request before giving up.")
+    lease_s: float = Field(
+        default=4.0, gt=0, description="A worker silent this long is dead (3-5 heartbeats)."
+    )
+    learn_s: float | None = Field(
+        default=None,
+        ge=0,
+        description="After start, only learn from heartbeats this long (default: one lease).",
+    )
+    handoff_timeout_s: float = Field(
+        default=2.0, gt=0, description="How long a worker has to confirm an assignment."
+    )
+    ack_wait_s: float = Field(default=30.0, gt=0, description="JetStream ack wait of requests.")
+    max_deliver: int = Field(
+        default=10, ge=2, description="Deliveries of a request before it goes to dead letters."
+    )
+    result_ttl_s: float = Field(default=3600.0, gt=0, description="How long results are kept.")
+    duplicate_window_s: float = Field(
+        default=120.0, gt=0, description="Request-id deduplication window of the streams."
+    )
+    fetch_timeout_s: float = Field(default=1.0, gt=0, description="Long-poll of each band task.")
+    tick_s: float = Field(default=0.1, gt=0, description="Scheduling loop tick (deadlines).")
+    seed: int = Field(default=0, description="Seed of the routing policy's random tie-breaks.")
+    metrics_port: int = Field(
+        default=0, ge=0, le=65535, description="Serve Prometheus metrics here (0: off)."
+    )
+    metrics_host: str = Field(default="127.0.0.1", description="Bind address for metrics.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> DispatcherSettings:
+        self.admission()  # raises ValueError with the reason
+        return self
+
+    def admission(self) -> AdmissionConfig:
+        """The pure admission configuration these settings describe."""
+        delays = {b: d for b, d in self.band_delay_s.items() if b in self.bands}
+        unknown = set(self.band_delay_s) - set(self.bands)
+        if unknown and self.band_delay_s != DEFAULT_BAND_DELAY_S:
+            raise ValueError(f"band_delay_s names unknown bands: {sorted(unknown)}")
+        return AdmissionConfig(
+            bands=tuple(self.bands),
+            global_limit=self.global_limit,
+            band_limits=dict(self.band_limits),
+            band_delay_s=delays,
+            max_prompt_tokens=self.max_prompt_tokens,
+            max_attempts=self.max_attempts,
+        )
+
+    @property
+    def effective_learn_s(self) -> float:
+        return self.lease_s if self.learn_s is None else self.learn_s
+
+    @property
+    def effective_model_grace_s(self) -> float:
+        return self.lease_s if self.model_grace_s is None else self.model_grace_s

@@ -1,0 +1,83 @@
+"""The JetStream layout: one bounded work-queue stream per band, the result stream, dead
+letters, and the dispatcher's durable pull consumers. Created or updated at start (idempotent).
+"""
+
+from __future__ import annotations
+
+from nats.js import api
+from nats.js.client import JetStreamContext
+from nats.js.errors import BadRequestError
+
+from sluice.dispatcher.errors import StreamSetupError
+from sluice.dispatcher.settings import DispatcherSettings
+from sluice.schemas import names
+
+_STREAM_IN_USE = 10058
+
+
+def band_stream(s: DispatcherSettings, band: str) -> api.StreamConfig:
+    """A band's queue. Held (un-acked) requests still count against ``max_msgs``, so the bound
+    is the queue bound plus what may run at once."""
+    return api.StreamConfig(
+        name=names.request_stream(band),
+        subjects=[names.request_filter(band)],
+        retention=api.RetentionPolicy.WORK_QUEUE,
+        discard=api.DiscardPolicy.NEW,
+        max_msgs=s.queue_max_msgs + s.global_limit,
+        storage=api.StorageType.FILE,
+        duplicate_window=s.duplicate_window_s,
+    )
+
+
+def result_stream(s: DispatcherSettings) -> api.StreamConfig:
+    return api.StreamConfig(
+        name=names.RESULT_STREAM,
+        subjects=[names.RESULT_SUBJECTS],
+        retention=api.RetentionPolicy.LIMITS,
+        max_age=s.result_ttl_s,
+        storage=api.StorageType.FILE,
+        duplicate_window=s.duplicate_window_s,
+        allow_direct=True,
+    )
+
+
+def dead_letter_stream(s: DispatcherSettings) -> api.StreamConfig:
+    return api.StreamConfig(
+        name=names.DEAD_LETTER_STREAM,
+        subjects=[names.DEAD_LETTER_SUBJECTS],
+        retention=api.RetentionPolicy.LIMITS,
+        max_age=7 * 24 * 3600.0,
+        storage=api.StorageType.FILE,
+    )
+
+
+def band_consumer(s: DispatcherSettings, band: str) -> api.ConsumerConfig:
+    return api.ConsumerConfig(
+        durable_name=names.dispatcher_consumer(band),
+        ack_policy=api.AckPolicy.EXPLICIT,
+        ack_wait=s.ack_wait_s,
+        max_deliver=s.max_deliver,
+        max_ack_pending=s.max_buffered + s.global_limit,
+        filter_subject=names.request_filter(band),
+    )
+
+
+async def ensure_streams(js: JetStreamContext, s: DispatcherSettings) -> None:
+    """Create every stream and consumer, or update them to the current settings."""
+    configs = [band_stream(s, b) for b in s.bands] + [result_stream(s), dead_letter_stream(s)]
+    for cfg in configs:
+        try:
+            try:
+                await js.add_stream(cfg)
+            except BadRequestError as exc:
+                if exc.err_code != _STREAM_IN_USE:
+                    raise
+                await js.update_stream(cfg)
+        except Exception as exc:
+            raise StreamSetupError(f"cannot set up stream {cfg.name}: {exc}") from exc
+    for b in s.bands:
+        cfg_c = band_consumer(s, b)
+        try:
+            await js.add_consumer(names.request_stream(b), cfg_c)
+        except Exception as exc:
+            raise StreamSetupError(f"cannot set up consumer {cfg_c.durable_name}: {exc}") from exc

@@ -1,0 +1,80 @@
+"""Prefix block hashing: the one definition that client, dispatcher and agent share.
+
+A prompt is cut into fixed blocks (default 16 tokens, the engines' KV block size). Each full
+block's hash is a 64-bit xxhash of the previous block's hash followed by the block's token ids
+(little-endian uint32), so a hash identifies the whole prefix up to and including its block:
+two prompts share block ``i``'s hash only if they agree on every token up to it. A trailing
+partial block is not hashed (engines do not cache it either).
+
+Tokenizer-free fallback: a text prompt is hashed the same way over its UTF-8 bytes in chunks of
+``block_tokens * TEXT_BYTES_PER_TOKEN`` bytes (64 bytes by default). It assumes ~4 bytes per
+token, which is what :func:`estimate_text_tokens` uses for prompt sizes. Token and text hashes
+use different seeds, so they never collide with each other.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+
+import xxhash
+
+DEFAULT_BLOCK_TOKENS = 16
+TEXT_BYTES_PER_TOKEN = 4
+_TOKEN_SEED = 0x5A1C_E000
+_TEXT_SEED = 0x5A1C_E001
+_PREV = struct.Struct("<Q")
+
+
+def block_hashes(tokens: Sequence[int], block_tokens: int = DEFAULT_BLOCK_TOKENS) -> list[int]:
+    """Chained hashes of the full ``block_tokens``-sized blocks of ``tokens``."""
+    if block_tokens < 1:
+        raise ValueError("block_tokens must be >= 1")
+    n_full = len(tokens) // block_tokens
+    out: list[int] = []
+    prev = 0
+    fmt = struct.Struct(f"<{block_tokens}I")
+    for i in range(n_full):
+        block = tokens[i * block_tokens : (i + 1) * block_tokens]
+        prev = xxhash.xxh64_intdigest(_PREV.pack(prev) + fmt.pack(*block), _TOKEN_SEED)
+        out.append(prev)
+    return out
+
+
+def text_block_hashes(text: str, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> list[int]:
+    """Chained hashes of fixed byte chunks of ``text`` (the tokenizer-free fallback)."""
+    if block_tokens < 1:
+        raise ValueError("block_tokens must be >= 1")
+    data = text.encode("utf-8")
+    size = block_tokens * TEXT_BYTES_PER_TOKEN
+    out: list[int] = []
+    prev = 0
+    for i in range(len(data) // size):
+        prev = xxhash.xxh64_intdigest(_PREV.pack(prev) + data[i * size : (i + 1) * size], _TEXT_SEED)
+        out.append(prev)
+    return out
+
+
+def estimate_text_tokens(text: str) -> int:
+    """Prompt size in tokens for a text prompt, without a tokenizer (at least 1)."""
+    return max(1, -(-len(text.encode("utf-8")) // TEXT_BYTES_PER_TOKEN))
+
+
+def prompt_hashes(
+    tokens: Sequence[int] | None, text: str | None, block_tokens: int = DEFAULT_BLOCK_TOKENS
+) -> list[int]:
+    """Block hashes for a prompt given as token ids or (fallback) as text."""
+    if tokens is not None:
+        return block_hashes(tokens, block_tokens)
+    if text is not None:
+        return text_block_hashes(text, block_tokens)
+    return []
+
+
+def prompt_length(tokens: Sequence[int] | None, text: str | None) -> int:
+    """Prompt size in tokens: exact for token ids, estimated for text."""
+    if tokens is not None:
+        return len(tokens)
+    if text is not None:
+        return estimate_text_tokens(text)
+    return 0

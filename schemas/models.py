@@ -1,0 +1,213 @@
+"""The wire contract: versioned, frozen pydantic models for every message.
+
+Every model carries ``v`` (the schema version). A receiver rejects versions it does not know
+with a typed error instead of guessing. Times on the wire are Unix epoch milliseconds
+(``*_unix_ms``) or durations in seconds (``*_s``).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+SCHEMA_VERSION = 1
+
+Name = Annotated[str, Field(min_length=1, max_length=128)]
+RequestId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")]
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    v: Literal[1] = SCHEMA_VERSION
+
+
+class RejectReason(StrEnum):
+    """Why a request was not run. Every rejection carries exactly one."""
+
+    MALFORMED = "malformed"
+    """The bytes did not decode into a valid request."""
+    UNKNOWN_MODEL = "unknown_model"
+    UNKNOWN_BAND = "unknown_band"
+    PROMPT_TOO_LONG = "prompt_too_long"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    QUEUE_FULL = "queue_full"
+    MAX_ATTEMPTS = "max_attempts"
+    """The request was retried on failing workers until its attempt budget ran out."""
+    INTERNAL = "internal"
+
+
+class SubmitRequest(_Wire):
+    """What a producer publishes on ``sluice.req.<band>.<model>.<tenant>``.
+
+    Exactly one of ``prompt_tokens`` (token ids) and ``prompt_text`` is set.
+    ``request_id`` is the idempotency key (it is also the ``Nats-Msg-Id``).
+    """
+
+    request_id: RequestId
+    model: Name
+    tenant: Name = "default"
+    band: Name = "standard"
+    prompt_tokens: list[int] | None = None
+    prompt_text: str | None = None
+    max_tokens: int = Field(default=256, ge=1, le=1_000_000)
+    submitted_unix_ms: int = Field(ge=0)
+    deadline_unix_ms: int | None = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> SubmitRequest:
+        if (self.prompt_tokens is None) == (self.prompt_text is None):
+            raise ValueError("exactly one of prompt_tokens and prompt_text must be set")
+        return self
+
+
+class Assignment(_Wire):
+    """Dispatcher → agent on ``sluice.work.<worker>``: run this request (attempt N)."""
+
+    request: SubmitRequest
+    attempt: int = Field(ge=1)
+    dispatcher_id: Name
+    queued_s: float = Field(ge=0)
+
+
+class AssignmentReply(_Wire):
+    """Agent → dispatcher: the agent took the assignment, or says why not."""
+
+    request_id: RequestId
+    accepted: bool
+    reason: str = ""
+
+
+class TokenChunk(_Wire):
+    """Agent → client on ``sluice.out.<request_id>``: coalesced tokens, in order.
+
+    ``index`` is the position of the chunk's first token in the output, so a client can drop
+    what it already has when a retried attempt streams the same positions again.
+    """
+
+    request_id: RequestId
+    attempt: int = Field(ge=1)
+    index: int = Field(ge=0)
+    tokens: list[int]
+    text: str
+
+
+class Timings(_Wire):
+    """Where a request's time went, as measured by Sluice."""
+
+    queued_s: float
+    """From submission to hand-off to the worker that ran it."""
+    ttft_s: float
+    """From submission to the first output token."""
+    e2e_s: float
+    """From submission to the last output token."""
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+
+class Rejection(_Wire):
+    """A typed answer for a request that was not (and will not be) run."""
+
+    reason: RejectReason
+    message: str
+    retry_after_s: float | None = None
+
+
+class Result(_Wire):
+    """The final answer for a request on ``sluice.result.<tenant>.<request_id>``.
+
+    Exactly one of ``rejection`` (not run) and the output fields (ran) is meaningful:
+    ``ok`` tells which.
+    """
+
+    request_id: RequestId
+    ok: bool
+    model: str = ""
+    tenant: str = "default"
+    band: str = ""
+    worker_id: str = ""
+    attempt: int = 0
+    output_tokens: list[int] = Field(default_factory=list)
+    text: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    timings: Timings | None = None
+    rejection: Rejection | None = None
+
+
+class Completion(_Wire):
+    """Agent → dispatcher on ``sluice.done.<worker>``: the request is finished, release it."""
+
+    request_id: RequestId
+    worker_id: Name
+    attempt: int = Field(ge=1)
+    ok: bool
+    prompt_tokens: int = Field(ge=0)
+    cached_tokens: int = Field(ge=0)
+    output_tokens: int = Field(ge=0)
+    prefill_s: float = Field(ge=0)
+    decode_s: float = Field(ge=0)
+    error: str = ""
+
+
+class WorkerLoad(_Wire):
+    """A worker's load as its engine sees it."""
+
+    running: int = Field(ge=0)
+    waiting: int = Field(ge=0)
+    pending_prefill_tokens: int = Field(ge=0)
+    active_decode_tokens: int = Field(ge=0)
+    kv_blocks_used: int = Field(ge=0)
+    kv_blocks_total: int = Field(ge=0)
+    busy_s_total: float = Field(ge=0)
+    """Cumulative engine busy time in real seconds since the agent started (utilisation)."""
+
+
+class Heartbeat(_Wire):
+    """Agent → dispatchers on ``sluice.hb.<worker>`` about every second.
+
+    ``capacity`` is how many requests the worker takes at once; ``in_flight`` are the ids it
+    holds now (the dispatcher reconciles its books against them). ``draining`` asks for no new
+    work; ``leaving`` says the worker is gone (a clean shutdown ends its lease at once).
+    """
+
+    worker_id: Name
+    models: list[Name]
+    seq: int = Field(ge=0)
+    sent_unix_ms: int = Field(ge=0)
+    capacity: int = Field(ge=0)
+    in_flight: list[RequestId]
+    load: WorkerLoad
+    draining: bool = False
+    leaving: bool = False
+
+
+class DeadLetter(_Wire):
+    """What the dispatcher keeps for input it cannot answer on a result subject."""
+
+    reason: RejectReason
+    message: str
+    subject: str
+    payload: bytes
+    received_unix_ms: int
+
+
+class BandStats(_Wire):
+    """One band's queue as the dispatcher sees it."""
+
+    band: Name
+    queued: int
+    running: int
+    limit: int
+    oldest_wait_s: float
+
+
+class DispatcherStats(_Wire):
+    """The dispatcher's answer on ``sluice.stats``."""
+
+    dispatcher_id: Name
+    running: int
+    global_limit: int
+    workers: int
+    bands: list[BandStats]

@@ -1,0 +1,133 @@
+"""Every subject, stream, consumer and bucket name Sluice uses, defined once.
+
+Subject tokens may not contain ``.``, ``*``, ``>`` or whitespace, but model names often do
+(``qwen2.5-7b``). :func:`subject_token` encodes any string into a safe, reversible token; the
+message body always carries the real name.
+"""
+
+from __future__ import annotations
+
+import re
+
+PREFIX = "sluice"
+
+#: The default priority bands, most urgent first.
+DEFAULT_BANDS: tuple[str, ...] = ("interactive", "standard", "batch")
+
+_SAFE = re.compile(r"[A-Za-z0-9_-]")
+_TOKEN = re.compile(r"^[A-Za-z0-9_~-]+$")
+
+
+def subject_token(value: str) -> str:
+    """Encode ``value`` as one NATS subject token: ``[A-Za-z0-9_-]`` kept, other bytes ``~XX``."""
+    if not value:
+        raise ValueError("a subject token cannot be empty")
+    out: list[str] = []
+    for ch in value:
+        if _SAFE.match(ch):
+            out.append(ch)
+        else:
+            out.extend(f"~{b:02X}" for b in ch.encode("utf-8"))
+    return "".join(out)
+
+
+def token_value(token: str) -> str:
+    """Decode a token made by :func:`subject_token`; raises ``ValueError`` on a malformed token."""
+    if not _TOKEN.match(token):
+        raise ValueError(f"not a sluice subject token: {token!r}")
+    raw = bytearray()
+    i = 0
+    while i < len(token):
+        if token[i] == "~":
+            raw.append(int(token[i + 1 : i + 3], 16))
+            i += 3
+        else:
+            raw.extend(token[i].encode())
+            i += 1
+    return raw.decode("utf-8")
+
+
+# --- request queues (JetStream work-queue streams, one per band) -----------------------------
+
+
+def request_subject(band: str, model: str, tenant: str) -> str:
+    """Where a producer publishes a request: ``sluice.req.<band>.<model>.<tenant>``."""
+    return f"{PREFIX}.req.{subject_token(band)}.{subject_token(model)}.{subject_token(tenant)}"
+
+
+def request_filter(band: str) -> str:
+    """The subjects of one band's stream."""
+    return f"{PREFIX}.req.{subject_token(band)}.>"
+
+
+def parse_request_subject(subject: str) -> tuple[str, str, str]:
+    """``(band, model, tenant)`` of a request subject; ``ValueError`` if it is not one."""
+    parts = subject.split(".")
+    if len(parts) != 5 or parts[0] != PREFIX or parts[1] != "req":
+        raise ValueError(f"not a request subject: {subject!r}")
+    return token_value(parts[2]), token_value(parts[3]), token_value(parts[4])
+
+
+def request_stream(band: str) -> str:
+    """The JetStream stream holding one band's queued and running requests."""
+    return f"SLUICE_REQ_{subject_token(band).upper().replace('-', '_').replace('~', '_')}"
+
+
+def dispatcher_consumer(band: str) -> str:
+    """The durable pull consumer the leading dispatcher reads a band with."""
+    return f"sluice-dispatch-{subject_token(band).replace('~', '_')}"
+
+
+# --- results (JetStream, kept for pickup) ----------------------------------------------------
+
+RESULT_STREAM = "SLUICE_RESULTS"
+RESULT_SUBJECTS = f"{PREFIX}.result.>"
+
+
+def result_subject(tenant: str, request_id: str) -> str:
+    """Where the final result (or a typed rejection) of a request is published."""
+    return f"{PREFIX}.result.{subject_token(tenant)}.{subject_token(request_id)}"
+
+
+# --- dead letters (undecodable input without a request id, poisoned requests) ----------------
+
+DEAD_LETTER_STREAM = "SLUICE_DLQ"
+DEAD_LETTER_SUBJECTS = f"{PREFIX}.dlq.>"
+
+
+def dead_letter_subject(reason: str) -> str:
+    """Where input that cannot be answered on a result subject is kept, by reason."""
+    return f"{PREFIX}.dlq.{subject_token(reason)}"
+
+
+# --- live traffic (core NATS) ----------------------------------------------------------------
+
+
+def token_subject(request_id: str) -> str:
+    """Live token chunks of one request (core NATS; the final result is authoritative)."""
+    return f"{PREFIX}.out.{subject_token(request_id)}"
+
+
+def work_subject(worker_id: str) -> str:
+    """Assignments for one worker (request/reply: the agent confirms or refuses)."""
+    return f"{PREFIX}.work.{subject_token(worker_id)}"
+
+
+HEARTBEAT_SUBJECTS = f"{PREFIX}.hb.*"
+
+
+def heartbeat_subject(worker_id: str) -> str:
+    """Heartbeats of one worker: load, capacity, in-flight request ids."""
+    return f"{PREFIX}.hb.{subject_token(worker_id)}"
+
+
+COMPLETION_SUBJECTS = f"{PREFIX}.done.*"
+
+
+def completion_subject(worker_id: str) -> str:
+    """Completions from one worker to the dispatcher (request/reply: the dispatcher confirms)."""
+    return f"{PREFIX}.done.{subject_token(worker_id)}"
+
+
+STATS_SUBJECT = f"{PREFIX}.stats"
+"""Request/reply: the dispatcher answers with its queue depths and in-flight counts."""

@@ -1,0 +1,179 @@
+"""A simulated continuous-batching engine with a real cost model (pure: time passed in).
+
+Each ``step()`` admits waiting sequences (FIFO, while the batch and the KV cache have room),
+spends up to one prefill chunk on the sequences still prefilling (uncached tokens only), and
+advances every decoding sequence by one token. It returns how long that step takes on the
+profile's hardware and what happened by its end. The agent sleeps that long (scaled by its
+speed factor) in real time; a simulator advances a virtual clock by it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from sluice.sim.kvcache import KVCache
+from sluice.sim.profiles import EngineProfile
+
+
+class EngineError(Exception):
+    """A request the engine can never run (e.g. larger than its whole KV cache)."""
+
+
+@dataclass
+class _Seq:
+    request_id: str
+    prompt_tokens: int
+    output_tokens: int
+    hashes: tuple[int, ...]
+    reserve_blocks: int
+    arrived_s: float
+    cached_tokens: int = 0
+    prefill_left: int = 0
+    generated: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class TokensOut:
+    """``count`` new tokens of ``request_id`` at the end of the step (``first`` on the first)."""
+
+    request_id: str
+    count: int
+    first: bool
+
+
+@dataclass(frozen=True)
+class Finished:
+    request_id: str
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    prefill_s: float
+    decode_s: float
+
+
+@dataclass(frozen=True)
+class Step:
+    duration_s: float
+    events: list[TokensOut | Finished] = field(default_factory=list)
+
+
+class SimEngine:
+    """One simulated GPU engine running a single model."""
+
+    def __init__(self, profile: EngineProfile) -> None:
+        self.profile = profile
+        self.cache = KVCache(profile.kv_capacity_blocks)
+        self._waiting: deque[_Seq] = deque()
+        self._running: list[_Seq] = []
+        self.busy_s = 0.0
+        self.prompt_tokens_total = 0
+        self.cached_tokens_total = 0
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def pending_prefill_tokens(self) -> int:
+        return sum(s.prefill_left for s in self._running) + sum(
+            s.prompt_tokens for s in self._waiting
+        )
+
+    def active_decode_tokens(self) -> int:
+        return sum(s.prompt_tokens + s.generated for s in self._running if s.prefill_left == 0)
+
+    # ------------------------------------------------------------------ input
+
+    def add(
+        self, request_id: str, prompt_tokens: int, output_tokens: int, hashes: Sequence[int],
+        now_s: float,
+    ) -> None:
+        """Queue a request. ``hashes`` are its full prompt blocks' chained hashes."""
+        bt = self.profile.block_tokens
+        if prompt_tokens < 1 or output_tokens < 1:
+            raise EngineError("a request needs at least one prompt and one output token")
+        hashes = tuple(hashes[: prompt_tokens // bt])
+        tail = prompt_tokens - len(hashes) * bt
+        reserve = -(-(tail + output_tokens) // bt)
+        if len(hashes) + reserve > self.cache.capacity_blocks:
+            raise EngineError(
+                f"request needs {(len(hashes) + reserve) * bt} KV tokens; the engine holds "
+                f"{self.cache.capacity_blocks * bt}"
+            )
+        self._waiting.append(
+            _Seq(request_id, prompt_tokens, output_tokens, hashes, reserve, now_s)
+        )
+
+    # ------------------------------------------------------------------ time
+
+    def step(self) -> Step:
+        """Run one engine iteration; returns its duration and the events at its end."""
+        self._admit()
+        if not self._running:
+            return Step(0.0)
+        p = self.profile
+        budget = p.prefill_chunk_tokens
+        events: list[TokensOut | Finished] = []
+        prefilling: list[tuple[_Seq, int]] = []
+        decoding = [s for s in self._running if s.prefill_left == 0]
+        for s in self._running:
+            if s.prefill_left > 0 and budget > 0:
+                n = min(s.prefill_left, budget)
+                budget -= n
+                prefilling.append((s, n))
+        prefill_tokens = p.prefill_chunk_tokens - budget
+        prefill_time = prefill_tokens / p.prefill_tokens_per_s
+        decode_time = p.decode_base_s + p.decode_per_seq_s * len(decoding) if decoding else 0.0
+        duration = prefill_time + decode_time
+        for s, n in prefilling:
+            s.prefill_left -= n
+            s.prefill_s += duration
+            if s.prefill_left == 0:
+                s.generated = 1
+                events.append(TokensOut(s.request_id, 1, True))
+        for s in decoding:
+            s.generated += 1
+            s.decode_s += duration
+            events.append(TokensOut(s.request_id, 1, False))
+        done = [s for s in self._running if s.prefill_left == 0 and s.generated >= s.output_tokens]
+        if done:
+            for s in done:
+                self.cache.release(s.hashes, s.reserve_blocks)
+                events.append(
+                    Finished(
+                        s.request_id, s.prompt_tokens, s.cached_tokens, s.generated,
+                        s.prefill_s, s.decode_s,
+                    )
+                )
+            finished = {id(s) for s in done}
+            self._running = [s for s in self._running if id(s) not in finished]
+        self.busy_s += duration
+        return Step(duration, events)
+
+    def _admit(self) -> None:
+        p = self.profile
+        while self._waiting and len(self._running) < p.max_running:
+            s = self._waiting[0]
+            hit = self.cache.match(s.hashes)
+            if not self.cache.admit(s.hashes, s.reserve_blocks):
+                break
+            self._waiting.popleft()
+            # At least one prompt token is always computed, as real engines do.
+            s.cached_tokens = min(hit * p.block_tokens, s.prompt_tokens - 1)
+            s.prefill_left = s.prompt_tokens - s.cached_tokens
+            self.prompt_tokens_total += s.prompt_tokens
+            self.cached_tokens_total += s.cached_tokens
+            self._running.append(s)

@@ -1,0 +1,79 @@
+"""A KV cache of finite capacity in blocks, with prefix reuse and LRU eviction (pure)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+
+class KVCache:
+    """Blocks are identified by chained prefix hashes. A running sequence *pins* its prompt
+    blocks (shared between sequences, counted once) and *reserves* private blocks for its
+    partial last prompt block and its output. Unpinned blocks stay cached for reuse until space
+    is needed, least recently used first."""
+
+    def __init__(self, capacity_blocks: int) -> None:
+        if capacity_blocks < 1:
+            raise ValueError("capacity_blocks must be >= 1")
+        self.capacity_blocks = capacity_blocks
+        self._pinned: dict[int, int] = {}
+        self._idle: OrderedDict[int, None] = OrderedDict()
+        self._reserved = 0
+        self.evicted_blocks = 0
+
+    @property
+    def used_blocks(self) -> int:
+        return len(self._pinned) + len(self._idle) + self._reserved
+
+    def __contains__(self, block_hash: object) -> bool:
+        return block_hash in self._pinned or block_hash in self._idle
+
+    def match(self, hashes: Sequence[int]) -> int:
+        """How many leading blocks of ``hashes`` are cached."""
+        n = 0
+        for h in hashes:
+            if h not in self._pinned and h not in self._idle:
+                break
+            n += 1
+        return n
+
+    def fits(self, hashes: Sequence[int], reserve_blocks: int) -> bool:
+        """Whether pinning ``hashes`` and reserving ``reserve_blocks`` fits, evicting idle
+        blocks that are not among ``hashes``."""
+        new = 0
+        idle_hits = 0
+        for h in hashes:
+            if h in self._idle:
+                idle_hits += 1
+            elif h not in self._pinned:
+                new += 1
+        free = self.capacity_blocks - self.used_blocks
+        return new + reserve_blocks <= free + len(self._idle) - idle_hits
+
+    def admit(self, hashes: Sequence[int], reserve_blocks: int) -> bool:
+        """Pin ``hashes`` and reserve ``reserve_blocks``; False (and no change) if it cannot
+        fit even after evicting every idle block."""
+        if not self.fits(hashes, reserve_blocks):
+            return False
+        for h in hashes:
+            if h in self._idle:
+                del self._idle[h]
+                self._pinned[h] = 1
+            else:
+                self._pinned[h] = self._pinned.get(h, 0) + 1
+        self._reserved += reserve_blocks
+        while self.used_blocks > self.capacity_blocks:
+            self._idle.popitem(last=False)
+            self.evicted_blocks += 1
+        return True
+
+    def release(self, hashes: Sequence[int], reserve_blocks: int) -> None:
+        """Unpin ``hashes`` (they stay cached, most recently used) and free the reservation."""
+        for h in hashes:
+            refs = self._pinned[h] - 1
+            if refs:
+                self._pinned[h] = refs
+            else:
+                del self._pinned[h]
+                self._idle[h] = None
+        self._reserved -= reserve_blocks

@@ -1,0 +1,69 @@
+"""An in-process Sluice cluster: one dispatcher and N simulated agents on one NATS server.
+
+Used by ``sluice demo`` and the tests; production runs each part as its own process
+(``sluice dispatcher``, ``sluice agent``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from sluice.agent.runtime import Agent, Observer
+from sluice.agent.settings import AgentSettings
+from sluice.dispatcher.runtime import Dispatcher
+from sluice.dispatcher.settings import DispatcherSettings
+
+
+class LocalCluster:
+    """``async with LocalCluster(url, workers=4) as cluster:`` runs a dispatcher and agents
+    ``worker-0`` … ``worker-N-1``; every part is stopped when the block exits."""
+
+    def __init__(
+        self,
+        nats_url: str,
+        *,
+        workers: int = 4,
+        dispatcher: dict[str, Any] | None = None,
+        agent: dict[str, Any] | None = None,
+        observer: Observer | None = None,
+    ) -> None:
+        self.nats_url = nats_url
+        self.dispatcher_settings = DispatcherSettings(nats_url=nats_url, **(dispatcher or {}))
+        self._agent_overrides = dict(agent or {})
+        self._observer = observer
+        self.dispatcher = Dispatcher(self.dispatcher_settings)
+        self.agents: list[Agent] = [self._new_agent(f"worker-{i}") for i in range(workers)]
+
+    def _new_agent(self, worker_id: str) -> Agent:
+        settings = AgentSettings(nats_url=self.nats_url, worker_id=worker_id, **self._agent_overrides)
+        return Agent(settings, observer=self._observer)
+
+    async def add_agent(self, worker_id: str) -> Agent:
+        agent = self._new_agent(worker_id)
+        self.agents.append(agent)
+        await agent.start()
+        return agent
+
+    async def start(self) -> LocalCluster:
+        await self.dispatcher.start()
+        for a in self.agents:
+            await a.start()
+        return self
+
+    async def stop(self) -> None:
+        for a in self.agents:
+            with contextlib.suppress(Exception):
+                await a.stop()
+        with contextlib.suppress(Exception):
+            await self.dispatcher.stop()
+
+    async def __aenter__(self) -> LocalCluster:
+        try:
+            return await self.start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()

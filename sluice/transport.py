@@ -1,0 +1,34 @@
+"""Connecting to NATS: one place for connection options shared by every process."""
+
+from __future__ import annotations
+
+import nats
+from nats.aio.client import Client as NATS
+
+
+class TransportError(Exception):
+    """NATS could not be reached."""
+
+
+async def connect(url: str, name: str, *, connect_timeout_s: float = 5.0) -> NATS:
+    """Connect with reconnects enabled; raises :class:`TransportError` if the first connect
+    fails (no endless retry loop on a wrong URL)."""
+    try:
+        nc: NATS = await nats.connect(
+            servers=[url],
+            name=name,
+            connect_timeout=connect_timeout_s,
+            allow_reconnect=True,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            # nats-py retries the first connect only when asked; a wrong URL should fail fast.
+            error_cb=_ignore_error,
+        )
+    except Exception as exc:  # nats-py raises several types (OSError, NoServersError, ...)
+        raise TransportError(f"cannot connect to NATS at {url}: {exc}") from exc
+    return nc
+
+
+async def _ignore_error(exc: Exception) -> None:
+    # Disconnects are expected during failover; nats-py reconnects on its own.
+    return None

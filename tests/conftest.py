@@ -1,0 +1,79 @@
+"""Fixtures: a real nats-server per test (embedded by default), and an in-process cluster.
+
+``SLUICE_NATS_URL`` points the tests at an existing server instead (its Sluice streams are
+deleted before each test); ``SLUICE_TEST_NATS=testcontainers`` starts NATS in Docker.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import nats
+import pytest
+
+from sluice.client import Client
+from sluice.cluster import LocalCluster
+from sluice.natsserver import EmbeddedNats
+
+# Fast settings for tests: short heartbeats and leases, a fast simulated clock.
+FAST_DISPATCHER: dict[str, Any] = {
+    "lease_s": 1.0,
+    "learn_s": 0.3,
+    "model_grace_s": 0.5,
+    "handoff_timeout_s": 1.0,
+    "fetch_timeout_s": 0.5,
+    "tick_s": 0.02,
+    "models": ["sim"],
+}
+FAST_AGENT: dict[str, Any] = {"speed": 20.0, "heartbeat_s": 0.2, "drain_timeout_s": 5.0}
+
+
+@pytest.fixture
+def nats_url() -> Iterator[str]:
+    external = os.environ.get("SLUICE_NATS_URL")
+    if external:
+        yield external
+        return
+    if os.environ.get("SLUICE_TEST_NATS") == "testcontainers":
+        tc = pytest.importorskip("testcontainers.nats")
+        with tc.NatsContainer(command="-js") as container:  # pragma: no cover - needs Docker
+            yield container.nats_uri()
+        return
+    with EmbeddedNats() as server:
+        yield server.url
+
+
+@pytest.fixture(autouse=True)
+async def _clean_external_server(request: pytest.FixtureRequest) -> None:
+    if "nats_url" not in request.fixturenames or not os.environ.get("SLUICE_NATS_URL"):
+        return
+    nc = await nats.connect(os.environ["SLUICE_NATS_URL"])
+    js = nc.jetstream()
+    for info in await js.streams_info():
+        if info.config.name and info.config.name.startswith("SLUICE_"):
+            await js.delete_stream(info.config.name)
+    await nc.close()
+
+
+def cluster_kwargs(
+    workers: int = 2, dispatcher: dict[str, Any] | None = None, agent: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    return {
+        "workers": workers,
+        "dispatcher": {**FAST_DISPATCHER, **(dispatcher or {})},
+        "agent": {**FAST_AGENT, **(agent or {})},
+    }
+
+
+@pytest.fixture
+async def cluster(nats_url: str) -> AsyncIterator[LocalCluster]:
+    async with LocalCluster(nats_url, **cluster_kwargs()) as c:
+        yield c
+
+
+@pytest.fixture
+async def client(nats_url: str) -> AsyncIterator[Client]:
+    async with Client(nats_url) as c:
+        yield c
