@@ -1,0 +1,341 @@
+"""The ``sluice`` command line."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import sys
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+
+from sluice.config import ConfigError
+
+T = TypeVar("T")
+
+app = typer.Typer(
+    name="sluice",
+    help="Global admission control and cache-aware routing for LLM inference fleets.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+# Piped output (CI logs) gets wide tables instead of 80 columns of wrapped cells.
+console = Console(width=None if sys.stdout.isatty() else 150)
+err = Console(stderr=True)
+
+ConfigOpt = Annotated[
+    Path | None,
+    typer.Option("--config", "-c", help="TOML config file (else $SLUICE_CONFIG_FILE)."),
+]
+
+
+def _run(coro: Coroutine[Any, Any, T]) -> T:
+    try:
+        import uvloop
+
+        return uvloop.run(coro)
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux and macOS
+        return asyncio.run(coro)
+
+
+def _fail(message: str, code: int = 2) -> typer.Exit:
+    err.print(f"[red]error:[/red] {message}")
+    return typer.Exit(code)
+
+
+@app.callback()
+def main(
+    log_level: Annotated[str, typer.Option(help="Logging level.")] = "WARNING",
+) -> None:
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+
+@app.command()
+def demo(
+    duration: Annotated[float, typer.Option(help="Seconds of load.", min=1)] = 30.0,
+    workers: Annotated[int, typer.Option(help="Simulated workers.", min=1, max=64)] = 4,
+    sessions: Annotated[int, typer.Option(help="Concurrent chat sessions.", min=0)] = 40,
+    rag_rate: Annotated[float, typer.Option(help="RAG requests/s (standard band).", min=0)] = 3.0,
+    batch_rate: Annotated[float, typer.Option(help="Batch requests/s.", min=0)] = 5.0,
+    speed: Annotated[float, typer.Option(help="Simulated clock speed-up.", min=0.1)] = 1.0,
+    seed: Annotated[int, typer.Option(help="Workload seed.")] = 7,
+) -> None:
+    """Run NATS, a dispatcher and simulated workers in-process under a mixed workload."""
+    from sluice.demo import DemoConfig, run_demo, summary_tables
+    from sluice.natsserver import NatsServerError
+
+    cfg = DemoConfig(
+        duration_s=duration,
+        workers=workers,
+        sessions=sessions,
+        rag_rate=rag_rate,
+        batch_rate=batch_rate,
+        speed=speed,
+        seed=seed,
+    )
+    try:
+        report = _run(run_demo(cfg, console))
+    except NatsServerError as exc:
+        raise _fail(str(exc)) from exc
+    if report.interrupted:
+        console.print("[yellow]interrupted: summary of what ran so far[/yellow]")
+    for table in summary_tables(report, [f"worker-{i}" for i in range(workers)]):
+        console.print(table)
+    if not report.done:
+        raise _fail("no request completed")
+
+
+@app.command()
+def nats(
+    port: Annotated[int, typer.Option(help="Client port (-1: any free port).")] = 4222,
+    store_dir: Annotated[
+        Path | None, typer.Option(help="JetStream store (default: a temporary dir).")
+    ] = None,
+) -> None:
+    """Run a JetStream-enabled nats-server on 127.0.0.1 in the foreground."""
+    from sluice.natsserver import EmbeddedNats, NatsServerError
+
+    try:
+        server = EmbeddedNats(store_dir=str(store_dir) if store_dir else None, port=port).start()
+    except NatsServerError as exc:
+        raise _fail(str(exc)) from exc
+    console.print(f"nats-server (pid {server.pid}) listening on {server.url}; Ctrl-C stops it")
+    try:
+        signal.sigwait({signal.SIGINT, signal.SIGTERM}) if _block_signals() else None
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+        console.print("nats-server stopped")
+
+
+def _block_signals() -> bool:
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    return True
+
+
+async def _serve_until_signal(start: Any, stop: Any) -> None:
+    loop = asyncio.get_running_loop()
+    done = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, done.set)
+    await start()
+    try:
+        await done.wait()
+    finally:
+        await stop()
+
+
+@app.command()
+def dispatcher(config: ConfigOpt = None) -> None:
+    """Run a dispatcher (settings: SLUICE_DISPATCHER_*, SLUICE_NATS_URL, [dispatcher])."""
+    from prometheus_client import start_http_server
+
+    from sluice.dispatcher import Dispatcher, DispatcherSettings
+    from sluice.dispatcher.errors import DispatcherError
+    from sluice.transport import TransportError
+
+    try:
+        settings = DispatcherSettings.load(config)
+    except ConfigError as exc:
+        raise _fail(str(exc)) from exc
+    if settings.metrics_port:
+        start_http_server(settings.metrics_port, addr=settings.metrics_host)
+    d = Dispatcher(settings)
+    err.print(f"dispatcher {settings.dispatcher_id} on {settings.nats_url}; Ctrl-C stops it")
+    try:
+        _run(_serve_until_signal(d.start, d.stop))
+    except (TransportError, DispatcherError) as exc:
+        raise _fail(str(exc)) from exc
+
+
+@app.command()
+def agent(
+    config: ConfigOpt = None,
+    worker_id: Annotated[str | None, typer.Option(help="Unique worker name.")] = None,
+    model: Annotated[
+        list[str] | None, typer.Option("--model", "-m", help="Model served (repeatable).")
+    ] = None,
+    capacity: Annotated[int | None, typer.Option(help="Requests at once.")] = None,
+    speed: Annotated[float | None, typer.Option(help="Simulated clock speed-up.")] = None,
+) -> None:
+    """Run an agent with a simulated engine (settings: SLUICE_AGENT_*, [agent])."""
+    from prometheus_client import start_http_server
+
+    from sluice.agent import Agent, AgentSettings
+    from sluice.transport import TransportError
+
+    overrides: dict[str, Any] = {
+        k: v
+        for k, v in {
+            "worker_id": worker_id,
+            "models": model,
+            "capacity": capacity,
+            "speed": speed,
+        }.items()
+        if v is not None
+    }
+    try:
+        settings = AgentSettings.load(config, **overrides)
+    except ConfigError as exc:
+        raise _fail(str(exc)) from exc
+    if settings.metrics_port:
+        start_http_server(settings.metrics_port, addr=settings.metrics_host)
+    a = Agent(settings)
+    err.print(f"agent {settings.worker_id} serving {settings.models}; Ctrl-C drains and stops")
+    try:
+        _run(_serve_until_signal(a.start, a.stop))
+    except TransportError as exc:
+        raise _fail(str(exc)) from exc
+
+
+@app.command()
+def submit(
+    model: Annotated[str, typer.Option("--model", "-m", help="Model to run.")],
+    prompt: Annotated[str | None, typer.Option(help="Prompt text.")] = None,
+    prompt_file: Annotated[Path | None, typer.Option(help="Read the prompt from a file.")] = None,
+    tokens: Annotated[str | None, typer.Option(help="Prompt as token ids: '1,2,3'.")] = None,
+    max_tokens: Annotated[int, typer.Option(min=1)] = 64,
+    band: Annotated[str | None, typer.Option(help="Priority band.")] = None,
+    tenant: Annotated[str | None, typer.Option(help="Tenant.")] = None,
+    request_id: Annotated[str | None, typer.Option(help="Idempotency key.")] = None,
+    deadline_s: Annotated[float | None, typer.Option(help="Give up if queued this long.")] = None,
+    timeout_s: Annotated[float, typer.Option(help="Wait this long for the result.")] = 300.0,
+    stream: Annotated[bool, typer.Option(help="Print tokens as they arrive.")] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+    config: ConfigOpt = None,
+) -> None:
+    """Submit one request and print its tokens and result."""
+    from sluice.client import ClientSettings
+
+    given = [p for p in (prompt, prompt_file, tokens) if p is not None]
+    if len(given) != 1:
+        raise _fail("give exactly one of --prompt, --prompt-file, --tokens")
+    body: str | list[int]
+    if prompt is not None:
+        body = prompt
+    elif prompt_file is not None:
+        try:
+            body = prompt_file.read_text()
+        except OSError as exc:
+            raise _fail(f"cannot read {prompt_file}: {exc}") from exc
+    else:
+        try:
+            body = [int(t) for t in (tokens or "").split(",") if t.strip()]
+        except ValueError as exc:
+            raise _fail("--tokens takes comma-separated integers") from exc
+    try:
+        settings = ClientSettings.load(config)
+    except ConfigError as exc:
+        raise _fail(str(exc)) from exc
+    code = _run(
+        _submit(
+            settings, model, body, max_tokens, band, tenant, request_id, deadline_s, timeout_s,
+            stream and not as_json, as_json,
+        )
+    )  # fmt: skip
+    if code:
+        raise typer.Exit(code)
+
+
+async def _submit(
+    settings: Any,
+    model: str,
+    body: str | list[int],
+    max_tokens: int,
+    band: str | None,
+    tenant: str | None,
+    request_id: str | None,
+    deadline_s: float | None,
+    timeout_s: float,
+    stream: bool,
+    as_json: bool,
+) -> int:
+    from sluice.client import Client, QueueFull, Rejected, SluiceError
+
+    try:
+        async with Client.from_settings(settings) as client:
+            handle = await client.submit(
+                model,
+                body,
+                max_tokens=max_tokens,
+                band=band,
+                tenant=tenant,
+                request_id=request_id,
+                deadline_s=deadline_s,
+            )
+            if stream:
+                async for chunk in handle:
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+                sys.stdout.write("\n")
+            result = await handle.result(timeout_s=timeout_s)
+    except QueueFull as exc:
+        err.print(f"[red]queue full:[/red] {exc}")
+        return 3
+    except Rejected as exc:
+        err.print(f"[red]rejected ({exc.reason}):[/red] {exc.rejection.message}")
+        return 4
+    except SluiceError as exc:
+        err.print(f"[red]{type(exc).__name__}:[/red] {exc}")
+        return 2
+    if as_json:
+        print(json.dumps(result.model_dump(mode="json")))
+    else:
+        t = result.timings
+        assert t is not None
+        err.print(
+            f"[dim]{result.request_id} on {result.worker_id}: {len(result.output_tokens)} tokens, "
+            f"queued {t.queued_s * 1000:.0f} ms, TTFT {t.ttft_s * 1000:.0f} ms, "
+            f"total {t.e2e_s * 1000:.0f} ms, cached {result.cached_tokens}/"
+            f"{result.prompt_tokens} prompt tokens[/dim]"
+        )
+    return 0
+
+
+@app.command()
+def stats(
+    config: ConfigOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Show a dispatcher's queue depths and running counts."""
+    from rich.table import Table
+
+    from sluice.client import Client, ClientSettings, SluiceError
+
+    try:
+        settings = ClientSettings.load(config)
+    except ConfigError as exc:
+        raise _fail(str(exc)) from exc
+
+    async def go() -> Any:
+        async with Client.from_settings(settings) as c:
+            return await c.stats()
+
+    try:
+        s = _run(go())
+    except SluiceError as exc:
+        raise _fail(str(exc)) from exc
+    if as_json:
+        print(json.dumps(s.model_dump(mode="json")))
+        return
+    t = Table(title=f"{s.dispatcher_id}: {s.running}/{s.global_limit} running, {s.workers} workers")
+    for col in ("band", "queued", "running", "limit", "oldest wait"):
+        t.add_column(col, justify="right")
+    for b in s.bands:
+        t.add_row(b.band, str(b.queued), str(b.running), str(b.limit), f"{b.oldest_wait_s:.2f} s")
+    console.print(t)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    app()
