@@ -1,0 +1,356 @@
+"""The pure scheduler core: ordering, aging, limits, worker choice, leases, retries."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sluice.dispatcher.admission import AdmissionConfig
+from sluice.dispatcher.leases import LeaseTable
+from sluice.dispatcher.routing import Candidate, LeastLoaded, RouteRequest, load_of
+from sluice.dispatcher.scheduler import Request, Scheduler, WorkerInfo
+from sluice.schemas.models import RejectReason
+
+BANDS = ("interactive", "standard", "batch")
+
+
+def _sched(global_limit: int = 4, delays: dict[str, float] | None = None, **kw: object) -> Scheduler:
+    cfg = AdmissionConfig(
+        global_limit=global_limit,
+        band_delay_s=delays or {"interactive": 0.0, "standard": 2.0, "batch": 10.0},
+        **kw,  # type: ignore[arg-type]
+    )
+    return Scheduler(cfg, LeastLoaded(random.Random(1)), models=["m"])
+
+
+def _req(rid: str, band: str = "interactive", t: float = 0.0, **kw: object) -> Request:
+    base: dict[str, object] = {
+        "request_id": rid,
+        "band": band,
+        "model": "m",
+        "tenant": "t",
+        "prompt_tokens": 100,
+        "max_tokens": 10,
+        "arrived_s": t,
+    }
+    base.update(kw)
+    return Request(**base)  # type: ignore[arg-type]
+
+
+def _worker(wid: str, capacity: int = 8, models: tuple[str, ...] = ("m",)) -> WorkerInfo:
+    return WorkerInfo(worker_id=wid, models=frozenset(models), capacity=capacity)
+
+
+def _run_all(s: Scheduler, now: float) -> list[str]:
+    """Plan and book everything possible; return the booked request ids in order."""
+    out = []
+    for d in s.plan(now):
+        assert s.book(d, now)
+        out.append(d.request.request_id)
+    return out
+
+
+# ----------------------------------------------------------------------------- ordering
+
+
+def test_higher_band_overtakes_lower_under_contention() -> None:
+    s = _sched(global_limit=1)
+    s.update_worker(_worker("w"))
+    s.enqueue(_req("b1", "batch", t=0.0), 0.0)
+    s.enqueue(_req("b2", "batch", t=0.1), 0.1)
+    s.enqueue(_req("i1", "interactive", t=0.2), 0.2)
+    assert s.order() == ["i1", "b1", "b2"]
+    assert _run_all(s, 0.3) == ["i1"]
+
+
+def test_aged_low_band_request_goes_before_newer_urgent_ones() -> None:
+    s = _sched(global_limit=1)
+    s.update_worker(_worker("w"))
+    s.enqueue(_req("old-batch", "batch", t=0.0), 0.0)
+    s.enqueue(_req("new-int", "interactive", t=10.5), 10.5)  # arrived after 0 + 10 s delay
+    assert _run_all(s, 11.0) == ["old-batch"]
+
+
+def test_requests_of_a_model_without_workers_do_not_block_others() -> None:
+    s = Scheduler(AdmissionConfig(global_limit=4), LeastLoaded(), models=["m", "other"])
+    s.update_worker(_worker("w"))
+    s.enqueue(_req("x", model="other"), 0.0)
+    s.enqueue(_req("y"), 0.0)
+    assert _run_all(s, 0.1) == ["y"]
+    assert s.is_queued("x")
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    arrivals=st.lists(
+        st.tuples(st.sampled_from(BANDS), st.floats(0, 0.5), st.integers(0, 2)),
+        min_size=1,
+        max_size=40,
+    ),
+    capacity=st.integers(1, 3),
+)
+def test_starvation_bound(arrivals: list[tuple[str, float, int]], capacity: int) -> None:
+    """No request is ever dispatched after a request that arrived later than its virtual
+    deadline (arrival + band delay): the starvation bound of admission.py."""
+    delays = {"interactive": 0.0, "standard": 0.5, "batch": 1.5}
+    s = _sched(global_limit=capacity, delays=delays)
+    s.update_worker(_worker("w", capacity=capacity))
+    t = 0.0
+    key: dict[str, float] = {}
+    arrived: dict[str, float] = {}
+    started: list[str] = []
+    for i, (band, gap, finishing) in enumerate(arrivals):
+        t += gap
+        rid = f"r{i}"
+        s.enqueue(_req(rid, band, t=t), t)
+        key[rid], arrived[rid] = t + delays[band], t
+        # 0-2 running requests finish per arrival (so queues build up), then dispatch
+        for _ in range(min(finishing, s.running)):
+            s.complete(sorted(s.booked_on("w"))[0])
+        started += _run_all(s, t)
+    while s.queued or s.running:
+        if s.running:
+            s.complete(sorted(s.booked_on("w"))[0])
+        started += _run_all(s, t)
+    assert sorted(started) == sorted(key)
+    pos = {rid: i for i, rid in enumerate(started)}
+    for r in key:
+        for other in key:
+            if arrived[other] > key[r]:
+                assert pos[r] < pos[other], f"{other} overtook {r} past its bound"
+
+
+# ----------------------------------------------------------------------------- limits
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["enqueue", "plan", "complete", "lose", "refuse"]),
+            st.sampled_from(BANDS),
+            st.integers(0, 5),
+        ),
+        max_size=80,
+    ),
+    global_limit=st.integers(1, 6),
+    band_limit=st.integers(0, 4),
+    capacities=st.lists(st.integers(1, 4), min_size=1, max_size=4),
+)
+def test_limits_and_capacity_are_never_exceeded(
+    ops: list[tuple[str, str, int]], global_limit: int, band_limit: int, capacities: list[int]
+) -> None:
+    cfg = AdmissionConfig(global_limit=global_limit, band_limits={"batch": band_limit})
+    s = Scheduler(cfg, LeastLoaded(random.Random(0)), models=["m"])
+    for i, c in enumerate(capacities):
+        s.update_worker(_worker(f"w{i}", capacity=c))
+    n = 0
+    now = 0.0
+    for op, band, k in ops:
+        now += 0.1
+        if op == "enqueue":
+            n += 1
+            s.enqueue(_req(f"r{n}", band, t=now), now)
+        elif op == "plan":
+            for d in s.plan(now):
+                info = s.workers()[d.worker_id]
+                assert len(s.booked_on(d.worker_id)) < info.capacity, "chosen worker is full"
+                if k % 3 == 0:
+                    s.refused(d)
+                else:
+                    s.book(d, now)
+        elif op == "complete":
+            running = sorted(rid for w in s.workers() for rid in s.booked_on(w))
+            if running:
+                s.complete(running[k % len(running)])
+        elif op == "lose" and s.workers():
+            wid = sorted(s.workers())[k % len(s.workers())]
+            s.remove_worker(wid)
+            if k % 2:
+                s.update_worker(_worker(wid, capacity=2))  # it comes back
+        elif op == "refuse":
+            for w in s.workers():
+                s.update_worker(s.workers()[w])  # a heartbeat clears refusals
+        assert s.running <= global_limit
+        by_band = Counter(b.band for b in s.band_snapshots(now) for _ in range(b.running))
+        assert by_band["batch"] <= band_limit
+        for w, info in s.workers().items():
+            assert len(s.booked_on(w)) <= info.capacity
+
+
+def test_band_limit_holds_while_global_has_room() -> None:
+    s = _sched(global_limit=10, band_limits={"batch": 2})
+    s.update_worker(_worker("w", capacity=10))
+    for i in range(5):
+        s.enqueue(_req(f"b{i}", "batch"), 0.0)
+    s.enqueue(_req("i0", "interactive"), 0.0)
+    booked = _run_all(s, 0.0)
+    assert Counter(r[0] for r in booked) == {"b": 2, "i": 1}
+
+
+def test_plan_is_side_effect_free() -> None:
+    s = _sched()
+    s.update_worker(_worker("w"))
+    s.enqueue(_req("a"), 0.0)
+    first = s.plan(0.0)
+    assert s.plan(0.0) == first
+    assert s.queued == 1 and s.running == 0
+
+
+# ----------------------------------------------------------------------------- routing
+
+
+@given(
+    loads=st.lists(st.tuples(st.integers(0, 5000), st.integers(0, 5000)), min_size=1, max_size=8)
+)
+def test_least_loaded_picks_a_minimum(loads: list[tuple[int, int]]) -> None:
+    cands = [
+        Candidate(f"w{i}", capacity=8, booked=0, booked_tokens=a, reported_pending_tokens=b)
+        for i, (a, b) in enumerate(loads)
+    ]
+    chosen = LeastLoaded(random.Random(0)).choose(RouteRequest("r", "m", 10, 10), cands, 0.0)
+    best = min(load_of(c) for c in cands)
+    assert load_of(next(c for c in cands if c.worker_id == chosen)) == best
+
+
+def test_least_loaded_spreads_ties() -> None:
+    cands = [Candidate(f"w{i}", 8, 0, 0) for i in range(4)]
+    policy = LeastLoaded(random.Random(3))
+    picks = Counter(policy.choose(RouteRequest("r", "m", 1, 1), cands, 0.0) for _ in range(400))
+    assert set(picks) == {"w0", "w1", "w2", "w3"}
+    assert min(picks.values()) > 60
+
+
+def test_plan_spreads_load_across_idle_workers() -> None:
+    s = _sched(global_limit=8)
+    for w in ("a", "b", "c", "d"):
+        s.update_worker(_worker(w))
+    for i in range(8):
+        s.enqueue(_req(f"r{i}"), 0.0)
+    per_worker = Counter(d.worker_id for d in s.plan(0.0))
+    assert per_worker == {"a": 2, "b": 2, "c": 2, "d": 2}
+
+
+# ----------------------------------------------------------------------------- lifecycle
+
+
+def test_duplicates_and_validation() -> None:
+    s = _sched(max_prompt_tokens=1000)
+    s.update_worker(_worker("w"))
+    assert s.enqueue(_req("a"), 0.0).status == "queued"
+    assert s.enqueue(_req("a"), 0.0).status == "duplicate"
+    out = s.enqueue(_req("big", prompt_tokens=5000), 0.0)
+    assert out.rejection is not None and out.rejection.reason is RejectReason.PROMPT_TOO_LONG
+    out = s.enqueue(_req("nb", band="nope"), 0.0)
+    assert out.rejection is not None and out.rejection.reason is RejectReason.UNKNOWN_BAND
+    out = s.enqueue(_req("late", deadline_s=1.0), 2.0)
+    assert out.rejection is not None and out.rejection.reason is RejectReason.DEADLINE_EXCEEDED
+
+
+def test_unknown_model_waits_for_discovery_grace_then_is_rejected() -> None:
+    s = Scheduler(AdmissionConfig(), LeastLoaded(), model_grace_s=5.0, started_s=0.0)
+    assert s.enqueue(_req("a", model="x"), 1.0).status == "queued"  # workers may be starting
+    s.update_worker(_worker("w", models=("y",)))
+    assert s.sweep(4.0) == []
+    ended = s.sweep(6.0)
+    assert [e.request.request_id for e in ended] == ["a"]
+    assert ended[0].rejection.reason is RejectReason.UNKNOWN_MODEL
+    out = s.enqueue(_req("b", model="x"), 7.0)
+    assert out.rejection is not None and out.rejection.reason is RejectReason.UNKNOWN_MODEL
+    assert s.enqueue(_req("c", model="y"), 7.0).status == "queued"
+
+
+def test_deadline_expires_in_queue_and_never_runs() -> None:
+    s = _sched(global_limit=1)
+    s.update_worker(_worker("w"))
+    s.enqueue(_req("a", deadline_s=5.0), 0.0)
+    s.enqueue(_req("b", deadline_s=1.0), 0.0)
+    assert [d.request.request_id for d in s.plan(0.5)] == ["a"]
+    assert s.plan(1.5)[0].request.request_id == "a"  # b is past its deadline: never planned
+    ended = s.sweep(1.5)
+    assert [e.request.request_id for e in ended] == ["b"]
+
+
+def test_lost_worker_requeues_with_next_attempt_then_gives_up() -> None:
+    s = _sched(global_limit=2, max_attempts=2)
+    s.update_worker(_worker("w1"))
+    s.enqueue(_req("a", t=0.0), 0.0)
+    assert _run_all(s, 0.0) == ["a"]
+    requeued, ended = s.remove_worker("w1")
+    assert [r.attempt for r in requeued] == [2] and not ended
+    assert s.running == 0 and s.queued == 1
+    s.update_worker(_worker("w2"))
+    assert _run_all(s, 1.0) == ["a"]
+    requeued, ended = s.remove_worker("w2")
+    assert not requeued and ended[0].rejection.reason is RejectReason.MAX_ATTEMPTS
+
+
+def test_booking_is_refused_when_stale() -> None:
+    s = _sched()
+    s.update_worker(_worker("w"))
+    s.enqueue(_req("a"), 0.0)
+    (d,) = s.plan(0.0)
+    assert s.complete("a") is not None  # it finished before the acceptance was processed
+    assert not s.book(d, 0.0)
+    assert s.running == 0
+    s.enqueue(_req("b"), 0.0)
+    (d,) = s.plan(0.0)
+    s.remove_worker("w")
+    assert not s.book(d, 0.0)  # the worker was lost meanwhile
+    assert s.is_queued("b")
+
+
+def test_refused_worker_is_skipped_until_its_next_heartbeat() -> None:
+    s = _sched()
+    s.update_worker(_worker("w1"))
+    s.update_worker(_worker("w2"))
+    s.enqueue(_req("a"), 0.0)
+    (d,) = s.plan(0.0)
+    s.refused(d)
+    (d2,) = s.plan(0.0)
+    assert d2.worker_id != d.worker_id
+    s.update_worker(_worker(d.worker_id))
+    assert len({x.worker_id for x in [s.plan(0.0)[0] for _ in range(1)]}) == 1
+
+
+def test_adopt_books_a_request_a_worker_reports() -> None:
+    s = _sched()
+    s.update_worker(_worker("w"))
+    s.enqueue(_req("a"), 0.0)
+    assert s.adopt("a", "w", 0.0)
+    assert s.booking("a") is not None and s.running == 1
+
+
+def test_drift_counts_old_bookings_missing_from_reports() -> None:
+    s = _sched()
+    s.update_worker(_worker("w"))
+    s.enqueue(_req("a"), 0.0)
+    _run_all(s, 0.0)
+    assert s.drift("w", 1.0, grace_s=2.0) == 0
+    assert s.drift("w", 5.0, grace_s=2.0) == 1
+    s.update_worker(
+        WorkerInfo("w", frozenset({"m"}), 8, reported_in_flight=frozenset({"a"}))
+    )
+    assert s.drift("w", 5.0, grace_s=2.0) == 0
+
+
+def test_leases_expire_oldest_first() -> None:
+    leases = LeaseTable(lease_s=3.0)
+    assert leases.renew("a", 0.0)
+    assert not leases.renew("a", 1.0)
+    leases.renew("b", 0.5)
+    assert leases.expired(3.6) == ["b"]
+    assert leases.expired(10.0) == ["b", "a"]
+    leases.drop("a")
+    assert "a" not in leases and len(leases) == 1
+
+
+def test_admission_config_validates() -> None:
+    with pytest.raises(ValueError):
+        AdmissionConfig(global_limit=0)
+    with pytest.raises(ValueError):
+        AdmissionConfig(band_limits={"nope": 1})

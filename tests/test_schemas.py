@@ -1,0 +1,136 @@
+"""The wire contract: codec, names, prefix hashing."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sluice.schemas import DecodeError, Heartbeat, Result, SubmitRequest, WorkerLoad, decode, encode
+from sluice.schemas import names
+from sluice.schemas.hashing import (
+    block_hashes,
+    estimate_text_tokens,
+    prompt_hashes,
+    text_block_hashes,
+)
+
+
+def _req(**kw: object) -> SubmitRequest:
+    base: dict[str, object] = {
+        "request_id": "r1",
+        "model": "m",
+        "prompt_tokens": [1, 2, 3],
+        "submitted_unix_ms": 1,
+    }
+    base.update(kw)
+    return SubmitRequest.model_validate(base)
+
+
+def test_codec_round_trip() -> None:
+    r = _req(deadline_unix_ms=5, band="batch", tenant="acme")
+    assert decode(encode(r), SubmitRequest) == r
+    hb = Heartbeat(
+        worker_id="w",
+        models=["m"],
+        seq=1,
+        sent_unix_ms=2,
+        capacity=4,
+        in_flight=["a", "b"],
+        load=WorkerLoad(
+            running=1,
+            waiting=0,
+            pending_prefill_tokens=3,
+            active_decode_tokens=4,
+            kv_blocks_used=5,
+            kv_blocks_total=6,
+            busy_s_total=0.5,
+        ),
+    )
+    assert decode(encode(hb), Heartbeat) == hb
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"", b"\xc1", b"\x93\x01\x02\x03", msgpack.packb({"request_id": "x"}), b"not msgpack at all"],
+)
+def test_decode_rejects_bad_bytes_with_typed_error(data: bytes) -> None:
+    with pytest.raises(DecodeError):
+        decode(data, SubmitRequest)
+
+
+def test_decode_keeps_partial_for_answering() -> None:
+    raw = msgpack.packb({"v": 1, "request_id": "abc", "model": "m"})
+    with pytest.raises(DecodeError) as info:
+        decode(raw, SubmitRequest)
+    assert info.value.partial["request_id"] == "abc"
+
+
+def test_unknown_schema_version_is_rejected() -> None:
+    raw = msgpack.packb({**_req().model_dump(), "v": 2})
+    with pytest.raises(DecodeError, match="v"):
+        decode(raw, SubmitRequest)
+
+
+def test_request_needs_exactly_one_prompt() -> None:
+    with pytest.raises(ValueError):
+        _req(prompt_text="hi")  # both set
+    with pytest.raises(ValueError):
+        _req(prompt_tokens=None)  # neither set
+
+
+def test_models_are_frozen() -> None:
+    r = Result(request_id="a", ok=True)
+    with pytest.raises(ValueError):
+        r.ok = False  # type: ignore[misc]
+
+
+@given(st.text(min_size=1, max_size=40))
+def test_subject_tokens_round_trip_and_are_safe(value: str) -> None:
+    token = names.subject_token(value)
+    assert names.token_value(token) == value
+    assert not any(c in token for c in ".*> \t\r\n")
+
+
+def test_request_subject_parses_back() -> None:
+    subject = names.request_subject("interactive", "qwen2.5-7b", "acme corp")
+    assert subject.count(".") == 4
+    assert names.parse_request_subject(subject) == ("interactive", "qwen2.5-7b", "acme corp")
+    with pytest.raises(ValueError):
+        names.parse_request_subject("sluice.req.a.b")
+
+
+def test_stream_names_are_valid() -> None:
+    for band in ("interactive", "batch", "x.y"):
+        stream = names.request_stream(band)
+        assert all(c.isalnum() or c == "_" for c in stream)
+
+
+@given(st.lists(st.integers(0, 2**32 - 1), min_size=0, max_size=200), st.integers(1, 32))
+def test_block_hashes_cover_full_blocks_only(tokens: list[int], bt: int) -> None:
+    assert len(block_hashes(tokens, bt)) == len(tokens) // bt
+
+
+@given(
+    st.lists(st.integers(0, 50_000), min_size=32, max_size=96),
+    st.lists(st.integers(0, 50_000), min_size=16, max_size=64),
+)
+def test_block_hashes_are_prefix_chained(prefix: list[int], suffix: list[int]) -> None:
+    a = block_hashes(prefix + suffix)
+    b = block_hashes(prefix)
+    assert a[: len(b)] == b  # a shared prefix gives shared leading hashes
+    changed = list(prefix)
+    changed[0] = (changed[0] + 1) % 50_000
+    c = block_hashes(changed + suffix)
+    assert not set(a) & set(c)  # a change in block 0 changes every later hash
+
+
+def test_text_fallback_is_chained_and_distinct_from_tokens() -> None:
+    text = "x" * 64 * 3 + "tail"
+    hs = text_block_hashes(text)
+    assert len(hs) == 3
+    assert text_block_hashes(text[:128]) == hs[:2]
+    assert estimate_text_tokens(text) == -(-len(text) // 4)
+    assert prompt_hashes(None, text) == hs
+    assert prompt_hashes([120] * 48, None) != hs
