@@ -16,6 +16,7 @@ from nats.aio.subscription import Subscription
 from nats.js.errors import APIError, NoStreamResponseError, NotFoundError
 from pydantic import ValidationError
 
+from sluice.aio import wait_at_most
 from sluice.client.errors import (
     InvalidRequest,
     QueueFull,
@@ -98,8 +99,7 @@ class RequestHandle:
                         f"no result for {self.request_id} after {timeout_s}s; it may still "
                         "finish: Client.fetch_result() picks it up later"
                     )
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.shield(self._result), wait)
+            await wait_at_most(asyncio.shield(self._result), wait)
             if not self._result.done():
                 # A result published while we were reconnecting is still in the stream.
                 found = await self._client._lookup_result(self.request.tenant, self.request_id)

@@ -28,6 +28,7 @@ from nats.aio.subscription import Subscription
 from nats.js.client import JetStreamContext
 from nats.js.errors import NotFoundError
 
+from sluice.aio import wait_at_most, wait_event
 from sluice.dispatcher import metrics
 from sluice.dispatcher.leases import LeaseTable
 from sluice.dispatcher.routing import LeastLoaded, RoutingPolicy
@@ -133,8 +134,16 @@ class Dispatcher:
         return self
 
     async def stop(self) -> None:
-        """Stop pulling and dispatching. Held requests stay un-acked in their streams: the
-        next dispatcher gets them redelivered."""
+        """Stop pulling and dispatching. Held requests are handed back (nak) so the next
+        dispatcher gets them redelivered at once; it learns from heartbeats which of them are
+        running already."""
+        await self._halt(hand_back=True)
+
+    async def kill(self) -> None:
+        """Stop as a crash would: held requests come back only after ``ack_wait_s``."""
+        await self._halt(hand_back=False)
+
+    async def _halt(self, *, hand_back: bool) -> None:
         if not self._running:
             return
         self._running = False
@@ -146,11 +155,18 @@ class Dispatcher:
         self._tasks = []
         for t in list(self._background):
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await asyncio.wait_for(t, 2.0)
+                await wait_at_most(t, 2.0)
         for sub in self._subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
         self._subs = []
+        if hand_back:
+            for held in self._held.values():
+                with contextlib.suppress(Exception):
+                    await held.msg.nak()
+            with contextlib.suppress(Exception):
+                await self.nc.flush(timeout=2)
+        self._held.clear()
         if self._own_nc and self._nc is not None:
             with contextlib.suppress(Exception):
                 await self._nc.close()
@@ -171,7 +187,7 @@ class Dispatcher:
 
     async def _pull_loop(self, band: str, psub: JetStreamContext.PullSubscription) -> None:
         room = self._room[band]
-        while True:
+        while self._running:
             free = self.settings.max_buffered - self._held_by_band[band]
             if free <= 0:
                 room.clear()
@@ -345,9 +361,8 @@ class Dispatcher:
 
     async def _schedule_loop(self) -> None:
         s = self.settings
-        while True:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._kick.wait(), s.tick_s)
+        while self._running:
+            await wait_event(self._kick, s.tick_s)
             self._kick.clear()
             try:
                 await self._schedule_once()
@@ -512,7 +527,7 @@ class Dispatcher:
 
     async def _keepalive_loop(self) -> None:
         interval = self.settings.ack_wait_s / 3
-        while True:
+        while self._running:
             await asyncio.sleep(interval)
             for held in list(self._held.values()):
                 with contextlib.suppress(Exception):

@@ -16,6 +16,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
+from sluice.aio import wait_event
 from sluice.client import Client, QueueFull, Rejected, SluiceError
 from sluice.cluster import LocalCluster
 from sluice.natsserver import EmbeddedNats
@@ -175,8 +176,7 @@ def _fmt_s(v: float) -> str:
 
 
 async def _sleep_or_stop(stop: asyncio.Event, delay_s: float) -> None:
-    with contextlib.suppress(asyncio.TimeoutError):
-        await asyncio.wait_for(stop.wait(), max(0.0, delay_s))
+    await wait_event(stop, delay_s)
 
 
 async def run_demo(cfg: DemoConfig, console: Console | None = None) -> DemoReport:

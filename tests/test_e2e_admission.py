@@ -1,0 +1,197 @@
+"""Admission over a real nats-server: band order, aging, the global limit, bounded queues,
+deadlines, bad input and duplicates."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import nats
+import pytest
+
+from sluice.client import Client, DeadlineExceeded, QueueFull, Rejected, RejectReason
+from sluice.client.client import RequestHandle
+from sluice.cluster import LocalCluster
+from sluice.schemas import names
+from sluice.schemas.codec import decode, encode
+from sluice.schemas.models import DeadLetter, SubmitRequest
+
+from .conftest import cluster_kwargs
+
+pytestmark = pytest.mark.e2e
+
+PROMPT = list(range(1000, 1064))
+
+
+def _finish_s(h: RequestHandle, result: object) -> float:
+    t = result.timings  # type: ignore[attr-defined]
+    return h.request.submitted_unix_ms / 1000 + t.e2e_s
+
+
+async def _first_token(h: RequestHandle) -> None:
+    async for _ in h:
+        return
+
+
+async def _finish_order(handles: Sequence[RequestHandle]) -> list[str]:
+    results = [await h.result(timeout_s=30) for h in handles]
+    ends = sorted((_finish_s(h, r), h.request_id) for h, r in zip(handles, results, strict=True))
+    return [rid for _, rid in ends]
+
+
+async def test_higher_band_overtakes_lower_under_contention(nats_url: str) -> None:
+    kw = cluster_kwargs(workers=1, dispatcher={"global_limit": 1})
+    async with LocalCluster(nats_url, **kw), Client(nats_url) as c:
+        blocker = await c.submit("sim", PROMPT, max_tokens=1500, band="batch", request_id="blk")
+        await _first_token(blocker)  # it holds the only slot now
+        b1 = await c.submit("sim", PROMPT, max_tokens=20, band="batch", request_id="b1")
+        b2 = await c.submit("sim", PROMPT, max_tokens=20, band="batch", request_id="b2")
+        await asyncio.sleep(0.2)  # both are queued in the dispatcher before i1 arrives
+        i1 = await c.submit("sim", PROMPT, max_tokens=20, band="interactive", request_id="i1")
+        order = await _finish_order([blocker, b1, b2, i1])
+    assert order == ["blk", "i1", "b1", "b2"]
+
+
+async def test_aged_low_band_request_is_still_served(nats_url: str) -> None:
+    delays = {"interactive": 0.0, "standard": 0.2, "batch": 0.3}
+    kw = cluster_kwargs(workers=1, dispatcher={"global_limit": 1, "band_delay_s": delays})
+    async with LocalCluster(nats_url, **kw), Client(nats_url) as c:
+        blocker = await c.submit("sim", PROMPT, max_tokens=3000, band="interactive")
+        await _first_token(blocker)
+        old = await c.submit("sim", PROMPT, max_tokens=20, band="batch", request_id="old")
+        await asyncio.sleep(0.6)  # longer than the batch band's aging delay
+        fresh = [
+            await c.submit("sim", PROMPT, max_tokens=20, band="interactive", request_id=f"i{i}")
+            for i in range(3)
+        ]
+        order = await _finish_order([old, *fresh])
+    assert order[0] == "old"
+
+
+async def test_global_limit_is_never_exceeded_at_the_agents(nats_url: str) -> None:
+    in_flight: dict[str, int] = {}
+    peak = 0
+
+    def observe(worker: str, n: int) -> None:
+        nonlocal peak
+        in_flight[worker] = n
+        peak = max(peak, sum(in_flight.values()))
+
+    kw = cluster_kwargs(workers=3, dispatcher={"global_limit": 4}, agent={"capacity": 4})
+    async with LocalCluster(nats_url, observer=observe, **kw), Client(nats_url) as c:
+        handles = [
+            await c.submit("sim", PROMPT, max_tokens=60, band=("interactive", "batch")[i % 2])
+            for i in range(30)
+        ]
+        results = [await h.result(timeout_s=60) for h in handles]
+    assert all(r.ok for r in results)
+    assert peak == 4, f"peak concurrency at the agents was {peak}, the limit is 4"
+
+
+async def test_full_band_queue_raises_queue_full_at_once(nats_url: str) -> None:
+    # No worker: everything stays queued. The stream holds queue bound + global limit.
+    kw = cluster_kwargs(workers=0, dispatcher={"queue_max_msgs": 3, "global_limit": 1})
+    async with LocalCluster(nats_url, **kw), Client(nats_url) as c:
+        for i in range(4):
+            await c.submit("sim", PROMPT, band="batch", request_id=f"q{i}")
+        with pytest.raises(QueueFull) as info:
+            await c.submit("sim", PROMPT, band="batch", request_id="q-over")
+        assert info.value.band == "batch" and info.value.retry_after_s > 0
+        # Other bands have their own bound.
+        await c.submit("sim", PROMPT, band="interactive", request_id="i-ok")
+
+
+async def test_deadline_passes_in_queue_and_request_never_runs(nats_url: str) -> None:
+    kw = cluster_kwargs(workers=1, dispatcher={"global_limit": 1})
+    async with LocalCluster(nats_url, **kw) as cluster, Client(nats_url) as c:
+        blocker = await c.submit("sim", PROMPT, max_tokens=2000, band="interactive")
+        await _first_token(blocker)
+        late = await c.submit("sim", PROMPT, max_tokens=5, band="interactive", deadline_s=0.2)
+        with pytest.raises(DeadlineExceeded) as info:
+            await late.result(timeout_s=10)
+        assert info.value.reason is RejectReason.DEADLINE_EXCEEDED
+        await blocker.result(timeout_s=30)
+        await asyncio.sleep(0.3)  # the agent counts a completion just after the result
+        assert sum(a.completed for a in cluster.agents) == 1  # only the blocker ran
+
+
+async def test_same_request_published_twice_yields_one_result(nats_url: str) -> None:
+    async with LocalCluster(nats_url, **cluster_kwargs()) as cluster, Client(nats_url) as c:
+        h1 = await c.submit("sim", PROMPT, max_tokens=30, request_id="same-id")
+        h2 = await c.submit("sim", PROMPT, max_tokens=30, request_id="same-id")
+        r1, r2 = await h1.result(timeout_s=30), await h2.result(timeout_s=30)
+        await asyncio.sleep(0.3)  # the agent counts a completion just after the result
+        nc = await nats.connect(nats_url)
+        info = await nc.jetstream().stream_info(
+            names.RESULT_STREAM, subjects_filter=names.result_subject("default", "same-id")
+        )
+        await nc.close()
+        assert sum(a.completed for a in cluster.agents) == 1
+    assert r1 == r2
+    assert info.state.messages == 1
+
+
+async def _raw_publish(nats_url: str, payload: bytes, headers: dict[str, str] | None) -> None:
+    nc = await nats.connect(nats_url)
+    await nc.jetstream().publish(
+        names.request_subject("interactive", "sim", "default"), payload, headers=headers
+    )
+    await nc.close()
+
+
+async def _wait_for(predicate: object, timeout_s: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while asyncio.get_running_loop().time() < deadline:
+        if await predicate():  # type: ignore[operator]
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("condition not met in time")
+
+
+async def test_bad_input_gets_typed_answers_and_dispatcher_keeps_serving(nats_url: str) -> None:
+    async with LocalCluster(nats_url, **cluster_kwargs()), Client(nats_url) as c:
+        # Undecodable bytes that carry a request id: a typed rejection on its result subject.
+        await _raw_publish(nats_url, b"\xc1\x00garbage", {"Nats-Msg-Id": "bad-1"})
+        # Undecodable bytes without any id: kept in the dead-letter stream.
+        await _raw_publish(nats_url, b"\x93\x01\x02", None)
+        # Valid msgpack, wrong shape, id only in the body.
+        await _raw_publish(nats_url, encode_partial({"request_id": "bad-2"}), None)
+        # A valid request whose body contradicts its subject.
+        wrong = SubmitRequest(
+            request_id="bad-3", model="other", prompt_text="x", submitted_unix_ms=1
+        )
+        await _raw_publish(nats_url, encode(wrong), {"Nats-Msg-Id": "bad-3"})
+
+        async def answered() -> bool:
+            return all([await c.fetch_result(rid) for rid in ("bad-1", "bad-2", "bad-3")])
+
+        await _wait_for(answered)
+        for rid in ("bad-1", "bad-2", "bad-3"):
+            result = await c.fetch_result(rid)
+            assert result is not None and not result.ok and result.rejection is not None
+            assert result.rejection.reason is RejectReason.MALFORMED
+
+        nc = await nats.connect(nats_url)
+        js = nc.jetstream()
+        info = await js.stream_info(names.DEAD_LETTER_STREAM)
+        assert info.state.messages == 1
+        raw = await js.get_msg(names.DEAD_LETTER_STREAM, seq=info.state.first_seq)
+        letter = decode(raw.data or b"", DeadLetter)
+        await nc.close()
+        assert letter.reason is RejectReason.MALFORMED and letter.payload == b"\x93\x01\x02"
+
+        # An unknown model: a typed rejection through the client.
+        h = await c.submit("no-such-model", PROMPT, max_tokens=5)
+        with pytest.raises(Rejected) as info_r:
+            await h.result(timeout_s=10)
+        assert info_r.value.reason is RejectReason.UNKNOWN_MODEL
+
+        # ...and the dispatcher still serves.
+        ok = await c.submit("sim", PROMPT, max_tokens=5)
+        assert (await ok.result(timeout_s=20)).ok
+
+
+def encode_partial(obj: dict[str, object]) -> bytes:
+    import msgpack
+
+    return msgpack.packb({"v": 1, **obj})
