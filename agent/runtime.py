@@ -25,6 +25,7 @@ from sluice.agent import metrics
 from sluice.agent.errors import AgentNotStarted
 from sluice.agent.settings import AgentSettings
 from sluice.agent.tokens import detokenize, output_token
+from sluice.aio import finish_tasks, wait_event
 from sluice.schemas import names
 from sluice.schemas.codec import decode, encode
 from sluice.schemas.errors import DecodeError
@@ -34,8 +35,6 @@ from sluice.schemas.models import (
     AssignmentReply,
     Completion,
     Heartbeat,
-    Rejection,
-    RejectReason,
     Result,
     Timings,
     TokenChunk,
@@ -94,6 +93,9 @@ class Agent:
         self._hb_seq = 0
         self._draining = False
         self._started = False
+        self._alive = False
+        self._hb_stop = asyncio.Event()
+        self._sending: set[asyncio.Task[None]] = set()
         self.completed = 0
 
     # ------------------------------------------------------------------ lifecycle
@@ -115,6 +117,8 @@ class Agent:
             names.work_subject(self.worker_id), cb=self._on_assignment
         )
         await self._heartbeat()
+        self._alive = True
+        self._hb_stop.clear()
         self._tasks = [
             asyncio.create_task(self._engine_loop(), name=f"engine-{self.worker_id}"),
             asyncio.create_task(self._heartbeat_loop(), name=f"heartbeat-{self.worker_id}"),
@@ -147,8 +151,8 @@ class Agent:
         # A broken engine must not keep heartbeating: stop them, so the dispatcher's lease
         # expires and the requests held here run elsewhere.
         log.error("engine of %s crashed", self.worker_id, exc_info=task.exception())
-        for t in self._tasks:
-            t.cancel()
+        self._alive = False
+        self._hb_stop.set()
 
     async def kill(self) -> None:
         """Die abruptly: no drain, no goodbye (the dispatcher finds out by the lease)."""
@@ -156,11 +160,10 @@ class Agent:
         await self._shutdown()
 
     async def _shutdown(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        self._alive = False
+        self._wake.set()
+        self._hb_stop.set()
+        await finish_tasks(self._tasks, grace_s=2.0)
         self._tasks = []
         if self._sub is not None:
             with contextlib.suppress(Exception):
@@ -243,11 +246,13 @@ class Agent:
         speed = self.settings.speed
         anchor_real = loop.time()
         sim_elapsed = 0.0
-        while True:
+        while self._alive:
             if not self.engine.has_work:
                 self._wake.clear()
                 await self._flush_all()
                 await self._wake.wait()
+                if not self._alive:
+                    break
                 anchor_real, sim_elapsed = loop.time(), 0.0
             step = self.engine.step()
             if step.duration_s > 0:
@@ -360,7 +365,9 @@ class Agent:
         )
         self._changed()
         self._unconfirmed[req.request_id] = completion
-        asyncio.create_task(self._send_completion(completion))
+        task = asyncio.create_task(self._send_completion(completion))
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
 
     async def _finish_failed(self, run: _Running, error: str) -> None:
         req = run.assignment.request
@@ -412,8 +419,9 @@ class Agent:
     # ------------------------------------------------------------------ heartbeat
 
     async def _heartbeat_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.heartbeat_s)
+        while self._alive:
+            if await wait_event(self._hb_stop, self.settings.heartbeat_s):
+                break
             with contextlib.suppress(Exception):
                 await self._heartbeat()
                 await self._resend_completions()
@@ -443,4 +451,3 @@ class Agent:
             leaving=leaving,
         )
         await self.nc.publish(names.heartbeat_subject(self.worker_id), encode(hb))
-

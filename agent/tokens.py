@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import xxhash
 
-_WORDS = (
+_WORDS = (  # noqa: SIM905 - one readable string, not 60 quoted words
     "the of and to in is that for it as was with be by on not he this are or his from at which "
     "but have an they you were her she there been one all we their has would when if so no what "
     "up out said who about them some could into more time only new like over also"

@@ -1,10 +1,10 @@
 """The Sluice producer library.
 
-    async with Client("nats://127.0.0.1:4222") as client:
-        handle = await client.submit("my-model", "Hello", max_tokens=32, band="interactive")
-        async for chunk in handle:
-            print(chunk.text, end="")
-        result = await handle.result()
+async with Client("nats://127.0.0.1:4222") as client:
+    handle = await client.submit("my-model", "Hello", max_tokens=32, band="interactive")
+    async for chunk in handle:
+        print(chunk.text, end="")
+    result = await handle.result()
 """
 
 from sluice.client.client import Client, RequestHandle
@@ -26,8 +26,8 @@ __all__ = [
     "DeadlineExceeded",
     "InvalidRequest",
     "QueueFull",
-    "Rejected",
     "RejectReason",
+    "Rejected",
     "RequestHandle",
     "Result",
     "ResultTimeout",

@@ -28,7 +28,7 @@ from nats.aio.subscription import Subscription
 from nats.js.client import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from sluice.aio import wait_at_most, wait_event
+from sluice.aio import finish_tasks, wait_event
 from sluice.dispatcher import metrics
 from sluice.dispatcher.leases import LeaseTable
 from sluice.dispatcher.routing import LeastLoaded, RoutingPolicy
@@ -95,6 +95,7 @@ class Dispatcher:
         self._held_by_band: Counter[str] = Counter()
         self._room = {b: asyncio.Event() for b in settings.bands}
         self._kick = asyncio.Event()
+        self._stopping = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._subs: list[Subscription] = []
         self._background: set[asyncio.Task[Any]] = set()
@@ -127,7 +128,9 @@ class Dispatcher:
             psub = await self.js.pull_subscribe_bind(
                 durable=names.dispatcher_consumer(band), stream=names.request_stream(band)
             )
-            self._tasks.append(asyncio.create_task(self._pull_loop(band, psub), name=f"pull-{band}"))
+            self._tasks.append(
+                asyncio.create_task(self._pull_loop(band, psub), name=f"pull-{band}")
+            )
         self._tasks.append(asyncio.create_task(self._schedule_loop(), name="schedule"))
         self._tasks.append(asyncio.create_task(self._keepalive_loop(), name="keepalive"))
         log.info("dispatcher %s started on %s", s.dispatcher_id, s.nats_url)
@@ -147,15 +150,15 @@ class Dispatcher:
         if not self._running:
             return
         self._running = False
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        self._stopping.set()
+        # The loops see the flag within one fetch timeout or tick. nats-py's fetch() does not
+        # reliably honour cancellation, so cancel only what has not stopped by then.
+        self._kick.set()
+        for room in self._room.values():
+            room.set()
+        await finish_tasks(self._tasks, self.settings.fetch_timeout_s + 1.0)
         self._tasks = []
-        for t in list(self._background):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await wait_at_most(t, 2.0)
+        await finish_tasks(list(self._background), 2.0)
         for sub in self._subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
@@ -195,7 +198,7 @@ class Dispatcher:
                 continue
             try:
                 msgs = await psub.fetch(batch=min(free, 128), timeout=self.settings.fetch_timeout_s)
-            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+            except (TimeoutError, nats.errors.TimeoutError):
                 continue
             except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError):
                 await asyncio.sleep(0.2)
@@ -528,7 +531,8 @@ class Dispatcher:
     async def _keepalive_loop(self) -> None:
         interval = self.settings.ack_wait_s / 3
         while self._running:
-            await asyncio.sleep(interval)
+            if await wait_event(self._stopping, interval):
+                break
             for held in list(self._held.values()):
                 with contextlib.suppress(Exception):
                     await held.msg.in_progress()

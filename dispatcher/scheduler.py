@@ -22,7 +22,7 @@ from typing import Literal
 
 from sluice.dispatcher.admission import AdmissionConfig, priority_key
 from sluice.dispatcher.routing import Candidate, RouteRequest, RoutingPolicy
-from sluice.schemas.models import RejectReason, Rejection
+from sluice.schemas.models import Rejection, RejectReason
 
 
 @dataclass(frozen=True)

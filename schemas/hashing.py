@@ -50,7 +50,9 @@ def text_block_hashes(text: str, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> li
     out: list[int] = []
     prev = 0
     for i in range(len(data) // size):
-        prev = xxhash.xxh64_intdigest(_PREV.pack(prev) + data[i * size : (i + 1) * size], _TEXT_SEED)
+        prev = xxhash.xxh64_intdigest(
+            _PREV.pack(prev) + data[i * size : (i + 1) * size], _TEXT_SEED
+        )
         out.append(prev)
     return out
 

@@ -98,7 +98,11 @@ class SimEngine:
     # ------------------------------------------------------------------ input
 
     def add(
-        self, request_id: str, prompt_tokens: int, output_tokens: int, hashes: Sequence[int],
+        self,
+        request_id: str,
+        prompt_tokens: int,
+        output_tokens: int,
+        hashes: Sequence[int],
         now_s: float,
     ) -> None:
         """Queue a request. ``hashes`` are its full prompt blocks' chained hashes."""
@@ -113,9 +117,7 @@ class SimEngine:
                 f"request needs {(len(hashes) + reserve) * bt} KV tokens; the engine holds "
                 f"{self.cache.capacity_blocks * bt}"
             )
-        self._waiting.append(
-            _Seq(request_id, prompt_tokens, output_tokens, hashes, reserve, now_s)
-        )
+        self._waiting.append(_Seq(request_id, prompt_tokens, output_tokens, hashes, reserve, now_s))
 
     # ------------------------------------------------------------------ time
 
@@ -154,8 +156,12 @@ class SimEngine:
                 self.cache.release(s.hashes, s.reserve_blocks)
                 events.append(
                     Finished(
-                        s.request_id, s.prompt_tokens, s.cached_tokens, s.generated,
-                        s.prefill_s, s.decode_s,
+                        s.request_id,
+                        s.prompt_tokens,
+                        s.cached_tokens,
+                        s.generated,
+                        s.prefill_s,
+                        s.decode_s,
                     )
                 )
             finished = {id(s) for s in done}

@@ -11,7 +11,7 @@ class EngineProfile:
 
     Prefill runs at ``prefill_tokens_per_s`` over *uncached* prompt tokens, at most
     ``prefill_chunk_tokens`` per step; a decode step takes ``decode_base_s +
-    decode_per_seq_s × batch``; at most ``max_running`` sequences run, and the KV cache holds
+    decode_per_seq_s * batch``; at most ``max_running`` sequences run, and the KV cache holds
     ``kv_capacity_tokens`` in blocks of ``block_tokens``.
     """
 

@@ -8,8 +8,11 @@ use ``asyncio.timeout`` instead, which does not have that race.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
-from typing import TypeVar
+import logging
+from collections.abc import Awaitable, Iterable
+from typing import Any, TypeVar
+
+log = logging.getLogger("sluice")
 
 T = TypeVar("T")
 
@@ -34,3 +37,22 @@ async def wait_at_most(aw: Awaitable[T], timeout_s: float) -> T | None:
             return await aw
     except TimeoutError:
         return None
+
+
+async def finish_tasks(tasks: Iterable[asyncio.Task[Any]], grace_s: float) -> None:
+    """Give tasks ``grace_s`` to end on their own (their loops watch a flag), then cancel the
+    rest. nats-py calls that time out internally do not reliably honour cancellation on
+    Python 3.11, so a loop is stopped by its flag first and cancelled only as a last resort;
+    a task that ignores even that is abandoned after one more second rather than awaited
+    forever. Errors the tasks ended with are logged."""
+    tasks = list(tasks)
+    if not tasks:
+        return
+    _, pending = await asyncio.wait(tasks, timeout=grace_s)
+    for t in pending:
+        t.cancel()
+    if pending:
+        await asyncio.wait(pending, timeout=1.0)
+    for t in tasks:
+        if t.done() and not t.cancelled() and t.exception() is not None:
+            log.error("task %s ended with an error", t.get_name(), exc_info=t.exception())

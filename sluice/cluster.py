@@ -36,7 +36,9 @@ class LocalCluster:
         self.agents: list[Agent] = [self._new_agent(f"worker-{i}") for i in range(workers)]
 
     def _new_agent(self, worker_id: str) -> Agent:
-        settings = AgentSettings(nats_url=self.nats_url, worker_id=worker_id, **self._agent_overrides)
+        settings = AgentSettings(
+            nats_url=self.nats_url, worker_id=worker_id, **self._agent_overrides
+        )
         return Agent(settings, observer=self._observer)
 
     async def add_agent(self, worker_id: str) -> Agent:

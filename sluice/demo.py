@@ -10,7 +10,9 @@ import random
 import signal
 import time
 from collections import Counter, defaultdict
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -87,6 +89,7 @@ class _Run:
         self.work = DemoWorkload(cfg.seed)
         self.rng = random.Random(cfg.seed + 1)
         self.stop = asyncio.Event()
+        self.idle = asyncio.Event()
         self.outcomes: list[_Outcome] = []
         self.in_flight = 0
         self.submitted = 0
@@ -110,10 +113,12 @@ class _Run:
             out.error = type(exc).__name__
         finally:
             self.in_flight -= 1
+            if self.in_flight == 0 and self.stop.is_set():
+                self.idle.set()
         return None
 
-    def spawn(self, coro: object) -> None:
-        task: asyncio.Task[None] = asyncio.ensure_future(coro)  # type: ignore[arg-type]
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task: asyncio.Task[None] = asyncio.create_task(coro)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
@@ -237,9 +242,8 @@ async def _run(cfg: DemoConfig, url: str, console: Console) -> DemoReport:
         try:
             await _progress(run, cfg, console, t0)
             run.stop.set()
-            deadline = time.monotonic() + cfg.drain_s
-            while run.in_flight and time.monotonic() < deadline:
-                await asyncio.sleep(0.1)
+            if run.in_flight:
+                await wait_event(run.idle, cfg.drain_s)
         finally:
             run.stop.set()
             for task in list(run.tasks):

@@ -6,7 +6,10 @@ deleted before each test); ``SLUICE_TEST_NATS=testcontainers`` starts NATS in Do
 
 from __future__ import annotations
 
+import asyncio
+import linecache
 import os
+import sys
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -43,6 +46,47 @@ def nats_url() -> Iterator[str]:
         return
     with EmbeddedNats() as server:
         yield server.url
+
+
+def _await_chain(task: asyncio.Task[object]) -> str:
+    frames = []
+    coro: object = task.get_coro()
+    while coro is not None:
+        frame = next(
+            (
+                getattr(coro, a)
+                for a in ("cr_frame", "ag_frame", "gi_frame")
+                if getattr(coro, a, None)
+            ),
+            None,
+        )
+        if frame is not None:
+            line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+            frames.append(f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno} {line}")
+        coro = next(
+            (
+                getattr(coro, a)
+                for a in ("cr_await", "ag_await", "gi_yieldfrom")
+                if getattr(coro, a, None)
+            ),
+            None,
+        )
+    return " > ".join(frames)
+
+
+@pytest.fixture(autouse=True)
+async def _hang_report() -> AsyncIterator[None]:
+    """If a test is still running after 15 s, print where every task is waiting (a hang
+    otherwise shows only the event loop's select() in pytest-timeout's report)."""
+
+    async def watch() -> None:
+        await asyncio.sleep(15)
+        for task in asyncio.all_tasks():
+            print(f"[hang-report] {task.get_name()}: {_await_chain(task)}", file=sys.stderr)
+
+    watcher = asyncio.create_task(watch())
+    yield
+    watcher.cancel()
 
 
 @pytest.fixture(autouse=True)

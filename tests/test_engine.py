@@ -46,7 +46,7 @@ def test_shared_prefix_is_not_prefilled_twice() -> None:
     e.add("a", 1600 + 32, 1, [*shared, 1000, 1001], 0.0)
     _run(e)
     e.add("b", 1600 + 32, 1, [*shared, 2000, 2001], 0.0)
-    t, first, done = _run(e)
+    _, first, done = _run(e)
     assert done["b"].cached_tokens == 1600
     assert first["b"] == pytest.approx(32 / 8000)  # only the uncached 32 tokens
     assert e.cached_tokens_total == 1600

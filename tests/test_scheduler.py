@@ -18,7 +18,9 @@ from sluice.schemas.models import RejectReason
 BANDS = ("interactive", "standard", "batch")
 
 
-def _sched(global_limit: int = 4, delays: dict[str, float] | None = None, **kw: object) -> Scheduler:
+def _sched(
+    global_limit: int = 4, delays: dict[str, float] | None = None, **kw: object
+) -> Scheduler:
     cfg = AdmissionConfig(
         global_limit=global_limit,
         band_delay_s=delays or {"interactive": 0.0, "standard": 2.0, "batch": 10.0},
@@ -332,9 +334,7 @@ def test_drift_counts_old_bookings_missing_from_reports() -> None:
     _run_all(s, 0.0)
     assert s.drift("w", 1.0, grace_s=2.0) == 0
     assert s.drift("w", 5.0, grace_s=2.0) == 1
-    s.update_worker(
-        WorkerInfo("w", frozenset({"m"}), 8, reported_in_flight=frozenset({"a"}))
-    )
+    s.update_worker(WorkerInfo("w", frozenset({"m"}), 8, reported_in_flight=frozenset({"a"})))
     assert s.drift("w", 5.0, grace_s=2.0) == 0
 
 

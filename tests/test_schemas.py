@@ -7,8 +7,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sluice.schemas import DecodeError, Heartbeat, Result, SubmitRequest, WorkerLoad, decode, encode
-from sluice.schemas import names
+from sluice.schemas import (
+    DecodeError,
+    Heartbeat,
+    Result,
+    SubmitRequest,
+    WorkerLoad,
+    decode,
+    encode,
+    names,
+)
 from sluice.schemas.hashing import (
     block_hashes,
     estimate_text_tokens,
