@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import sys
 from collections.abc import Coroutine
@@ -74,6 +75,7 @@ def demo(
     from sluice.natsserver import NatsServerError
 
     cfg = DemoConfig(
+        nats_url=os.environ.get("SLUICE_NATS_URL") or None,
         duration_s=duration,
         workers=workers,
         sessions=sessions,

@@ -1,0 +1,230 @@
+"""The parts as separate processes, configured by environment and config file, and the demo
+as a user runs it. Every process is stopped by its PID, also when an assertion fails."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sluice.agent import AgentSettings
+from sluice.config import ConfigError
+from sluice.dispatcher import DispatcherSettings
+from sluice.natsserver import EmbeddedNats
+
+pytestmark = pytest.mark.e2e
+
+SLUICE = [sys.executable, "-m", "sluice.cli"]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by its parent) counts as gone.
+    try:
+        return "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+    except FileNotFoundError:
+        return False
+
+
+class Procs:
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[str]] = []
+
+    def start(self, args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+        p = subprocess.Popen(
+            SLUICE + args,
+            env={**os.environ, **env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.procs.append(p)
+        return p
+
+    def stop_all(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+
+
+@pytest.fixture
+def procs() -> Iterator[Procs]:
+    ps = Procs()
+    try:
+        yield ps
+    finally:
+        ps.stop_all()
+
+
+def test_separate_processes_serve_a_cli_submission(nats_url: str, procs: Procs) -> None:
+    env = {
+        "SLUICE_NATS_URL": nats_url,
+        "SLUICE_DISPATCHER_LEARN_S": "0.2",
+        "SLUICE_DISPATCHER_MODELS": '["sim"]',
+        "SLUICE_AGENT_SPEED": "20",
+        "SLUICE_AGENT_HEARTBEAT_S": "0.2",
+    }
+    dispatcher = procs.start(["dispatcher"], env)
+    agent = procs.start(["agent", "--worker-id", "proc-worker", "--capacity", "4"], env)
+    out = None
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        # The first submissions may come before the dispatcher created its streams.
+        out = subprocess.run(
+            [*SLUICE, "submit", "--model", "sim", "--prompt", "hello " * 40, "--max-tokens",
+             "12", "--band", "interactive", "--json", "--timeout-s", "20"],
+            env={**os.environ, **env}, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        if out.returncode == 0:
+            break
+        time.sleep(0.3)
+    assert out is not None and out.returncode == 0, out.stderr if out else "no attempt"
+    result = json.loads(out.stdout)
+    assert result["ok"] and result["worker_id"] == "proc-worker"
+    assert len(result["output_tokens"]) == 12
+
+    # Unknown model through the CLI: a typed rejection and a distinct exit code.
+    bad = subprocess.run(
+        [*SLUICE, "submit", "--model", "nope", "--tokens", "1,2,3", "--timeout-s", "20"],
+        env={**os.environ, **env}, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert bad.returncode == 4 and "unknown_model" in bad.stderr
+
+    procs.stop_all()
+    assert dispatcher.returncode == 0, dispatcher.stderr
+    assert agent.returncode == 0, agent.stderr
+
+
+def test_bad_settings_fail_with_a_clear_message() -> None:
+    env = {**os.environ, "SLUICE_DISPATCHER_GLOBAL_LIMIT": "zero"}
+    out = subprocess.run(
+        [*SLUICE, "dispatcher"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 2
+    assert "global_limit" in out.stderr
+    out = subprocess.run(
+        [*SLUICE, "submit", "--model", "m"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 2 and "exactly one of" in out.stderr
+
+
+def test_settings_from_file_and_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = tmp_path / "sluice.toml"
+    cfg.write_text(
+        'nats_url = "nats://127.0.0.1:4999"\n'
+        "[dispatcher]\nglobal_limit = 7\nband_limits = { batch = 3 }\n"
+        '[agent]\nworker_id = "gpu-3"\nmodels = ["a", "b"]\n'
+    )
+    monkeypatch.setenv("SLUICE_DISPATCHER_LEASE_S", "2.5")
+    d = DispatcherSettings.load(cfg)
+    assert (d.nats_url, d.global_limit, d.band_limits, d.lease_s) == (
+        "nats://127.0.0.1:4999",
+        7,
+        {"batch": 3},
+        2.5,
+    )
+    monkeypatch.setenv("SLUICE_DISPATCHER_GLOBAL_LIMIT", "9")  # environment beats the file
+    assert DispatcherSettings.load(cfg).global_limit == 9
+    a = AgentSettings.load(cfg, capacity=3)  # explicit arguments beat both
+    assert (a.worker_id, a.models, a.capacity) == ("gpu-3", ["a", "b"], 3)
+
+    cfg.write_text("[dispatcher]\nband_limits = { nope = 1 }\n")
+    with pytest.raises(ConfigError, match="unknown bands"):
+        DispatcherSettings.load(cfg)
+    with pytest.raises(ConfigError, match="not found"):
+        DispatcherSettings.load(tmp_path / "missing.toml")
+    with pytest.raises(ConfigError, match="worker_id"):
+        AgentSettings.load(None, worker_id="a.b")
+
+
+def test_example_config_in_deploy_loads() -> None:
+    example = Path(__file__).parent.parent / "deploy" / "sluice.example.toml"
+    assert DispatcherSettings.load(example).global_limit > 0
+    assert AgentSettings.load(example).models
+
+
+def test_embedded_nats_stops_its_process() -> None:
+    server = EmbeddedNats().start()
+    pid = server.pid
+    assert pid is not None and _pid_alive(pid)
+    store = Path(server.store_dir)
+    server.stop()
+    assert not _pid_alive(pid)
+    assert not store.exists()
+
+
+def _demo(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [*SLUICE, "demo", *args],
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _nats_pid(output: str) -> int:
+    m = re.search(r"embedded nats-server pid (\d+)", output)
+    assert m, output
+    return int(m.group(1))
+
+
+def test_demo_runs_and_leaves_no_process_behind() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "SLUICE_NATS_URL"}
+    p = subprocess.Popen(
+        [*SLUICE, "demo", "--duration", "3", "--speed", "4", "--sessions", "8"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        out, _ = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0, out
+    for title in ("Summary", "By band", "Per worker", "worker-3"):
+        assert title in out
+    assert not _pid_alive(_nats_pid(out))
+
+
+def test_demo_ctrl_c_prints_summary_and_cleans_up() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "SLUICE_NATS_URL"}
+    p = subprocess.Popen(
+        [*SLUICE, "demo", "--duration", "60", "--speed", "4", "--sessions", "8"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        assert p.stdout is not None
+        head = ""
+        while "Sluice demo" not in head:
+            line = p.stdout.readline()
+            assert line, head
+            head += line
+        time.sleep(2)
+        p.send_signal(signal.SIGINT)
+        rest, _ = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    out = head + rest
+    assert p.returncode == 0, out
+    assert "interrupted" in out and "Summary" in out
+    assert not _pid_alive(_nats_pid(out))
