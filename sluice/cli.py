@@ -29,7 +29,7 @@ app = typer.Typer(
 )
 # Piped output (CI logs) gets wide tables instead of 80 columns of wrapped cells.
 console = Console(width=None if sys.stdout.isatty() else 150)
-err = Console(stderr=True)
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 150)
 
 ConfigOpt = Annotated[
     Path | None,

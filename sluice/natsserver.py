@@ -81,7 +81,11 @@ class EmbeddedNats:
             "-l", str(log_path),
         ]  # fmt: skip
         self._proc = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         )
         deadline = time.monotonic() + self._start_timeout_s
         while time.monotonic() < deadline:
@@ -124,6 +128,16 @@ class EmbeddedNats:
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: have the kernel send SIGTERM when the parent dies, so a
+    parent killed with SIGKILL (or a test runner killed by a timeout) leaves no server behind."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
 
 
 def _read(path: Path) -> str:

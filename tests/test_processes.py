@@ -228,3 +228,26 @@ def test_demo_ctrl_c_prints_summary_and_cleans_up() -> None:
     assert p.returncode == 0, out
     assert "interrupted" in out and "Summary" in out
     assert not _pid_alive(_nats_pid(out))
+
+
+def test_embedded_nats_dies_with_a_killed_parent(tmp_path: Path) -> None:
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import time\n"
+        "from sluice.natsserver import EmbeddedNats\n"
+        "s = EmbeddedNats().start()\n"
+        "print(s.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        assert _pid_alive(child)
+    finally:
+        parent.kill()  # SIGKILL: no cleanup code runs in the parent
+        parent.wait(10)
+    deadline = time.monotonic() + 10
+    while _pid_alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _pid_alive(child)
