@@ -66,10 +66,13 @@ class LeastLoaded:
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate], now_s: float) -> str:
         if not candidates:
             raise ValueError("choose() needs at least one candidate")
-        best = min(load_of(c) for c in candidates)
-        tied = [c for c in candidates if load_of(c) == best]
-        if len(tied) > 1:
-            # Among equal token loads, prefer the relatively emptier worker, then chance.
-            frac = min(c.booked / max(c.capacity, 1) for c in tied)
-            tied = [c for c in tied if c.booked / max(c.capacity, 1) == frac]
+        # Least token load, then the relatively emptiest worker, then chance (never position).
+        best: tuple[float, float] | None = None
+        tied: list[Candidate] = []
+        for c in candidates:
+            key = (load_of(c), c.booked / max(c.capacity, 1))
+            if best is None or key < best:
+                best, tied = key, [c]
+            elif key == best:
+                tied.append(c)
         return tied[0].worker_id if len(tied) == 1 else self._rng.choice(tied).worker_id

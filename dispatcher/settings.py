@@ -76,6 +76,9 @@ class DispatcherSettings(SluiceSettings):
     max_deliver: int = Field(
         default=10, ge=2, description="Deliveries of a request before it goes to dead letters."
     )
+    stream_replicas: int = Field(
+        default=1, ge=1, le=5, description="JetStream replicas of every stream (3 in a cluster)."
+    )
     result_ttl_s: float = Field(default=3600.0, gt=0, description="How long results are kept.")
     duplicate_window_s: float = Field(
         default=120.0, gt=0, description="Request-id deduplication window of the streams."

@@ -25,6 +25,7 @@ def band_stream(s: DispatcherSettings, band: str) -> api.StreamConfig:
         discard=api.DiscardPolicy.NEW,
         max_msgs=s.queue_max_msgs + s.global_limit,
         storage=api.StorageType.FILE,
+        num_replicas=s.stream_replicas,
         duplicate_window=s.duplicate_window_s,
     )
 
@@ -36,6 +37,7 @@ def result_stream(s: DispatcherSettings) -> api.StreamConfig:
         retention=api.RetentionPolicy.LIMITS,
         max_age=s.result_ttl_s,
         storage=api.StorageType.FILE,
+        num_replicas=s.stream_replicas,
         duplicate_window=s.duplicate_window_s,
         allow_direct=True,
     )
@@ -48,6 +50,7 @@ def dead_letter_stream(s: DispatcherSettings) -> api.StreamConfig:
         retention=api.RetentionPolicy.LIMITS,
         max_age=7 * 24 * 3600.0,
         storage=api.StorageType.FILE,
+        num_replicas=s.stream_replicas,
     )
 
 

@@ -97,6 +97,34 @@ def demo(
 
 
 @app.command()
+def bench(
+    requests: Annotated[int, typer.Option(help="Requests per benchmark.", min=10)] = 50_000,
+    live_requests: Annotated[int, typer.Option(help="Requests of the live run.", min=10)] = 300,
+    skip_live: Annotated[bool, typer.Option(help="Only the pure-core benchmark.")] = False,
+) -> None:
+    """Measure the dispatcher's own cost against baselines measured in the same run."""
+    from sluice.bench import bench_core, bench_live
+
+    core = bench_core(requests=requests)
+    console.print(
+        f"core: {core.decisions:,} decisions; sluice scheduler "
+        f"{core.sluice_us_per_decision:.1f} us CPU/decision, minimal FIFO+round-robin baseline "
+        f"{core.baseline_us_per_decision:.2f} us; ratio {core.ratio:.1f}x"
+    )
+    if skip_live:
+        return
+    live = _run(bench_live(requests=live_requests))
+    console.print(
+        f"live ({live.requests} sequential requests, idle cluster): dispatch latency "
+        f"(submit -> worker accepted) p50 {live.dispatch_p50_ms:.2f} ms, "
+        f"p99 {live.dispatch_p99_ms:.2f} ms; same-run broker baselines: JetStream publish ack "
+        f"p50 {live.js_publish_p50_ms:.2f} ms, core request/reply p50 "
+        f"{live.request_reply_p50_ms:.2f} ms; dispatch / publish-ack = "
+        f"{live.dispatch_p50_ms / live.js_publish_p50_ms:.1f}x"
+    )
+
+
+@app.command()
 def nats(
     port: Annotated[int, typer.Option(help="Client port (-1: any free port).")] = 4222,
     store_dir: Annotated[

@@ -1,0 +1,174 @@
+"""``sluice bench``: what the dispatcher itself costs, against baselines measured in the same run.
+
+- ``core``: CPU per scheduling decision of the pure scheduler (enqueue, plan, book, complete
+  with aging, band limits and least-loaded choice over the workers) against a minimal baseline
+  doing the least any dispatcher must (strict-priority FIFO queues, round-robin over workers with
+  free capacity) on the same request stream.
+- ``live``: on an idle cluster over a real nats-server, the dispatch latency a request sees
+  (``queued_s``: submission until a worker accepted it) against the broker's own round trips
+  measured in the same run: a JetStream publish acknowledgement and a core request/reply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from sluice.dispatcher.admission import AdmissionConfig
+from sluice.dispatcher.routing import LeastLoaded
+from sluice.dispatcher.scheduler import Request, Scheduler, WorkerInfo
+from sluice.schemas.names import DEFAULT_BANDS
+from sluice.sim.stats import percentile
+
+
+@dataclass(frozen=True)
+class CoreResult:
+    decisions: int
+    sluice_us_per_decision: float
+    baseline_us_per_decision: float
+
+    @property
+    def ratio(self) -> float:
+        return self.sluice_us_per_decision / self.baseline_us_per_decision
+
+
+def _stream(n: int, seed: int) -> list[tuple[str, str, int]]:
+    rng = random.Random(seed)
+    return [(f"r{i}", rng.choice(DEFAULT_BANDS), rng.randint(100, 4000)) for i in range(n)]
+
+
+def bench_core(
+    requests: int = 50_000, workers: int = 16, capacity: int = 32, seed: int = 0
+) -> CoreResult:
+    """Drive both dispatchers through the same arrivals and completions; CPU time per
+    dispatched request."""
+    stream = _stream(requests, seed)
+    limit = workers * capacity
+
+    # --- sluice
+    sched = Scheduler(
+        AdmissionConfig(global_limit=limit, band_limits={"batch": limit // 2}),
+        LeastLoaded(random.Random(seed)),
+        models=["m"],
+    )
+    for w in range(workers):
+        sched.update_worker(WorkerInfo(f"w{w}", frozenset({"m"}), capacity))
+    rng = random.Random(seed + 1)
+    running: list[str] = []
+    decisions = 0
+    t0 = time.process_time()
+    now = 0.0
+    for i in range(0, requests, 64):
+        now += 0.01
+        for rid, band, tokens in stream[i : i + 64]:
+            sched.enqueue(Request(rid, band, "m", "t", tokens, 128, now), now)
+        for _ in range(min(len(running), 64)):
+            sched.complete(running.pop(rng.randrange(len(running))))
+        for d in sched.plan(now):
+            sched.book(d, now)
+            running.append(d.request.request_id)
+            decisions += 1
+    sluice_s = time.process_time() - t0
+
+    # --- baseline: strict-priority FIFO, round-robin over workers with room
+    queues: dict[str, deque[str]] = {b: deque() for b in DEFAULT_BANDS}
+    free = {f"w{w}": capacity for w in range(workers)}
+    where: dict[str, str] = {}
+    rr = itertools.cycle(list(free))
+    rng = random.Random(seed + 1)
+    running_b: list[str] = []
+    base_decisions = 0
+    t0 = time.process_time()
+    for i in range(0, requests, 64):
+        for rid, band, _ in stream[i : i + 64]:
+            queues[band].append(rid)
+        for _ in range(min(len(running_b), 64)):
+            rid = running_b.pop(rng.randrange(len(running_b)))
+            free[where.pop(rid)] += 1
+        for band in DEFAULT_BANDS:
+            q = queues[band]
+            while q and len(running_b) < limit:
+                w = next(rr)
+                while free[w] == 0:
+                    w = next(rr)
+                free[w] -= 1
+                rid = q.popleft()
+                where[rid] = w
+                running_b.append(rid)
+                base_decisions += 1
+    base_s = time.process_time() - t0
+    return CoreResult(
+        decisions=decisions,
+        sluice_us_per_decision=sluice_s / max(decisions, 1) * 1e6,
+        baseline_us_per_decision=base_s / max(base_decisions, 1) * 1e6,
+    )
+
+
+@dataclass(frozen=True)
+class LiveResult:
+    requests: int
+    dispatch_p50_ms: float
+    dispatch_p99_ms: float
+    js_publish_p50_ms: float
+    request_reply_p50_ms: float
+
+
+async def bench_live(requests: int = 300, nats_url: str | None = None) -> LiveResult:
+    """Sequential requests on an idle 2-worker cluster; dispatch latency vs broker RTTs."""
+    import nats
+
+    from sluice.client import Client
+    from sluice.cluster import LocalCluster
+    from sluice.natsserver import EmbeddedNats
+
+    server = None if nats_url else EmbeddedNats().start()
+    url = nats_url or (server.url if server else "")
+    try:
+        nc = await nats.connect(url)
+        js = nc.jetstream()
+        await js.add_stream(name="BENCH_RTT", subjects=["bench.rtt"])
+
+        async def echo(msg: object) -> None:
+            await msg.respond(b"")  # type: ignore[attr-defined]
+
+        await nc.subscribe("bench.echo", cb=echo)
+        pub_ms, rr_ms = [], []
+        for _ in range(requests):
+            t = time.perf_counter()
+            await js.publish("bench.rtt", b"x" * 512)
+            pub_ms.append((time.perf_counter() - t) * 1000)
+            t = time.perf_counter()
+            await nc.request("bench.echo", b"x", timeout=2)
+            rr_ms.append((time.perf_counter() - t) * 1000)
+        await js.delete_stream("BENCH_RTT")
+        await nc.close()
+
+        cluster = LocalCluster(
+            url,
+            workers=2,
+            dispatcher={"models": ["sim"], "learn_s": 0.2, "tick_s": 0.05},
+            agent={"speed": 100.0, "heartbeat_s": 0.5},
+        )
+        dispatch_ms = []
+        async with cluster, Client(url) as client:
+            await asyncio.sleep(0.5)
+            prompt = list(range(256))
+            for _ in range(requests):
+                h = await client.submit("sim", prompt, max_tokens=1, band="interactive")
+                r = await h.result(timeout_s=30)
+                assert r.timings is not None
+                dispatch_ms.append(r.timings.queued_s * 1000)
+        return LiveResult(
+            requests=requests,
+            dispatch_p50_ms=percentile(dispatch_ms, 50),
+            dispatch_p99_ms=percentile(dispatch_ms, 99),
+            js_publish_p50_ms=percentile(pub_ms, 50),
+            request_reply_p50_ms=percentile(rr_ms, 50),
+        )
+    finally:
+        if server is not None:
+            server.stop()
