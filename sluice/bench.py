@@ -92,12 +92,12 @@ def bench_core(
         for band in DEFAULT_BANDS:
             q = queues[band]
             while q and len(running_b) < limit:
-                w = next(rr)
-                while free[w] == 0:
-                    w = next(rr)
-                free[w] -= 1
+                wid = next(rr)
+                while free[wid] == 0:
+                    wid = next(rr)
+                free[wid] -= 1
                 rid = q.popleft()
-                where[rid] = w
+                where[rid] = wid
                 running_b.append(rid)
                 base_decisions += 1
     base_s = time.process_time() - t0

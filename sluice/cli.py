@@ -139,18 +139,36 @@ def nats(
     except NatsServerError as exc:
         raise _fail(str(exc)) from exc
     console.print(f"nats-server (pid {server.pid}) listening on {server.url}; Ctrl-C stops it")
+    stop_signals = {signal.SIGINT, signal.SIGTERM}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
     try:
-        signal.sigwait({signal.SIGINT, signal.SIGTERM}) if _block_signals() else None
-    except KeyboardInterrupt:
-        pass
+        signal.sigwait(stop_signals)
     finally:
         server.stop()
         console.print("nats-server stopped")
 
 
-def _block_signals() -> bool:
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-    return True
+def _serve(
+    start: Any,
+    stop: Any,
+    metrics_host: str,
+    metrics_port: int,
+    banner: str,
+    errors: tuple[type[Exception], ...],
+) -> None:
+    """Run a long-lived part until SIGINT/SIGTERM, with optional Prometheus metrics."""
+    from prometheus_client import start_http_server
+
+    if metrics_port:
+        try:
+            start_http_server(metrics_port, addr=metrics_host)
+        except OSError as exc:
+            raise _fail(f"cannot serve metrics on {metrics_host}:{metrics_port}: {exc}") from exc
+    err.print(banner)
+    try:
+        _run(_serve_until_signal(start, stop))
+    except errors as exc:
+        raise _fail(str(exc)) from exc
 
 
 async def _serve_until_signal(start: Any, stop: Any) -> None:
@@ -169,8 +187,6 @@ async def _serve_until_signal(start: Any, stop: Any) -> None:
 @app.command()
 def dispatcher(config: ConfigOpt = None) -> None:
     """Run a dispatcher (settings: SLUICE_DISPATCHER_*, SLUICE_NATS_URL, [dispatcher])."""
-    from prometheus_client import start_http_server
-
     from sluice.dispatcher import Dispatcher, DispatcherSettings
     from sluice.dispatcher.errors import DispatcherError
     from sluice.transport import TransportError
@@ -179,14 +195,15 @@ def dispatcher(config: ConfigOpt = None) -> None:
         settings = DispatcherSettings.load(config)
     except ConfigError as exc:
         raise _fail(str(exc)) from exc
-    if settings.metrics_port:
-        start_http_server(settings.metrics_port, addr=settings.metrics_host)
     d = Dispatcher(settings)
-    err.print(f"dispatcher {settings.dispatcher_id} on {settings.nats_url}; Ctrl-C stops it")
-    try:
-        _run(_serve_until_signal(d.start, d.stop))
-    except (TransportError, DispatcherError) as exc:
-        raise _fail(str(exc)) from exc
+    _serve(
+        d.start,
+        d.stop,
+        settings.metrics_host,
+        settings.metrics_port,
+        f"dispatcher {settings.dispatcher_id} on {settings.nats_url}; Ctrl-C stops it",
+        (TransportError, DispatcherError),
+    )
 
 
 @app.command()
@@ -200,8 +217,6 @@ def agent(
     speed: Annotated[float | None, typer.Option(help="Simulated clock speed-up.")] = None,
 ) -> None:
     """Run an agent with a simulated engine (settings: SLUICE_AGENT_*, [agent])."""
-    from prometheus_client import start_http_server
-
     from sluice.agent import Agent, AgentSettings
     from sluice.transport import TransportError
 
@@ -219,14 +234,15 @@ def agent(
         settings = AgentSettings.load(config, **overrides)
     except ConfigError as exc:
         raise _fail(str(exc)) from exc
-    if settings.metrics_port:
-        start_http_server(settings.metrics_port, addr=settings.metrics_host)
     a = Agent(settings)
-    err.print(f"agent {settings.worker_id} serving {settings.models}; Ctrl-C drains and stops")
-    try:
-        _run(_serve_until_signal(a.start, a.stop))
-    except TransportError as exc:
-        raise _fail(str(exc)) from exc
+    _serve(
+        a.start,
+        a.stop,
+        settings.metrics_host,
+        settings.metrics_port,
+        f"agent {settings.worker_id} serving {settings.models}; Ctrl-C drains and stops",
+        (TransportError,),
+    )
 
 
 @app.command()

@@ -172,10 +172,11 @@ def test_embedded_nats_stops_its_process() -> None:
     assert not store.exists()
 
 
-def _demo(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+def _demo(args: list[str]) -> subprocess.Popen[str]:
+    """The demo as a user starts it: on its own embedded server."""
     return subprocess.Popen(
         [*SLUICE, "demo", *args],
-        env={**os.environ, **(env or {})},
+        env={k: v for k, v in os.environ.items() if k != "SLUICE_NATS_URL"},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -189,11 +190,7 @@ def _nats_pid(output: str) -> int:
 
 
 def test_demo_runs_and_leaves_no_process_behind() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "SLUICE_NATS_URL"}
-    p = subprocess.Popen(
-        [*SLUICE, "demo", "--duration", "3", "--speed", "4", "--sessions", "8"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    p = _demo(["--duration", "3", "--speed", "4", "--sessions", "8"])
     try:
         out, _ = p.communicate(timeout=120)
     finally:
@@ -206,11 +203,7 @@ def test_demo_runs_and_leaves_no_process_behind() -> None:
 
 
 def test_demo_ctrl_c_prints_summary_and_cleans_up() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "SLUICE_NATS_URL"}
-    p = subprocess.Popen(
-        [*SLUICE, "demo", "--duration", "60", "--speed", "4", "--sessions", "8"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    p = _demo(["--duration", "60", "--speed", "4", "--sessions", "8"])
     try:
         assert p.stdout is not None
         head = ""
