@@ -14,6 +14,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
+from rich import box
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
@@ -157,9 +158,14 @@ def _live_table(run: _Run, elapsed: float, cfg: DemoConfig) -> Table:
     prompt = sum(r.prompt_tokens for r in done)
     hit = sum(r.cached_tokens for r in done) / prompt if prompt else 0.0
     sched = run.cluster.dispatcher.scheduler
-    t = Table(title=f"sluice demo  {elapsed:5.1f}/{cfg.duration_s:.0f} s", show_header=True)
-    for col in ("submitted", "done", "rejected", "in flight", "queued", "running", "req/s",
-                "TTFT p50", "TTFT p99", "hit rate"):  # fmt: skip
+    t = Table(
+        title=f"sluice demo  {elapsed:5.1f}/{cfg.duration_s:.0f} s",
+        caption="live: awaiting a result · queue/run: in the dispatcher / on workers",
+        box=box.SIMPLE_HEAVY,
+    )
+    # Short headers: the live view must fit an 80-column terminal.
+    for col in ("sent", "done", "rej", "live", "queue", "run", "req/s",
+                "TTFT p50", "TTFT p99", "hit"):  # fmt: skip
         t.add_column(col, justify="right")
     t.add_row(
         str(run.submitted),

@@ -244,3 +244,21 @@ def test_embedded_nats_dies_with_a_killed_parent(tmp_path: Path) -> None:
     while _pid_alive(child) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _pid_alive(child)
+
+
+def test_sluice_nats_serves_in_the_foreground_and_stops_on_sigterm(procs: Procs) -> None:
+    import socket
+
+    p = procs.start(["nats", "--port", "-1"], {})
+    assert p.stdout is not None
+    line = p.stdout.readline()
+    m = re.search(r"pid (\d+)\) listening on nats://127\.0\.0\.1:(\d+)", line)
+    assert m, line
+    server_pid, port = int(m.group(1)), int(m.group(2))
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        assert s.recv(4096).startswith(b"INFO ")  # a real NATS server greets every client
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=20)
+    assert p.returncode == 0
+    assert "nats-server stopped" in out
+    assert not _pid_alive(server_pid)
