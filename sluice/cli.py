@@ -138,10 +138,12 @@ def nats(
         server = EmbeddedNats(store_dir=str(store_dir) if store_dir else None, port=port).start()
     except NatsServerError as exc:
         raise _fail(str(exc)) from exc
-    console.print(f"nats-server (pid {server.pid}) listening on {server.url}; Ctrl-C stops it")
+    # Block the stop signals before announcing the server, so a signal sent as soon as the
+    # announcement is seen is waited for, not fatal (the server would outlive us).
     stop_signals = {signal.SIGINT, signal.SIGTERM}
-    signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
     try:
+        signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
+        console.print(f"nats-server (pid {server.pid}) listening on {server.url}; Ctrl-C stops it")
         signal.sigwait(stop_signals)
     finally:
         server.stop()

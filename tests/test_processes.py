@@ -253,7 +253,10 @@ def test_sluice_nats_serves_in_the_foreground_and_stops_on_sigterm(procs: Procs)
     assert p.stdout is not None
     line = p.stdout.readline()
     m = re.search(r"pid (\d+)\) listening on nats://127\.0\.0\.1:(\d+)", line)
-    assert m, line
+    if not m:
+        p.kill()
+        rest, err = p.communicate(timeout=10)
+        raise AssertionError(f"no listening line: {line!r} {rest!r} stderr={err!r}")
     server_pid, port = int(m.group(1)), int(m.group(2))
     with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
         assert s.recv(4096).startswith(b"INFO ")  # a real NATS server greets every client
