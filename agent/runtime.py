@@ -68,6 +68,15 @@ class _Running:
         return self.assignment.attempt
 
 
+@dataclass
+class _Report:
+    """A finished request still to be reported: its result (None once stored, or for a
+    failure) and its completion."""
+
+    result: Result | None
+    completion: Completion
+
+
 class Agent:
     """One worker: a simulated engine behind the Sluice protocol.
 
@@ -86,7 +95,8 @@ class Agent:
         self._own_nc = nc is None
         self._observer = observer
         self._running: dict[str, _Running] = {}
-        self._unconfirmed: dict[str, Completion] = {}
+        self._outbox: dict[str, _Report] = {}
+        self._delivering: set[str] = set()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._sub: Subscription | None = None
@@ -137,10 +147,10 @@ class Agent:
             await self._heartbeat()
         if drain:
             deadline = time.monotonic() + self.settings.drain_timeout_s
-            while (self._running or self._unconfirmed) and time.monotonic() < deadline:
+            while (self._running or self._outbox) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-                if self._unconfirmed:
-                    await self._resend_completions()
+                if self._outbox:
+                    await self._redeliver()
         with contextlib.suppress(Exception):
             await self._heartbeat(leaving=True)
         await self._shutdown()
@@ -346,7 +356,6 @@ class Agent:
                 decode_s=ev.decode_s,
             ),
         )
-        await self._publish_result(result)
         metrics.REQUESTS.labels(self.worker_id, "ok").inc()
         metrics.PROMPT_TOKENS.labels(self.worker_id).inc(ev.prompt_tokens)
         metrics.CACHED_TOKENS.labels(self.worker_id).inc(ev.cached_tokens)
@@ -364,10 +373,7 @@ class Agent:
             decode_s=ev.decode_s,
         )
         self._changed()
-        self._unconfirmed[req.request_id] = completion
-        task = asyncio.create_task(self._send_completion(completion))
-        self._sending.add(task)
-        task.add_done_callback(self._sending.discard)
+        self._report(result, completion)
 
     async def _finish_failed(self, run: _Running, error: str) -> None:
         req = run.assignment.request
@@ -384,37 +390,47 @@ class Agent:
             decode_s=0.0,
             error=error,
         )
-        self._unconfirmed[req.request_id] = completion
-        await self._send_completion(completion)
+        self._report(None, completion)
 
-    async def _publish_result(self, result: Result) -> None:
-        js = self.nc.jetstream()
-        subject = names.result_subject(result.tenant, result.request_id)
-        for attempt in range(5):
-            try:
-                await js.publish(
-                    subject,
-                    encode(result),
-                    headers={"Nats-Msg-Id": result.request_id},
+    # ------------------------------------------------------------------ reporting
+
+    def _report(self, result: Result | None, completion: Completion) -> None:
+        """Queue a finished request's report and start delivering it. The engine loop never
+        waits for the broker; undelivered reports are retried with every heartbeat."""
+        self._outbox[completion.request_id] = _Report(result, completion)
+        task = asyncio.create_task(self._deliver(completion.request_id))
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
+
+    async def _deliver(self, request_id: str) -> None:
+        """Store the result in JetStream, *then* tell the dispatcher. The order matters: the
+        dispatcher acks the request on the completion, so a completion must never get ahead
+        of a result that is not stored yet (a broker outage would lose it)."""
+        report = self._outbox.get(request_id)
+        if report is None or request_id in self._delivering:
+            return
+        self._delivering.add(request_id)
+        try:
+            if report.result is not None:
+                await self.nc.jetstream().publish(
+                    names.result_subject(report.result.tenant, request_id),
+                    encode(report.result),
+                    headers={"Nats-Msg-Id": request_id},  # a retried publish is deduplicated
                     timeout=2.0,
                 )
-                return
-            except Exception:
-                # Broker failover or a slow leader: back off and try again; the msg id dedups.
-                await asyncio.sleep(0.2 * (attempt + 1))
-
-    async def _send_completion(self, completion: Completion) -> None:
-        try:
+                report.result = None
             await self.nc.request(
-                names.completion_subject(self.worker_id), encode(completion), timeout=1.0
+                names.completion_subject(self.worker_id), encode(report.completion), timeout=1.0
             )
+            self._outbox.pop(request_id, None)
         except Exception:
-            return  # re-sent with the next heartbeat
-        self._unconfirmed.pop(completion.request_id, None)
+            return  # broker or dispatcher unreachable: retried with the next heartbeat
+        finally:
+            self._delivering.discard(request_id)
 
-    async def _resend_completions(self) -> None:
-        for c in list(self._unconfirmed.values()):
-            await self._send_completion(c)
+    async def _redeliver(self) -> None:
+        for request_id in list(self._outbox):
+            await self._deliver(request_id)
 
     # ------------------------------------------------------------------ heartbeat
 
@@ -424,7 +440,7 @@ class Agent:
                 break
             with contextlib.suppress(Exception):
                 await self._heartbeat()
-                await self._resend_completions()
+            await self._redeliver()
 
     async def _heartbeat(self, *, leaving: bool = False) -> None:
         e = self.engine

@@ -23,6 +23,12 @@ class LeaseTable:
         late = [(t, w) for w, t in self._last_s.items() if now_s - t > self.lease_s]
         return [w for _, w in sorted(late)]
 
+    def renew_all(self, now_s: float) -> None:
+        """Give every known worker a fresh lease: after *we* were cut off from the broker,
+        their silence says nothing about them."""
+        for worker_id in self._last_s:
+            self._last_s[worker_id] = max(now_s, self._last_s[worker_id])
+
     def drop(self, worker_id: str) -> None:
         """Forget a worker (its lease ended, or it left)."""
         self._last_s.pop(worker_id, None)

@@ -115,7 +115,9 @@ class Dispatcher:
     async def start(self) -> Dispatcher:
         s = self.settings
         if self._nc is None:
-            self._nc = await connect(s.nats_url, f"sluice-{s.dispatcher_id}")
+            self._nc = await connect(
+                s.nats_url, f"sluice-{s.dispatcher_id}", reconnected_cb=self._on_reconnected
+            )
         await ensure_streams(self.js, s)
         self._started_s = time.monotonic()
         self._running = True
@@ -375,6 +377,8 @@ class Dispatcher:
 
     async def _schedule_once(self) -> None:
         now = time.monotonic()
+        if not self.nc.is_connected:
+            return  # cut off: no heartbeats reach us, so no lease may expire; nothing to send
         for worker_id in self.leases.expired(now):
             metrics.LEASES_EXPIRED.inc()
             log.warning("worker %s lost its lease; re-queueing its requests", worker_id)
@@ -448,6 +452,11 @@ class Dispatcher:
         for snap in self.scheduler.band_snapshots(time.monotonic()):
             metrics.QUEUED.labels(snap.band).set(snap.queued)
             metrics.RUNNING.labels(snap.band).set(snap.running)
+
+    async def _on_reconnected(self) -> None:
+        log.warning("reconnected to NATS; renewing every worker's lease")
+        self.leases.renew_all(time.monotonic())
+        self._kick.set()
 
     # ------------------------------------------------------------------ worker traffic
 

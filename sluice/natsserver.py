@@ -71,6 +71,7 @@ class EmbeddedNats:
 
     def start(self) -> EmbeddedNats:
         """Start the server and wait until it accepts connections."""
+        Path(self.store_dir).mkdir(parents=True, exist_ok=True)
         log_path = Path(self.store_dir) / "nats-server.log"
         cmd = [
             find_binary(),
@@ -89,10 +90,11 @@ class EmbeddedNats:
         )
         deadline = time.monotonic() + self._start_timeout_s
         while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
+            code = self._proc.poll()
+            if code is not None:
                 tail = _tail(log_path)
                 self.stop()
-                raise NatsServerError(f"nats-server exited with {self._proc.returncode}: {tail}")
+                raise NatsServerError(f"nats-server exited with {code}: {tail}")
             m = _LISTEN.search(_read(log_path))
             if m and "Server is ready" in _read(log_path) and _accepts(int(m.group(2))):
                 self.port = int(m.group(2))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 import nats
 from nats.aio.client import Client as NATS
 
@@ -10,7 +12,13 @@ class TransportError(Exception):
     """NATS could not be reached."""
 
 
-async def connect(url: str, name: str, *, connect_timeout_s: float = 5.0) -> NATS:
+async def connect(
+    url: str,
+    name: str,
+    *,
+    connect_timeout_s: float = 5.0,
+    reconnected_cb: Callable[[], Awaitable[None]] | None = None,
+) -> NATS:
     """Connect with reconnects enabled; raises :class:`TransportError` if the first connect
     fails (no endless retry loop on a wrong URL)."""
     try:
@@ -21,8 +29,8 @@ async def connect(url: str, name: str, *, connect_timeout_s: float = 5.0) -> NAT
             allow_reconnect=True,
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.5,
-            # nats-py retries the first connect only when asked; a wrong URL should fail fast.
             error_cb=_ignore_error,
+            **({"reconnected_cb": reconnected_cb} if reconnected_cb else {}),
         )
     except Exception as exc:  # nats-py raises several types (OSError, NoServersError, ...)
         raise TransportError(f"cannot connect to NATS at {url}: {exc}") from exc

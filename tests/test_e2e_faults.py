@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
+from pathlib import Path
 
 import pytest
 
 from sluice.client import Client
 from sluice.cluster import LocalCluster
 from sluice.dispatcher import Dispatcher
+from sluice.dispatcher.streams import ensure_streams
+from sluice.natsserver import EmbeddedNats
+from sluice.schemas import names
+from sluice.schemas.codec import encode
+from sluice.schemas.models import SubmitRequest
 
 from .conftest import cluster_kwargs
 
@@ -75,3 +83,63 @@ async def test_dispatcher_crash_redelivers_after_ack_wait(nats_url: str) -> None
         r1 = await blocker.result(timeout_s=30)
         r2 = await waiting.result(timeout_s=30)
     assert r1.ok and r2.ok
+
+
+async def test_broker_restart_mid_request_loses_nothing(tmp_path: Path) -> None:
+    store = str(tmp_path / "store")
+    first = EmbeddedNats(store_dir=store).start()
+    port = first.port
+    try:
+        kw = cluster_kwargs(workers=2, dispatcher={"global_limit": 4})
+        async with LocalCluster(first.url, **kw), Client(first.url) as c:
+            handles = [
+                await c.submit("sim", PROMPT, max_tokens=600, request_id=f"b{i}") for i in range(8)
+            ]
+            await asyncio.sleep(0.3)  # some are running, some queued
+            first.kill()  # the broker dies mid-request (SIGKILL, store kept)
+            await asyncio.sleep(2.0)  # longer than a lease
+            second = EmbeddedNats(store_dir=store, port=port).start()
+            try:
+                results = [await h.result(timeout_s=60) for h in handles]
+            finally:
+                restarted = second
+        assert sorted(r.request_id for r in results) == [f"b{i}" for i in range(8)]
+        assert all(r.ok and len(r.output_tokens) == 600 for r in results)
+    finally:
+        first.stop()
+        with contextlib.suppress(NameError):
+            restarted.stop()
+
+
+async def test_a_result_that_cannot_be_stored_is_retried_not_dropped(nats_url: str) -> None:
+    """The completion (which acks the request) must never overtake its result: while the
+    result stream is unavailable, the worker holds the completion back. The producer here does
+    not listen for the result (an offline job that fetches results later), so only the stream
+    can hold it."""
+    async with (
+        LocalCluster(nats_url, **cluster_kwargs(workers=1)) as cluster,
+        Client(nats_url) as c,
+    ):
+        js = c.nc.jetstream()
+        await js.delete_stream(names.RESULT_STREAM)
+        request = SubmitRequest(
+            request_id="unstored",
+            model="sim",
+            prompt_tokens=PROMPT,
+            max_tokens=20,
+            submitted_unix_ms=int(time.time() * 1000),
+        )
+        await js.publish(
+            names.request_subject("standard", "sim", "default"),
+            encode(request),
+            headers={"Nats-Msg-Id": "unstored"},
+        )
+        await asyncio.sleep(4.0)  # the request finished long ago; its result has nowhere to go
+        assert cluster.dispatcher.scheduler.running == 1  # ...so it is not acked either
+        await ensure_streams(js, cluster.dispatcher_settings)
+        deadline = time.monotonic() + 20
+        result = None
+        while result is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+            result = await c.fetch_result("unstored")
+    assert result is not None and result.ok and len(result.output_tokens) == 20

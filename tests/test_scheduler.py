@@ -354,3 +354,12 @@ def test_admission_config_validates() -> None:
         AdmissionConfig(global_limit=0)
     with pytest.raises(ValueError):
         AdmissionConfig(band_limits={"nope": 1})
+
+
+def test_renew_all_gives_every_worker_a_fresh_lease() -> None:
+    leases = LeaseTable(lease_s=1.0)
+    leases.renew("a", 0.0)
+    leases.renew("b", 5.0)
+    leases.renew_all(10.0)
+    assert leases.expired(10.5) == []
+    assert leases.expired(11.5) == ["a", "b"]
