@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import random
 import time
@@ -126,6 +127,12 @@ class Dispatcher:
             await self.nc.subscribe(names.COMPLETION_SUBJECTS, cb=self._on_completion),
             await self.nc.subscribe(names.STATS_SUBJECT, cb=self._on_stats),
         ]
+        for band in s.bands:
+            self._subs.append(
+                await self.nc.subscribe(
+                    names.max_deliveries_advisory(band), cb=self._on_max_deliveries
+                )
+            )
         for band in s.bands:
             psub = await self.js.pull_subscribe_bind(
                 durable=names.dispatcher_consumer(band), stream=names.request_stream(band)
@@ -515,6 +522,45 @@ class Dispatcher:
         await _respond(msg)
         self._kick.set()
 
+    async def _on_max_deliveries(self, msg: Msg) -> None:
+        """A request exhausted ``max_deliver``: the broker will not deliver it again, but it
+        still sits in its work-queue stream. Answer its producer, keep a dead letter, and
+        remove it from the queue."""
+        try:
+            advisory = json.loads(msg.data)
+            stream, seq = str(advisory["stream"]), int(advisory["stream_seq"])
+            deliveries = int(advisory.get("deliveries", 0))
+            raw = await self.js.get_msg(stream, seq=seq)
+        except Exception:
+            log.exception("cannot handle a max-deliveries advisory")
+            return
+        message = f"delivered {deliveries} times without finishing; moved to the dead-letter stream"
+        data = raw.data or b""
+        if self._held.get(_request_id_of(data)) is not None:
+            return  # we hold it now (a delivery raced the advisory): it is being served
+        letter = DeadLetter(
+            reason=RejectReason.UNDELIVERABLE,
+            message=message,
+            subject=raw.subject or "",
+            payload=data,
+            received_unix_ms=int(time.time() * 1000),
+        )
+        try:
+            # Keep the letter first, then free the queue; only then answer the producer.
+            await self.js.publish(
+                names.dead_letter_subject(RejectReason.UNDELIVERABLE.value), encode(letter)
+            )
+            await self.js.delete_msg(stream, seq)
+        except Exception:
+            log.exception("cannot dead-letter the request at %s #%d", stream, seq)
+            return
+        log.warning("request at %s #%d was undeliverable; dead-lettered", stream, seq)
+        with contextlib.suppress(DecodeError):
+            req = decode(data, SubmitRequest)
+            await self._publish_rejection(
+                req, Rejection(reason=RejectReason.UNDELIVERABLE, message=message)
+            )
+
     async def _on_stats(self, msg: Msg) -> None:
         now = time.monotonic()
         stats = DispatcherStats(
@@ -545,6 +591,13 @@ class Dispatcher:
             for held in list(self._held.values()):
                 with contextlib.suppress(Exception):
                     await held.msg.in_progress()
+
+
+def _request_id_of(data: bytes) -> str:
+    try:
+        return decode(data, SubmitRequest).request_id
+    except DecodeError:
+        return ""
 
 
 async def _ack(msg: Msg) -> None:

@@ -35,6 +35,9 @@ class RejectReason(StrEnum):
     QUEUE_FULL = "queue_full"
     MAX_ATTEMPTS = "max_attempts"
     """The request was retried on failing workers until its attempt budget ran out."""
+    UNDELIVERABLE = "undeliverable"
+    """The broker delivered the request ``max_deliver`` times without it finishing (for
+    instance through repeated dispatcher crashes); it was moved to the dead-letter stream."""
     INTERNAL = "internal"
 
 

@@ -78,6 +78,15 @@ def dispatcher_consumer(band: str) -> str:
     return f"sluice-dispatch-{subject_token(band).replace('~', '_')}"
 
 
+def max_deliveries_advisory(band: str) -> str:
+    """The JetStream advisory sent when a request of ``band`` reached the consumer's
+    ``max_deliver`` without being acked (it will not be delivered again)."""
+    return (
+        f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{request_stream(band)}."
+        f"{dispatcher_consumer(band)}"
+    )
+
+
 # --- results (JetStream, kept for pickup) ----------------------------------------------------
 
 RESULT_STREAM = "SLUICE_RESULTS"

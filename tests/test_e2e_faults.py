@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sluice.client import Client
+from sluice.client import Client, Rejected, RejectReason
 from sluice.cluster import LocalCluster
 from sluice.dispatcher import Dispatcher
 from sluice.dispatcher.streams import ensure_streams
@@ -143,3 +143,22 @@ async def test_a_result_that_cannot_be_stored_is_retried_not_dropped(nats_url: s
             await asyncio.sleep(0.2)
             result = await c.fetch_result("unstored")
     assert result is not None and result.ok and len(result.output_tokens) == 20
+
+
+async def test_request_delivered_max_deliver_times_is_dead_lettered(nats_url: str) -> None:
+    kw = cluster_kwargs(workers=0, dispatcher={"max_deliver": 2, "ack_wait_s": 0.5})
+    async with LocalCluster(nats_url, **kw) as cluster, Client(nats_url) as c:
+        handle = await c.submit("sim", PROMPT, max_tokens=5, request_id="poisoned")
+        for _ in range(2):  # two dispatchers in turn take it and crash without acking it
+            await asyncio.sleep(0.4)
+            await cluster.dispatcher.kill()
+            cluster.dispatcher = Dispatcher(cluster.dispatcher_settings)
+            await cluster.dispatcher.start()
+        with pytest.raises(Rejected) as info:
+            await handle.result(timeout_s=15)
+        assert info.value.reason is RejectReason.UNDELIVERABLE
+        js = c.nc.jetstream()
+        letters = await js.stream_info(names.DEAD_LETTER_STREAM)
+        queue = await js.stream_info(names.request_stream("standard"))
+    assert letters.state.messages == 1
+    assert queue.state.messages == 0  # removed from the work queue: it no longer takes room
