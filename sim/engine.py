@@ -64,8 +64,11 @@ class Step:
 class SimEngine:
     """One simulated GPU engine running a single model."""
 
-    def __init__(self, profile: EngineProfile) -> None:
+    def __init__(self, profile: EngineProfile, *, every_token: bool = True) -> None:
+        """``every_token=False`` reports only first tokens and finishes (the replay needs no
+        more, and it saves an event per generated token)."""
         self.profile = profile
+        self.every_token = every_token
         self.cache = KVCache(profile.kv_capacity_blocks)
         self._waiting: deque[_Seq] = deque()
         self._running: list[_Seq] = []
@@ -149,7 +152,8 @@ class SimEngine:
         for s in decoding:
             s.generated += 1
             s.decode_s += duration
-            events.append(TokensOut(s.request_id, 1, False))
+            if self.every_token:
+                events.append(TokensOut(s.request_id, 1, False))
         done = [s for s in self._running if s.prefill_left == 0 and s.generated >= s.output_tokens]
         if done:
             for s in done:

@@ -29,6 +29,14 @@ app = typer.Typer(
 )
 # Piped output (CI logs) gets wide tables instead of 80 columns of wrapped cells.
 console = Console(width=None if sys.stdout.isatty() else 150)
+
+
+def _register_replay() -> None:
+    from sluice.replay_cmd import app as replay_app
+
+    app.add_typer(replay_app, name="replay")
+
+
 err = Console(stderr=True, width=None if sys.stderr.isatty() else 150)
 
 ConfigOpt = Annotated[
@@ -384,6 +392,8 @@ def stats(
         t.add_row(b.band, str(b.queued), str(b.running), str(b.limit), f"{b.oldest_wait_s:.2f} s")
     console.print(t)
 
+
+_register_replay()
 
 if __name__ == "__main__":  # pragma: no cover
     app()

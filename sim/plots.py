@@ -1,0 +1,99 @@
+"""PNG charts of replay results (matplotlib, imported only when plotting)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from sluice.sim.replay import PolicyResult
+
+
+class PlotError(RuntimeError):
+    """matplotlib is missing or a chart could not be written."""
+
+
+def _plt() -> Any:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:  # pragma: no cover - matplotlib is in the dev/plot extras
+        raise PlotError("plots need matplotlib: pip install 'sluice[plot]'") from exc
+    return plt
+
+
+def plot_policies(
+    results: Mapping[str, PolicyResult], out_dir: str | Path, title: str
+) -> list[Path]:
+    """TTFT CDF per policy, per-worker busy fraction, and hit rate per policy."""
+    plt = _plt()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, r in results.items():
+        xs = sorted(r.ttfts)
+        if xs:
+            ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel("time to first token (s)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(f"TTFT CDF: {title}")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    paths.append(out / "ttft_cdf.png")
+    fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    width = 0.8 / max(len(results), 1)
+    for k, (name, r) in enumerate(results.items()):
+        ax.bar([i + k * width for i in range(len(r.busy))], r.busy, width=width, label=name)
+    ax.set_xlabel("worker")
+    ax.set_ylabel("busy fraction")
+    ax.set_title(f"Per-worker load: {title}")
+    ax.legend(fontsize="small")
+    paths.append(out / "worker_load.png")
+    fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    names = list(results)
+    ax.bar(names, [results[n].hit_rate for n in names])
+    ax.set_ylabel("prefix-cache hit rate (tokens)")
+    ax.set_title(f"Hit rate: {title}")
+    ax.tick_params(axis="x", rotation=30)
+    paths.append(out / "hit_rate.png")
+    fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return paths
+
+
+def plot_sweep(
+    loads: Sequence[float], series: Mapping[str, Sequence[PolicyResult]], out_dir: str | Path
+) -> list[Path]:
+    """Goodput and P99 TTFT against offered load, per policy."""
+    plt = _plt()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for attr, label, fname in (
+        ("goodput_rps", "goodput (req/s within the TTFT SLO)", "sweep_goodput.png"),
+        ("ttft_p99_s", "P99 time to first token (s)", "sweep_ttft_p99.png"),
+    ):
+        fig, ax = plt.subplots(figsize=(8, 5))
+        for name, rs in series.items():
+            ax.plot(loads, [getattr(r, attr) for r in rs], marker="o", label=name)
+        ax.set_xlabel("offered load (x fleet capacity)")
+        ax.set_ylabel(label)
+        if attr == "ttft_p99_s":
+            ax.set_yscale("log")
+        ax.legend(fontsize="small")
+        ax.grid(alpha=0.3)
+        paths.append(out / fname)
+        fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
+        plt.close(fig)
+    return paths

@@ -1,0 +1,278 @@
+"""The discrete-event replay: a trace, the dispatcher's own scheduler core and a fleet of
+simulated engines on a virtual clock (pure and deterministic for a given seed).
+
+Every arrival is enqueued in the same :class:`~sluice.dispatcher.scheduler.Scheduler` the live
+dispatcher runs; every planning pass books what the policy chose (a simulated worker always
+accepts: it only gets work when it has room); every engine runs the same cost model as the
+agent's. Requests' times are measured on the virtual clock.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+from sluice.dispatcher.admission import AdmissionConfig
+from sluice.dispatcher.scheduler import Request, Scheduler, WorkerInfo
+from sluice.schemas.names import DEFAULT_BANDS
+from sluice.sim.engine import Finished, SimEngine, TokensOut
+from sluice.sim.policies import make_policy
+from sluice.sim.profiles import EngineProfile
+from sluice.sim.stats import percentile, stdev
+from sluice.sim.traces import TraceRequest, upper_bound_hits
+
+DECODE_BATCH_REF = 64
+"""Batch size assumed when the fleet's capacity is computed for ``--load`` (see
+:func:`request_cost_s`)."""
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    workers: int
+    profile: EngineProfile
+    capacity: int = 64
+    """Requests each worker takes at once (the scheduler holds the rest)."""
+    seed: int = 0
+    slo_ttft_s: float = 2.0
+    min_prefix_tokens: int = 1024
+    """The leading prefix that the flap rate watches."""
+
+
+@dataclass
+class _Record:
+    arrival_s: float
+    prompt: int
+    first_s: float | None = None
+    dispatch_s: float | None = None
+    finish_s: float | None = None
+    cached: int = 0
+    rejected: bool = False
+
+
+@dataclass
+class PolicyResult:
+    """The figures of one policy on one trace (the ``policies`` entries of ``--json``)."""
+
+    hit_rate: float
+    ttft_p50_s: float
+    ttft_p90_s: float
+    ttft_p99_s: float
+    queue_p50_s: float
+    queue_p99_s: float
+    e2e_p50_s: float
+    throughput_rps: float
+    goodput_rps: float
+    util_std: float
+    flap_rate: float
+    rejected: int
+    busy: list[float] = field(default_factory=list, repr=False)
+    ttfts: list[float] = field(default_factory=list, repr=False)
+
+    def as_json(self) -> dict[str, float | int]:
+        keys = (
+            "hit_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "queue_p50_s", "queue_p99_s",
+            "e2e_p50_s", "throughput_rps", "goodput_rps", "util_std", "flap_rate",
+        )  # fmt: skip
+        out: dict[str, float | int] = {k: _round(getattr(self, k)) for k in keys}
+        out["rejected"] = self.rejected
+        return out
+
+
+def _round(v: float) -> float:
+    return round(v, 6) if math.isfinite(v) else v
+
+
+class _Fleet:
+    """The engines, as the policies' :class:`FleetView` sees them."""
+
+    def __init__(self, engines: dict[str, SimEngine]) -> None:
+        self.engines = engines
+
+    def cached_blocks(self, worker_id: str, hashes: Sequence[int]) -> int:
+        return self.engines[worker_id].cache.match(hashes)
+
+    def active_decode_blocks(self, worker_id: str) -> int:
+        e = self.engines[worker_id]
+        return e.active_decode_tokens() // e.profile.block_tokens
+
+    def pending_tokens(self, worker_id: str) -> int:
+        e = self.engines[worker_id]
+        return e.pending_prefill_tokens() + e.active_decode_tokens()
+
+
+def request_cost_s(r: TraceRequest, p: EngineProfile) -> float:
+    """One request's work on one worker, in seconds, with no cache reuse: its prefill at the
+    profile's rate plus its output at the per-sequence decode cost of a batch of
+    :data:`DECODE_BATCH_REF`. The fleet's capacity is ``workers`` such seconds per second."""
+    per_token = p.decode_per_seq_s + p.decode_base_s / DECODE_BATCH_REF
+    return r.input_tokens / p.prefill_tokens_per_s + r.output_tokens * per_token
+
+
+def scale_to_load(
+    trace: Sequence[TraceRequest], load: float, workers: int, p: EngineProfile
+) -> list[TraceRequest]:
+    """Stretch or compress arrival times so that offered work is ``load`` x fleet capacity."""
+    if load <= 0:
+        raise ValueError("load must be > 0")
+    duration = trace[-1].arrival_s - trace[0].arrival_s
+    if duration <= 0:
+        return list(trace)
+    work = sum(request_cost_s(r, p) for r in trace)
+    factor = (work / (load * workers)) / duration
+    t0 = trace[0].arrival_s
+    return [replace(r, arrival_s=(r.arrival_s - t0) * factor) for r in trace]
+
+
+def replay(trace: Sequence[TraceRequest], policy_name: str, cfg: ReplayConfig) -> PolicyResult:
+    """Run ``trace`` through the scheduler with ``policy_name`` on ``cfg.workers`` engines."""
+    block_tokens = trace[0].block_tokens
+    profile = replace(cfg.profile, block_tokens=block_tokens)
+    ids = [f"w{i:02d}" for i in range(cfg.workers)]
+    engines = {w: SimEngine(profile, every_token=False) for w in ids}
+    fleet = _Fleet(engines)
+    policy = make_policy(policy_name, fleet, ids, cfg.seed)
+    observe = getattr(policy, "observe", None)
+    bands = tuple(dict.fromkeys([*DEFAULT_BANDS, *(r.band for r in trace)]))
+    models = sorted({r.model for r in trace})
+    sched = Scheduler(
+        AdmissionConfig(bands=bands, global_limit=cfg.workers * cfg.capacity),
+        policy,
+        models=models,
+    )
+    for w in ids:
+        sched.update_worker(WorkerInfo(w, frozenset(models), cfg.capacity))
+
+    records = [_Record(r.arrival_s, r.input_tokens) for r in trace]
+    flap_blocks = max(1, -(-cfg.min_prefix_tokens // block_tokens))
+    flaps = 0
+    busy_until = dict.fromkeys(ids, -1.0)
+    events: list[tuple[float, int, str]] = []  # (time, seq, worker): a step ends
+    seq = 0
+    now = 0.0
+
+    def start_step(w: str) -> None:
+        nonlocal seq
+        step = engines[w].step()
+        if step.duration_s <= 0:
+            busy_until[w] = -1.0
+            return
+        busy_until[w] = now + step.duration_s
+        pending_events[w] = step.events
+        seq += 1
+        heapq.heappush(events, (now + step.duration_s, seq, w))
+
+    pending_events: dict[str, list[TokensOut | Finished]] = {}
+
+    def dispatch() -> None:
+        nonlocal flaps
+        for d in sched.plan(now):
+            r = d.request
+            sched.book(d, now)
+            i = int(r.request_id)
+            records[i].dispatch_s = now
+            head = r.block_hashes[:flap_blocks]
+            if len(head) == flap_blocks:
+                held = [w for w in ids if engines[w].cache.match(head) == flap_blocks]
+                if held and d.worker_id not in held:
+                    flaps += 1
+            if observe is not None:
+                observe(r.route_view(), d.worker_id, now)
+            engines[d.worker_id].add(
+                r.request_id, r.prompt_tokens, r.max_tokens, r.block_hashes, now
+            )
+            if busy_until[d.worker_id] < 0:
+                start_step(d.worker_id)
+
+    i_next = 0
+    n = len(trace)
+    while i_next < n or events:
+        t_arrival = trace[i_next].arrival_s if i_next < n else math.inf
+        t_event = events[0][0] if events else math.inf
+        if t_arrival <= t_event:
+            now = t_arrival
+            while i_next < n and trace[i_next].arrival_s == now:
+                r = trace[i_next]
+                sched.enqueue(
+                    Request(
+                        request_id=str(i_next),
+                        band=r.band,
+                        model=r.model,
+                        tenant=r.tenant,
+                        prompt_tokens=r.input_tokens,
+                        max_tokens=r.output_tokens,
+                        arrived_s=now,
+                        deadline_s=None if r.deadline_ms is None else now + r.deadline_ms / 1000,
+                        block_hashes=r.block_ids,
+                    ),
+                    now,
+                )
+                i_next += 1
+        else:
+            now, _, w = heapq.heappop(events)
+            for ev in pending_events.pop(w, []):
+                rec = records[int(ev.request_id)]
+                if isinstance(ev, TokensOut):
+                    rec.first_s = now
+                else:
+                    rec.finish_s = now
+                    rec.cached = ev.cached_tokens
+                    sched.complete(ev.request_id)
+            start_step(w)
+        for ended in sched.sweep(now):
+            records[int(ended.request.request_id)].rejected = True
+        dispatch()
+
+    return _summarise(records, engines, flaps, cfg)
+
+
+def _summarise(
+    records: list[_Record], engines: dict[str, SimEngine], flaps: int, cfg: ReplayConfig
+) -> PolicyResult:
+    done = [r for r in records if r.finish_s is not None]
+    ttft = [r.first_s - r.arrival_s for r in done if r.first_s is not None]
+    queue = [r.dispatch_s - r.arrival_s for r in done if r.dispatch_s is not None]
+    e2e = [r.finish_s - r.arrival_s for r in done if r.finish_s is not None]
+    start = min(r.arrival_s for r in records)
+    end = max((r.finish_s for r in done if r.finish_s is not None), default=start)
+    span = max(end - start, 1e-9)
+    prompt = sum(r.prompt for r in done)
+    busy = [e.busy_s / span for e in engines.values()]
+    return PolicyResult(
+        hit_rate=sum(r.cached for r in done) / prompt if prompt else 0.0,
+        ttft_p50_s=percentile(ttft, 50),
+        ttft_p90_s=percentile(ttft, 90),
+        ttft_p99_s=percentile(ttft, 99),
+        queue_p50_s=percentile(queue, 50),
+        queue_p99_s=percentile(queue, 99),
+        e2e_p50_s=percentile(e2e, 50),
+        throughput_rps=len(done) / span,
+        goodput_rps=sum(1 for t in ttft if t <= cfg.slo_ttft_s) / span,
+        util_std=stdev(busy),
+        flap_rate=flaps / len(records),
+        rejected=sum(1 for r in records if r.rejected),
+        busy=busy,
+        ttfts=ttft,
+    )
+
+
+def floor(trace: Sequence[TraceRequest], cfg: ReplayConfig) -> dict[str, float]:
+    """An ideal fleet: every request finds the whole reusable part of its prefix cached (the
+    infinite shared cache's hit) and never queues; its TTFT is the prefill of the rest."""
+    p = cfg.profile
+    hits = upper_bound_hits(trace)
+    ttft = [
+        max(1, r.input_tokens - h) / p.prefill_tokens_per_s
+        for r, h in zip(trace, hits, strict=True)
+    ]
+    return {
+        "ttft_p50_s": _round(percentile(ttft, 50)),
+        "ttft_p99_s": _round(percentile(ttft, 99)),
+        "slo_fraction": _round(sum(1 for t in ttft if t <= cfg.slo_ttft_s) / len(ttft)),
+    }
+
+
+def upper_bound_hit_rate(trace: Sequence[TraceRequest]) -> float:
+    hits = upper_bound_hits(trace)
+    return sum(hits) / sum(r.input_tokens for r in trace)

@@ -1,0 +1,129 @@
+"""Request traces: Mooncake JSONL (with prefix block ids), Azure CSV (lengths only), and our
+own JSONL, which is Mooncake's format plus optional fields (pure, no I/O but file reading)."""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+MOONCAKE_BLOCK_TOKENS = 512
+
+
+class TraceError(ValueError):
+    """A trace file that cannot be read, with the file and line it failed at."""
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    """One request of a trace. ``block_ids`` are prefix-chained ids of ``block_tokens``-token
+    blocks (two requests share block ``i`` only if they share the whole prefix up to it);
+    empty when the trace has no prefix information (every prompt unique)."""
+
+    arrival_s: float
+    input_tokens: int
+    output_tokens: int
+    block_ids: tuple[int, ...] = ()
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS
+    band: str = "interactive"
+    tenant: str = "default"
+    model: str = "sim"
+    session_id: str = ""
+    deadline_ms: int | None = None
+
+
+def load_trace(path: str | Path, *, default_band: str = "interactive") -> list[TraceRequest]:
+    """Load a ``.jsonl`` (Mooncake or ours) or ``.csv`` (Azure) trace, sorted by arrival."""
+    p = Path(path)
+    if not p.is_file():
+        raise TraceError(f"trace not found: {p}")
+    reader = _azure if p.suffix == ".csv" else _jsonl
+    reqs = list(reader(p, default_band))
+    if not reqs:
+        raise TraceError(f"{p}: no requests")
+    return sorted(reqs, key=lambda r: r.arrival_s)
+
+
+def _jsonl(p: Path, default_band: str) -> Iterator[TraceRequest]:
+    with p.open() as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj: dict[str, Any] = json.loads(line)
+                yield TraceRequest(
+                    arrival_s=float(obj["timestamp"]) / 1000.0,
+                    input_tokens=int(obj["input_length"]),
+                    output_tokens=max(1, int(obj["output_length"])),
+                    block_ids=tuple(int(h) for h in obj.get("hash_ids", ())),
+                    block_tokens=int(obj.get("block_tokens", MOONCAKE_BLOCK_TOKENS)),
+                    band=str(obj.get("priority", default_band)),
+                    tenant=str(obj.get("tenant", "default")),
+                    model=str(obj.get("model", "sim")),
+                    session_id=str(obj.get("session_id", "")),
+                    deadline_ms=None if obj.get("deadline_ms") is None else int(obj["deadline_ms"]),
+                )
+            except (KeyError, ValueError, TypeError) as exc:
+                raise TraceError(f"{p}:{n}: {exc!r}") from exc
+
+
+def _azure(p: Path, default_band: str) -> Iterator[TraceRequest]:
+    with p.open(newline="") as f:
+        rows = csv.DictReader(f)
+        t0: datetime | None = None
+        for n, row in enumerate(rows, 2):
+            try:
+                # 7 fractional digits: Python parses at most 6.
+                stamp = datetime.fromisoformat(row["TIMESTAMP"].strip()[:26])
+                t0 = t0 or stamp
+                yield TraceRequest(
+                    arrival_s=(stamp - t0).total_seconds(),
+                    input_tokens=max(1, int(row["ContextTokens"])),
+                    output_tokens=max(1, int(row["GeneratedTokens"])),
+                    band=default_band,
+                )
+            except (KeyError, ValueError, TypeError) as exc:
+                raise TraceError(f"{p}:{n}: {exc!r}") from exc
+
+
+def write_jsonl(requests: Iterable[TraceRequest], path: str | Path) -> None:
+    """Write requests in our JSONL (Mooncake fields plus the optional ones)."""
+    with Path(path).open("w") as f:
+        for r in requests:
+            obj: dict[str, Any] = {
+                "timestamp": round(r.arrival_s * 1000, 3),
+                "input_length": r.input_tokens,
+                "output_length": r.output_tokens,
+                "hash_ids": list(r.block_ids),
+            }
+            if r.block_tokens != MOONCAKE_BLOCK_TOKENS:
+                obj["block_tokens"] = r.block_tokens
+            if r.band != "interactive":
+                obj["priority"] = r.band
+            if r.tenant != "default":
+                obj["tenant"] = r.tenant
+            if r.session_id:
+                obj["session_id"] = r.session_id
+            if r.deadline_ms is not None:
+                obj["deadline_ms"] = r.deadline_ms
+            f.write(json.dumps(obj) + "\n")
+
+
+def upper_bound_hits(requests: Iterable[TraceRequest]) -> list[int]:
+    """Per request, the prompt tokens an infinite, perfectly shared cache would hit: the
+    longest leading run of its blocks seen in any earlier request."""
+    seen: set[int] = set()
+    out: list[int] = []
+    for r in requests:
+        hit = 0
+        for b in r.block_ids:
+            if b not in seen:
+                break
+            hit += 1
+        out.append(min(hit * r.block_tokens, r.input_tokens))
+        seen.update(r.block_ids)
+    return out

@@ -1,0 +1,220 @@
+"""``sluice replay``: replay a trace against routing policies on the simulator."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from sluice.sim.policies import POLICIES
+from sluice.sim.profiles import PROFILES, get_profile
+from sluice.sim.replay import (
+    PolicyResult,
+    ReplayConfig,
+    floor,
+    replay,
+    scale_to_load,
+    upper_bound_hit_rate,
+)
+from sluice.sim.traces import TraceError, TraceRequest, load_trace
+
+app = typer.Typer(
+    help="Replay a trace against routing policies on the simulator (deterministic per seed).",
+    no_args_is_help=True,
+    invoke_without_command=True,
+)
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 150)
+out = Console(width=None if sys.stdout.isatty() else 150)
+
+TraceOpt = Annotated[Path, typer.Option("--trace", help="Mooncake/Sluice .jsonl or Azure .csv.")]
+WorkersOpt = Annotated[int, typer.Option("--workers", min=1, max=4096, help="Simulated workers.")]
+ProfileOpt = Annotated[str, typer.Option(help=f"Engine profile: {', '.join(PROFILES)}.")]
+CompareOpt = Annotated[str, typer.Option(help=f"Policies, comma-separated: {','.join(POLICIES)}.")]
+SeedOpt = Annotated[int, typer.Option(help="Seed of every random choice.")]
+SloOpt = Annotated[float, typer.Option("--slo-ttft-s", help="TTFT SLO for goodput.", min=0)]
+CapOpt = Annotated[int, typer.Option(help="Requests each worker takes at once.", min=1)]
+ALL_POLICIES = ",".join(POLICIES)
+PlotOpt = Annotated[Path | None, typer.Option("--plot", help="Write PNG charts here.")]
+
+
+def _fail(message: str) -> typer.Exit:
+    err.print(f"[red]error:[/red] {message}")
+    return typer.Exit(2)
+
+
+def _setup(
+    trace: Path, workers: int, profile: str, compare: str, seed: int, slo: float, capacity: int
+) -> tuple[list[TraceRequest], ReplayConfig, list[str]]:
+    try:
+        requests = load_trace(trace)
+        prof = get_profile(profile)
+    except (TraceError, KeyError) as exc:
+        raise _fail(str(exc).strip('"')) from exc
+    names = [p.strip() for p in compare.split(",") if p.strip()]
+    unknown = [p for p in names if p not in POLICIES]
+    if unknown or not names:
+        raise _fail(f"unknown policies {unknown}; known: {', '.join(POLICIES)}")
+    cfg = ReplayConfig(workers=workers, profile=prof, capacity=capacity, seed=seed, slo_ttft_s=slo)
+    return requests, cfg, names
+
+
+def _run_all(
+    requests: list[TraceRequest], cfg: ReplayConfig, names: list[str], label: str
+) -> dict[str, PolicyResult]:
+    results = {}
+    for i, name in enumerate(names, 1):
+        err.print(
+            f"[dim]{label}replaying {len(requests):,} requests with {name} ({i}/{len(names)})[/dim]"
+        )
+        results[name] = replay(requests, name, cfg)
+    return results
+
+
+@app.callback()
+def main(
+    ctx: typer.Context,
+    trace: TraceOpt = Path(),
+    workers: WorkersOpt = 16,
+    profile: ProfileOpt = "reference",
+    load: Annotated[
+        float | None,
+        typer.Option(help="Scale arrivals so offered work is LOAD x fleet capacity.", min=0.01),
+    ] = None,
+    compare: CompareOpt = ALL_POLICIES,
+    seed: SeedOpt = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print exactly one JSON object.")] = False,
+    plot: PlotOpt = None,
+    slo_ttft_s: SloOpt = 2.0,
+    capacity: CapOpt = 64,
+) -> None:
+    """Replay TRACE on WORKERS simulated engines with each policy of --compare.
+
+    Fleet capacity (for --load): each request costs its prefill at the profile's rate plus its
+    output at the per-sequence decode cost of a 64-sequence batch, with no cache reuse; the
+    fleet does WORKERS such seconds of work per second.
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    if trace == Path():
+        raise _fail("--trace is required")
+    requests, cfg, names = _setup(trace, workers, profile, compare, seed, slo_ttft_s, capacity)
+    if load is not None:
+        requests = scale_to_load(requests, load, workers, cfg.profile)
+    results = _run_all(requests, cfg, names, "")
+    doc = {
+        "trace": str(trace),
+        "requests": len(requests),
+        "upper_bound_hit_rate": round(upper_bound_hit_rate(requests), 6),
+        "policies": {n: r.as_json() for n, r in results.items()},
+        "floor": floor(requests, cfg),
+    }
+    if plot is not None:
+        _plot(results, plot, f"{trace.name}, {workers} workers, load {load or 'as recorded'}")
+    if as_json:
+        print(json.dumps(doc))
+        return
+    out.print(_table(doc, results))
+
+
+def _plot(results: dict[str, PolicyResult], where: Path, title: str) -> None:
+    from sluice.sim.plots import PlotError, plot_policies
+
+    try:
+        for p in plot_policies(results, where, title):
+            err.print(f"[dim]wrote {p}[/dim]")
+    except PlotError as exc:
+        raise _fail(str(exc)) from exc
+
+
+def _fmt(v: float, unit: str = "") -> str:
+    if not math.isfinite(v):
+        return "-"
+    return f"{v:.3f}{unit}" if abs(v) < 100 else f"{v:,.0f}{unit}"
+
+
+def _table(doc: dict[str, Any], results: dict[str, PolicyResult]) -> Table:
+    base = results.get("round-robin")
+    t = Table(
+        title=(
+            f"{doc['trace']}: {doc['requests']:,} requests; upper-bound hit rate "
+            f"{doc['upper_bound_hit_rate']:.1%}; floor TTFT "
+            f"p50 {doc['floor']['ttft_p50_s']:.3f} s, p99 {doc['floor']['ttft_p99_s']:.3f} s"
+        ),
+        caption="(x ...) = ratio to round-robin" if base else None,
+    )
+    cols = [
+        ("hit_rate", "hit rate", ""), ("ttft_p50_s", "TTFT p50", " s"),
+        ("ttft_p99_s", "TTFT p99", " s"), ("queue_p99_s", "queue p99", " s"),
+        ("goodput_rps", "goodput", "/s"), ("throughput_rps", "throughput", "/s"),
+        ("util_std", "util std", ""), ("flap_rate", "flap", ""),
+    ]  # fmt: skip
+    t.add_column("policy")
+    for _, head, _ in cols:
+        t.add_column(head, justify="right")
+    t.add_column("rejected", justify="right")
+    for name, r in results.items():
+        cells = []
+        for attr, _, unit in cols:
+            v = getattr(r, attr)
+            cell = _fmt(v, unit)
+            b = getattr(base, attr) if base else None
+            if b and name != "round-robin" and attr not in ("flap_rate",) and math.isfinite(v):
+                cell += f" (x{v / b:.2f})"
+            cells.append(cell)
+        t.add_row(name, *cells, str(r.rejected))
+    return t
+
+
+@app.command()
+def sweep(
+    trace: TraceOpt,
+    workers: WorkersOpt = 16,
+    profile: ProfileOpt = "reference",
+    loads: Annotated[str, typer.Option(help="Offered loads, comma-separated.")] = (
+        "0.5,0.6,0.7,0.8,0.9,1.0,1.1,1.2"
+    ),
+    compare: CompareOpt = ALL_POLICIES,
+    seed: SeedOpt = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print exactly one JSON object.")] = False,
+    plot: PlotOpt = None,
+    slo_ttft_s: SloOpt = 2.0,
+    capacity: CapOpt = 64,
+) -> None:
+    """Replay at several loads; chart goodput and P99 TTFT against load, per policy."""
+    requests, cfg, names = _setup(trace, workers, profile, compare, seed, slo_ttft_s, capacity)
+    try:
+        xs = [float(x) for x in loads.split(",") if x.strip()]
+    except ValueError as exc:
+        raise _fail("--loads takes comma-separated numbers") from exc
+    if not xs or min(xs) <= 0:
+        raise _fail("--loads must be positive numbers")
+    series: dict[str, list[PolicyResult]] = {n: [] for n in names}
+    for x in xs:
+        scaled = scale_to_load(requests, x, workers, cfg.profile)
+        for n, r in _run_all(scaled, cfg, names, f"load {x:g}: ").items():
+            series[n].append(r)
+    if plot is not None:
+        from sluice.sim.plots import PlotError, plot_sweep
+
+        try:
+            for p in plot_sweep(xs, series, plot):
+                err.print(f"[dim]wrote {p}[/dim]")
+        except PlotError as exc:
+            raise _fail(str(exc)) from exc
+    if as_json:
+        by_policy = {n: [r.as_json() for r in rs] for n, rs in series.items()}
+        print(json.dumps({"trace": str(trace), "loads": xs, "policies": by_policy}))
+        return
+    t = Table(title=f"{trace.name}: goodput (req/s) / P99 TTFT (s) by offered load")
+    t.add_column("policy")
+    for x in xs:
+        t.add_column(f"{x:g}", justify="right")
+    for n, rs in series.items():
+        t.add_row(n, *(f"{r.goodput_rps:.2f} / {_fmt(r.ttft_p99_s)}" for r in rs))
+    out.print(t)
