@@ -172,6 +172,26 @@ def _table(doc: dict[str, Any], results: dict[str, PolicyResult]) -> Table:
 
 
 @app.command()
+def gen(
+    scenario: Annotated[str, typer.Option(help="hot-prompt, multi-turn, rag, long-hogs, mixed.")],
+    out_file: Annotated[Path, typer.Option("--out", help="JSONL file to write.")],
+    requests: Annotated[int, typer.Option(min=1, help="Requests to generate.")] = 5_000,
+    rate: Annotated[float, typer.Option(min=0.001, help="Mean arrivals per second.")] = 20.0,
+    seed: SeedOpt = 0,
+) -> None:
+    """Write a synthetic workload as a trace (Mooncake JSONL plus optional fields)."""
+    from sluice.sim.synthetic import SCENARIOS, Shape
+    from sluice.sim.traces import write_jsonl
+
+    make = SCENARIOS.get(scenario)
+    if make is None:
+        raise _fail(f"unknown scenario {scenario!r}; known: {', '.join(SCENARIOS)}")
+    reqs = make(Shape(requests=requests, rate=rate, seed=seed))
+    write_jsonl(reqs, out_file)
+    err.print(f"wrote {len(reqs):,} requests ({scenario}) to {out_file}")
+
+
+@app.command()
 def sweep(
     trace: TraceOpt,
     workers: WorkersOpt = 16,

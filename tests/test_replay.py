@@ -1,0 +1,204 @@
+"""The replay simulator and the baseline policies."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sluice.dispatcher.routing import Candidate, RouteRequest
+from sluice.sim.policies import (
+    POLICIES,
+    ConsistentHash,
+    DynamoCost,
+    RoundRobin,
+    SglangCacheAware,
+)
+from sluice.sim.profiles import PROFILES, REFERENCE
+from sluice.sim.replay import ReplayConfig, replay, request_cost_s, scale_to_load
+from sluice.sim.synthetic import SCENARIOS, Shape
+from sluice.sim.traces import TraceError, TraceRequest, load_trace, upper_bound_hits, write_jsonl
+
+SHARED = Path(__file__).parent.parent.parent / "shared" / "traces"
+CFG = ReplayConfig(workers=4, profile=REFERENCE)
+
+
+def _trace(blocks: list[tuple[int, ...]], gap_s: float = 0.05, out: int = 20) -> list[TraceRequest]:
+    return [TraceRequest(i * gap_s, len(b) * 512, out, b) for i, b in enumerate(blocks)]
+
+
+def test_loaders_read_the_shared_traces() -> None:
+    mooncake = load_trace(SHARED / "conversation_trace.jsonl")
+    assert len(mooncake) == 12_031
+    assert all(len(r.block_ids) == -(-r.input_tokens // 512) for r in mooncake[:500])
+    hits = upper_bound_hits(mooncake)
+    assert sum(hits) / sum(r.input_tokens for r in mooncake) == pytest.approx(0.3736, abs=1e-4)
+    azure = load_trace(SHARED / "AzureLLMInferenceTrace_conv.csv")
+    assert len(azure) == 19_366 and azure[0].arrival_s == 0.0
+    assert azure[1].arrival_s == pytest.approx(4.314579, abs=1e-5)
+    assert all(not r.block_ids for r in azure)
+
+
+def test_bad_trace_lines_name_file_and_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 5, "output_length": 1}\n{"oops": 1}\n')
+    with pytest.raises(TraceError, match=r"bad\.jsonl:2"):
+        load_trace(bad)
+    with pytest.raises(TraceError, match="not found"):
+        load_trace(tmp_path / "missing.jsonl")
+
+
+def test_jsonl_round_trip_keeps_optional_fields(tmp_path: Path) -> None:
+    reqs = SCENARIOS["mixed"](Shape(requests=200, rate=50, seed=1))
+    path = tmp_path / "mixed.jsonl"
+    write_jsonl(reqs, path)
+    again = load_trace(path)
+    assert [(r.band, r.block_ids, r.input_tokens) for r in again] == [
+        (r.band, r.block_ids, r.input_tokens) for r in reqs
+    ]
+    assert {r.band for r in again} == {"interactive", "batch"}
+
+
+def test_no_shared_prefix_gives_hit_rate_zero() -> None:
+    trace = _trace([(i * 10 + 1, i * 10 + 2) for i in range(40)])
+    for policy in POLICIES:
+        assert replay(trace, policy, CFG).hit_rate == 0.0
+
+
+def test_identical_prompts_approach_the_upper_bound_and_never_exceed_it() -> None:
+    trace = _trace([(1, 2, 3, 4)] * 60, gap_s=0.5)
+    bound = sum(upper_bound_hits(trace)) / sum(r.input_tokens for r in trace)
+    for policy in POLICIES:
+        r = replay(trace, policy, CFG)
+        assert r.hit_rate <= bound + 1e-9
+    assert replay(trace, "sglang-cache-aware", CFG).hit_rate > 0.9 * bound
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_no_policy_exceeds_the_bound_on_synthetic_workloads(scenario: str) -> None:
+    trace = SCENARIOS[scenario](Shape(requests=300, rate=40, seed=3))
+    bound = sum(upper_bound_hits(trace)) / sum(r.input_tokens for r in trace)
+    for policy in POLICIES:
+        r = replay(trace, policy, CFG)
+        assert 0.0 <= r.hit_rate <= bound + 1e-9
+        assert r.rejected == 0 and r.throughput_rps > 0
+
+
+def test_same_seed_gives_byte_identical_json(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    write_jsonl(SCENARIOS["multi-turn"](Shape(requests=300, rate=30, seed=2)), path)
+    cmd = [sys.executable, "-m", "sluice.cli", "replay", "--trace", str(path), "--workers", "4",
+           "--load", "0.8", "--json", "--seed", "5"]  # fmt: skip
+    a = subprocess.run(cmd, capture_output=True, timeout=120, check=True).stdout
+    b = subprocess.run(cmd, capture_output=True, timeout=120, check=True).stdout
+    assert a == b
+    doc = json.loads(a)
+    assert set(doc) == {"trace", "requests", "upper_bound_hit_rate", "policies", "floor"}
+    assert set(doc["policies"]) == set(POLICIES)
+    assert set(doc["floor"]) == {"ttft_p50_s", "ttft_p99_s", "slo_fraction"}
+    for figures in doc["policies"].values():
+        assert set(figures) == {
+            "hit_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "queue_p50_s", "queue_p99_s",
+            "e2e_p50_s", "throughput_rps", "goodput_rps", "util_std", "flap_rate", "rejected",
+        }  # fmt: skip
+
+
+def test_load_scaling_hits_the_requested_offered_load() -> None:
+    trace = SCENARIOS["rag"](Shape(requests=500, rate=10, seed=0))
+    scaled = scale_to_load(trace, 0.5, 8, REFERENCE)
+    work = sum(request_cost_s(r, REFERENCE) for r in scaled)
+    assert work / (scaled[-1].arrival_s - scaled[0].arrival_s) == pytest.approx(0.5 * 8)
+
+
+def test_floor_is_a_lower_bound_on_ttft() -> None:
+    from sluice.sim.replay import floor
+
+    trace = SCENARIOS["hot-prompt"](Shape(requests=300, rate=30, seed=4))
+    low = floor(trace, CFG)
+    for policy in ("round-robin", "sglang-cache-aware"):
+        assert replay(trace, policy, CFG).ttft_p50_s >= low["ttft_p50_s"] - 1e-9
+
+
+# ----------------------------------------------------------------------------- policies
+
+
+def _cands(booked: list[int]) -> list[Candidate]:
+    return [Candidate(f"w{i}", 512, b, 0) for i, b in enumerate(booked)]
+
+
+def test_sglang_gate_flips_exactly_at_its_thresholds() -> None:
+    p = SglangCacheAware(random.Random(0))
+    assert not p.imbalanced([100, 36])  # max - min = 64: not above the absolute threshold
+    assert p.imbalanced([101, 36])  # 65 > 64 and 101 > 1.5 x 36
+    assert not p.imbalanced([300, 200])  # 100 > 64 but 300 = 1.5 x 200: not above
+    assert p.imbalanced([301, 200])
+
+
+def test_sglang_follows_its_routing_history_above_the_cache_threshold() -> None:
+    p = SglangCacheAware(random.Random(0))
+    req = RouteRequest("r", "m", 4 * 512, 10, (1, 2, 3, 4))
+    p.observe(RouteRequest("x", "m", 2 * 512, 10, (1, 2)), "w2", 0.0)
+    assert p.choose(req, _cands([0, 0, 5]), 0.0) == "w2"  # 2/4 = 0.5 > 0.3
+    small = SglangCacheAware(random.Random(0))
+    small.observe(RouteRequest("x", "m", 512, 10, (1,)), "w2", 0.0)
+    assert small.choose(req, _cands([3, 1, 0]), 0.0) == "w2"  # 1/4 < 0.3: least loaded
+    assert small.choose(req, _cands([0, 1, 3]), 0.0) == "w0"
+    imbalanced = _cands([0, 100, 100])
+    assert p.choose(req, imbalanced, 0.0) == "w0"  # the gate overrides the cache
+
+
+class _View:
+    def __init__(self, cached: dict[str, int], decode: dict[str, int]) -> None:
+        self.cached, self.decode = cached, decode
+
+    def cached_blocks(self, worker_id: str, hashes: object) -> int:
+        return self.cached.get(worker_id, 0)
+
+    def active_decode_blocks(self, worker_id: str) -> int:
+        return self.decode.get(worker_id, 0)
+
+    def pending_tokens(self, worker_id: str) -> int:
+        return 0
+
+
+def test_dynamo_cost_picks_the_argmin() -> None:
+    view = _View(cached={"w0": 8, "w1": 2}, decode={"w0": 10, "w1": 1, "w2": 0})
+    p = DynamoCost(view, random.Random(0))
+    req = RouteRequest("r", "m", 10 * 512, 10, tuple(range(10)))
+    # costs: w0 = 2 + 10 = 12, w1 = 8 + 1 = 9, w2 = 10 + 0 = 10
+    assert [p.cost(req, w) for w in ("w0", "w1", "w2")] == [12, 9, 10]
+    assert p.choose(req, _cands([0, 0, 0]), 0.0) == "w1"
+
+
+def test_round_robin_cycles_and_skips_full_workers() -> None:
+    p = RoundRobin(["w0", "w1", "w2"])
+    req = RouteRequest("r", "m", 10, 10)
+    picks = [p.choose(req, _cands([0, 0, 0]), 0.0) for _ in range(4)]
+    assert picks == ["w0", "w1", "w2", "w0"]
+    only = [c for c in _cands([0, 0, 0]) if c.worker_id != "w1"]
+    assert p.choose(req, only, 0.0) == "w2"  # w1 is next but full
+
+
+def test_consistent_hash_is_sticky_and_bounded() -> None:
+    workers = [f"w{i}" for i in range(4)]
+    p = ConsistentHash(workers)
+    req = RouteRequest("r", "m", 1024, 10, (7, 8, 9))
+    first = p.choose(req, _cands([0, 0, 0, 0]), 0.0)
+    assert all(p.choose(req, _cands([0, 0, 0, 0]), 0.0) == first for _ in range(5))
+    loaded = _cands([0, 0, 0, 0])
+    loaded[int(first[1])] = Candidate(first, 512, 50, 0)  # far above 1.25 x the mean
+    assert p.choose(req, loaded, 0.0) != first
+
+
+def test_derived_profiles_follow_their_formula() -> None:
+    p = PROFILES["8b-h100"]
+    assert p.prefill_tokens_per_s == round(989e12 * 0.5 / (2 * 8.03e9))
+    assert p.decode_base_s == pytest.approx(16.06e9 / (3.35e12 * 0.7), rel=1e-4)
+    assert p.kv_capacity_tokens == pytest.approx((72e9 - 16.06e9) / 131_072, abs=16)
+    assert PROFILES["8b-h200"].kv_capacity_tokens > p.kv_capacity_tokens
+    assert dataclasses.replace(p, name="x").source.startswith("first principles")
