@@ -202,3 +202,41 @@ def test_derived_profiles_follow_their_formula() -> None:
     assert p.kv_capacity_tokens == pytest.approx((72e9 - 16.06e9) / 131_072, abs=16)
     assert PROFILES["8b-h200"].kv_capacity_tokens > p.kv_capacity_tokens
     assert dataclasses.replace(p, name="x").source.startswith("first principles")
+
+
+def test_sweep_and_plots_write_their_charts(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    write_jsonl(SCENARIOS["hot-prompt"](Shape(requests=200, rate=30, seed=1)), trace)
+    base = [sys.executable, "-m", "sluice.cli", "replay"]
+    out = subprocess.run(
+        [*base, "sweep", "--trace", str(trace), "--workers", "4", "--loads", "0.5,1.0",
+         "--compare", "round-robin,sluice", "--plot", str(tmp_path / "sweep"), "--json"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["loads"] == [0.5, 1.0] and len(doc["policies"]["sluice"]) == 2
+    assert (tmp_path / "sweep" / "sweep_goodput.png").stat().st_size > 0
+    out = subprocess.run(
+        [*base, "--trace", str(trace), "--workers", "4", "--compare", "round-robin,sluice",
+         "--plot", str(tmp_path / "one")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "ratio to round-robin" in out.stdout
+    for name in ("ttft_cdf.png", "worker_load.png", "hit_rate.png"):
+        assert (tmp_path / "one" / name).stat().st_size > 0
+
+
+def test_replay_command_rejects_bad_arguments(tmp_path: Path) -> None:
+    base = [sys.executable, "-m", "sluice.cli", "replay"]
+    cases = [
+        ([*base, "--trace", str(tmp_path / "none.jsonl")], "trace not found"),
+        ([*base, "--trace", str(SHARED / "AzureLLMInferenceTrace_conv.csv"), "--compare",
+          "best"], "unknown policies"),
+        ([*base, "--trace", str(SHARED / "AzureLLMInferenceTrace_conv.csv"), "--profile",
+          "nope"], "unknown engine profile"),
+    ]  # fmt: skip
+    for cmd, message in cases:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and message in out.stderr, (cmd, out.stderr)
