@@ -295,8 +295,11 @@ class Scheduler:
 
     # ----------------------------------------------------------------------------- decide
 
-    def plan(self, now_s: float) -> list[Dispatch]:
-        """Propose dispatches for now, in priority order, within every limit. Pure."""
+    def plan(self, now_s: float, max_decisions: int | None = None) -> list[Dispatch]:
+        """Propose dispatches for now, in priority order, within every limit. Pure.
+
+        ``max_decisions`` stops after that many: a caller whose policy reads live worker
+        state (the replay's fleet view) plans one decision at a time, so each sees the last."""
         global_room = self.config.global_limit - len(self._running)
         if global_room <= 0 or not self._queues:
             return []
@@ -325,7 +328,8 @@ class Scheduler:
         heapq.heapify(heads)
 
         decisions: list[Dispatch] = []
-        while heads and global_room > 0:
+        limit = max_decisions if max_decisions is not None else global_room
+        while heads and global_room > 0 and len(decisions) < limit:
             _, _, band, model, idx = heapq.heappop(heads)
             if band_room[band] <= 0:
                 continue

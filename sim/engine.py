@@ -95,6 +95,18 @@ class SimEngine:
             s.prompt_tokens for s in self._waiting
         )
 
+    def remaining_decode_tokens(self) -> int:
+        """Output tokens still to generate by the running and waiting sequences."""
+        return sum(s.output_tokens - s.generated for s in self._running) + sum(
+            s.output_tokens for s in self._waiting
+        )
+
+    def active_context_tokens(self) -> int:
+        """KV context of every sequence on the engine (running or waiting)."""
+        return sum(s.prompt_tokens + s.generated for s in self._running) + sum(
+            s.prompt_tokens for s in self._waiting
+        )
+
     def active_decode_tokens(self) -> int:
         return sum(s.prompt_tokens + s.generated for s in self._running if s.prefill_left == 0)
 

@@ -24,7 +24,8 @@ class FleetView(Protocol):
     KV events would report it)."""
 
     def cached_blocks(self, worker_id: str, hashes: Sequence[int]) -> int: ...
-    def active_decode_blocks(self, worker_id: str) -> int: ...
+    def pending_prefill_blocks(self, worker_id: str) -> int: ...
+    def active_blocks(self, worker_id: str) -> int: ...
     def pending_tokens(self, worker_id: str) -> int: ...
 
 
@@ -58,8 +59,8 @@ class RoundRobin:
 
 
 class LeastPending:
-    """``least-loaded``: the fewest pending tokens (prefill still to do plus decode context)
-    as the engines report them; random among ties."""
+    """``least-loaded``: the fewest pending tokens, the work left on the engine (prompt
+    tokens still to prefill plus output tokens still to generate); random among ties."""
 
     name = "least-loaded"
 
@@ -170,8 +171,10 @@ class SglangCacheAware:
 
 
 class DynamoCost:
-    """NVIDIA Dynamo's KV router cost: ``1.0 x blocks to prefill + active decode blocks``
-    (exact overlap, as KV events give it), argmin, random among ties."""
+    """NVIDIA Dynamo's KV router cost, ``overlap_weight x prefill blocks + active blocks``,
+    argmin with random tie-breaks. As in Dynamo's scheduler, the prefill term is the worker's
+    outstanding prefill plus this request's blocks not cached there (exact overlap, as KV
+    events give it), and the active term counts the KV blocks of every sequence on the worker."""
 
     name = "dynamo-cost"
 
@@ -181,9 +184,11 @@ class DynamoCost:
         self.overlap_weight = overlap_weight
 
     def cost(self, request: RouteRequest, worker_id: str) -> float:
+        v = self._view
         blocks = len(request.block_hashes) or 1
-        overlap = self._view.cached_blocks(worker_id, request.block_hashes)
-        return self.overlap_weight * (blocks - overlap) + self._view.active_decode_blocks(worker_id)
+        new = blocks - v.cached_blocks(worker_id, request.block_hashes)
+        prefill = v.pending_prefill_blocks(worker_id) + new
+        return self.overlap_weight * prefill + v.active_blocks(worker_id)
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate], now_s: float) -> str:
         costs = [(self.cost(request, c.worker_id), c.worker_id) for c in candidates]

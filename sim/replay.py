@@ -38,6 +38,8 @@ class ReplayConfig:
     slo_ttft_s: float = 2.0
     min_prefix_tokens: int = 1024
     """The leading prefix that the flap rate watches."""
+    heartbeat_s: float = 1.0
+    """How often workers report their load to the scheduler, as the live agents do."""
 
 
 @dataclass
@@ -93,13 +95,17 @@ class _Fleet:
     def cached_blocks(self, worker_id: str, hashes: Sequence[int]) -> int:
         return self.engines[worker_id].cache.match(hashes)
 
-    def active_decode_blocks(self, worker_id: str) -> int:
+    def pending_prefill_blocks(self, worker_id: str) -> int:
         e = self.engines[worker_id]
-        return e.active_decode_tokens() // e.profile.block_tokens
+        return e.pending_prefill_tokens() // e.profile.block_tokens
+
+    def active_blocks(self, worker_id: str) -> int:
+        e = self.engines[worker_id]
+        return e.active_context_tokens() // e.profile.block_tokens
 
     def pending_tokens(self, worker_id: str) -> int:
         e = self.engines[worker_id]
-        return e.pending_prefill_tokens() + e.active_decode_tokens()
+        return e.pending_prefill_tokens() + e.remaining_decode_tokens()
 
 
 def request_cost_s(r: TraceRequest, p: EngineProfile) -> float:
@@ -167,7 +173,9 @@ def replay(trace: Sequence[TraceRequest], policy_name: str, cfg: ReplayConfig) -
 
     def dispatch() -> None:
         nonlocal flaps
-        for d in sched.plan(now):
+        # One decision per pass: the next one must see this one's load on the engines.
+        while planned := sched.plan(now, max_decisions=1):
+            d = planned[0]
             r = d.request
             sched.book(d, now)
             i = int(r.request_id)
@@ -184,6 +192,25 @@ def replay(trace: Sequence[TraceRequest], policy_name: str, cfg: ReplayConfig) -
             )
             if busy_until[d.worker_id] < 0:
                 start_step(d.worker_id)
+
+    last_report = -math.inf
+
+    def heartbeats() -> None:
+        # What the live agents put in their heartbeats, every heartbeat_s of virtual time.
+        nonlocal last_report
+        if now - last_report < cfg.heartbeat_s:
+            return
+        last_report = now
+        for w in ids:
+            e = engines[w]
+            sched.update_worker(
+                WorkerInfo(
+                    w,
+                    frozenset(models),
+                    cfg.capacity,
+                    reported_pending_tokens=e.pending_prefill_tokens() + e.active_decode_tokens(),
+                )
+            )
 
     i_next = 0
     n = len(trace)
@@ -222,6 +249,7 @@ def replay(trace: Sequence[TraceRequest], policy_name: str, cfg: ReplayConfig) -
             start_step(w)
         for ended in sched.sweep(now):
             records[int(ended.request.request_id)].rejected = True
+        heartbeats()
         dispatch()
 
     return _summarise(records, engines, flaps, cfg)

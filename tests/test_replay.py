@@ -153,26 +153,36 @@ def test_sglang_follows_its_routing_history_above_the_cache_threshold() -> None:
 
 
 class _View:
-    def __init__(self, cached: dict[str, int], decode: dict[str, int]) -> None:
-        self.cached, self.decode = cached, decode
+    def __init__(
+        self, cached: dict[str, int], active: dict[str, int], prefill: dict[str, int]
+    ) -> None:
+        self.cached, self.active, self.prefill = cached, active, prefill
 
     def cached_blocks(self, worker_id: str, hashes: object) -> int:
         return self.cached.get(worker_id, 0)
 
-    def active_decode_blocks(self, worker_id: str) -> int:
-        return self.decode.get(worker_id, 0)
+    def pending_prefill_blocks(self, worker_id: str) -> int:
+        return self.prefill.get(worker_id, 0)
+
+    def active_blocks(self, worker_id: str) -> int:
+        return self.active.get(worker_id, 0)
 
     def pending_tokens(self, worker_id: str) -> int:
         return 0
 
 
 def test_dynamo_cost_picks_the_argmin() -> None:
-    view = _View(cached={"w0": 8, "w1": 2}, decode={"w0": 10, "w1": 1, "w2": 0})
+    view = _View(
+        cached={"w0": 8, "w1": 2},
+        active={"w0": 10, "w1": 1, "w2": 0},
+        prefill={"w0": 0, "w1": 3, "w2": 0},
+    )
     p = DynamoCost(view, random.Random(0))
     req = RouteRequest("r", "m", 10 * 512, 10, tuple(range(10)))
-    # costs: w0 = 2 + 10 = 12, w1 = 8 + 1 = 9, w2 = 10 + 0 = 10
-    assert [p.cost(req, w) for w in ("w0", "w1", "w2")] == [12, 9, 10]
-    assert p.choose(req, _cands([0, 0, 0]), 0.0) == "w1"
+    # cost = (pending prefill + uncached blocks) + active blocks:
+    # w0 = (0 + 2) + 10 = 12, w1 = (3 + 8) + 1 = 12, w2 = (0 + 10) + 0 = 10
+    assert [p.cost(req, w) for w in ("w0", "w1", "w2")] == [12, 12, 10]
+    assert p.choose(req, _cands([0, 0, 0]), 0.0) == "w2"
 
 
 def test_round_robin_cycles_and_skips_full_workers() -> None:
