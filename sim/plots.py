@@ -48,14 +48,17 @@ def plot_policies(
     fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(8, 5))
-    width = 0.8 / max(len(results), 1)
-    for k, (name, r) in enumerate(results.items()):
-        ax.bar([i + k * width for i in range(len(r.busy))], r.busy, width=width, label=name)
-    ax.set_xlabel("worker")
-    ax.set_ylabel("busy fraction")
-    ax.set_title(f"Per-worker load: {title}")
-    ax.legend(fontsize="small")
+    n = len(results)
+    fig, axes = plt.subplots(n, 1, figsize=(9, 2.2 * n), sharex=True, squeeze=False)
+    for ax, (name, r) in zip(axes[:, 0], results.items(), strict=True):
+        if r.load_series:
+            ts = [t for t, _ in r.load_series]
+            for w in range(len(r.load_series[0][1])):
+                ax.plot(ts, [loads[w] for _, loads in r.load_series], linewidth=0.7)
+        ax.set_ylabel("requests")
+        ax.set_title(name, fontsize="small", loc="left")
+    axes[-1, 0].set_xlabel("time (s)")
+    fig.suptitle(f"Requests on each worker over time: {title}")
     paths.append(out / "worker_load.png")
     fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
     plt.close(fig)

@@ -70,6 +70,8 @@ class PolicyResult:
     flap_rate: float
     rejected: int
     busy: list[float] = field(default_factory=list, repr=False)
+    load_series: list[tuple[float, list[int]]] = field(default_factory=list, repr=False)
+    """(time, running requests per worker), sampled at the emulated heartbeats."""
     ttfts: list[float] = field(default_factory=list, repr=False)
 
     def as_json(self) -> dict[str, float | int]:
@@ -194,6 +196,7 @@ def replay(trace: Sequence[TraceRequest], policy_name: str, cfg: ReplayConfig) -
                 start_step(d.worker_id)
 
     last_report = -math.inf
+    series: list[tuple[float, list[int]]] = []
 
     def heartbeats() -> None:
         # What the live agents put in their heartbeats, every heartbeat_s of virtual time.
@@ -201,6 +204,7 @@ def replay(trace: Sequence[TraceRequest], policy_name: str, cfg: ReplayConfig) -
         if now - last_report < cfg.heartbeat_s:
             return
         last_report = now
+        series.append((now, [engines[w].running + engines[w].waiting for w in ids]))
         for w in ids:
             e = engines[w]
             sched.update_worker(
@@ -252,7 +256,10 @@ def replay(trace: Sequence[TraceRequest], policy_name: str, cfg: ReplayConfig) -
         heartbeats()
         dispatch()
 
-    return _summarise(records, engines, flaps, cfg)
+    result = _summarise(records, engines, flaps, cfg)
+    step = max(1, len(series) // 400)  # at most ~400 points per chart
+    result.load_series = series[::step]
+    return result
 
 
 def _summarise(
