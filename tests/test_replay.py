@@ -26,12 +26,16 @@ from sluice.sim.traces import TraceError, TraceRequest, load_trace, upper_bound_
 
 SHARED = Path(__file__).parent.parent.parent / "shared" / "traces"
 CFG = ReplayConfig(workers=4, profile=REFERENCE)
+needs_shared = pytest.mark.skipif(
+    not SHARED.is_dir(), reason="../shared/traces is not beside this checkout"
+)
 
 
 def _trace(blocks: list[tuple[int, ...]], gap_s: float = 0.05, out: int = 20) -> list[TraceRequest]:
     return [TraceRequest(i * gap_s, len(b) * 512, out, b) for i, b in enumerate(blocks)]
 
 
+@needs_shared
 def test_loaders_read_the_shared_traces() -> None:
     mooncake = load_trace(SHARED / "conversation_trace.jsonl")
     assert len(mooncake) == 12_031
@@ -238,6 +242,7 @@ def test_sweep_and_plots_write_their_charts(tmp_path: Path) -> None:
         assert (tmp_path / "one" / name).stat().st_size > 0
 
 
+@needs_shared
 def test_replay_command_rejects_bad_arguments(tmp_path: Path) -> None:
     base = [sys.executable, "-m", "sluice.cli", "replay"]
     cases = [
