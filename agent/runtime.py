@@ -207,6 +207,11 @@ class Agent:
             self._running[rid].assignment = assignment
             await self._reply(msg, rid, True)
             return
+        if rid in self._outbox:
+            # Finished here already; its report is still on the way. Running it again would
+            # only duplicate work: confirm, and let the pending report end the request.
+            await self._reply(msg, rid, True)
+            return
         reason = self._refusal(assignment)
         if reason:
             metrics.ASSIGNMENTS_REFUSED.labels(self.worker_id, reason.split(":")[0]).inc()

@@ -10,7 +10,7 @@ import asyncio
 import linecache
 import os
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import nats
@@ -99,6 +99,17 @@ async def _clean_external_server(request: pytest.FixtureRequest) -> None:
         if info.config.name and info.config.name.startswith("SLUICE_"):
             await js.delete_stream(info.config.name)
     await nc.close()
+
+
+async def eventually(
+    predicate: Callable[[], Awaitable[bool]], timeout_s: float = 10.0, every_s: float = 0.05
+) -> None:
+    """Poll ``predicate`` until it holds; fail the test if it does not within ``timeout_s``."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not await predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"condition not met within {timeout_s}s")
+        await asyncio.sleep(every_s)
 
 
 def cluster_kwargs(

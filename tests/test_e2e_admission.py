@@ -16,7 +16,7 @@ from sluice.schemas import names
 from sluice.schemas.codec import decode, encode
 from sluice.schemas.models import DeadLetter, SubmitRequest
 
-from .conftest import cluster_kwargs
+from .conftest import cluster_kwargs, eventually
 
 pytestmark = pytest.mark.e2e
 
@@ -139,15 +139,6 @@ async def _raw_publish(nats_url: str, payload: bytes, headers: dict[str, str] | 
     await nc.close()
 
 
-async def _wait_for(predicate: object, timeout_s: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while asyncio.get_running_loop().time() < deadline:
-        if await predicate():  # type: ignore[operator]
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError("condition not met in time")
-
-
 async def test_bad_input_gets_typed_answers_and_dispatcher_keeps_serving(nats_url: str) -> None:
     async with LocalCluster(nats_url, **cluster_kwargs()), Client(nats_url) as c:
         # Undecodable bytes that carry a request id: a typed rejection on its result subject.
@@ -165,7 +156,7 @@ async def test_bad_input_gets_typed_answers_and_dispatcher_keeps_serving(nats_ur
         async def answered() -> bool:
             return all([await c.fetch_result(rid) for rid in ("bad-1", "bad-2", "bad-3")])
 
-        await _wait_for(answered)
+        await eventually(answered)
         for rid in ("bad-1", "bad-2", "bad-3"):
             result = await c.fetch_result(rid)
             assert result is not None and not result.ok and result.rejection is not None

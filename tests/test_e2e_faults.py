@@ -15,10 +15,10 @@ from sluice.dispatcher import Dispatcher
 from sluice.dispatcher.streams import ensure_streams
 from sluice.natsserver import EmbeddedNats
 from sluice.schemas import names
-from sluice.schemas.codec import encode
-from sluice.schemas.models import SubmitRequest
+from sluice.schemas.codec import decode, encode
+from sluice.schemas.models import Assignment, AssignmentReply, SubmitRequest
 
-from .conftest import cluster_kwargs
+from .conftest import cluster_kwargs, eventually
 
 pytestmark = [pytest.mark.e2e, pytest.mark.fault]
 
@@ -137,11 +137,12 @@ async def test_a_result_that_cannot_be_stored_is_retried_not_dropped(nats_url: s
         await asyncio.sleep(4.0)  # the request finished long ago; its result has nowhere to go
         assert cluster.dispatcher.scheduler.running == 1  # ...so it is not acked either
         await ensure_streams(js, cluster.dispatcher_settings)
-        deadline = time.monotonic() + 20
-        result = None
-        while result is None and time.monotonic() < deadline:
-            await asyncio.sleep(0.2)
-            result = await c.fetch_result("unstored")
+
+        async def stored() -> bool:
+            return await c.fetch_result("unstored") is not None
+
+        await eventually(stored, timeout_s=20)
+        result = await c.fetch_result("unstored")
     assert result is not None and result.ok and len(result.output_tokens) == 20
 
 
@@ -162,3 +163,43 @@ async def test_request_delivered_max_deliver_times_is_dead_lettered(nats_url: st
         queue = await js.stream_info(names.request_stream("standard"))
     assert letters.state.messages == 1
     assert queue.state.messages == 0  # removed from the work queue: it no longer takes room
+
+
+async def test_reoffered_request_that_already_finished_is_not_run_again(nats_url: str) -> None:
+    async with (
+        LocalCluster(nats_url, **cluster_kwargs(workers=1)) as cluster,
+        Client(nats_url) as c,
+    ):
+        js = c.nc.jetstream()
+        await js.delete_stream(names.RESULT_STREAM)  # its report cannot complete yet
+        request = SubmitRequest(
+            request_id="twice",
+            model="sim",
+            prompt_tokens=PROMPT,
+            max_tokens=10,
+            submitted_unix_ms=int(time.time() * 1000),
+        )
+        await js.publish(
+            names.request_subject("standard", "sim", "default"),
+            encode(request),
+            headers={"Nats-Msg-Id": "twice"},
+        )
+        agent = cluster.agents[0]
+
+        async def finished() -> bool:
+            return agent.completed == 1
+
+        await eventually(finished)
+        again = Assignment(request=request, attempt=2, dispatcher_id="test", queued_s=0.0)
+        reply = await c.nc.request(names.work_subject(agent.worker_id), encode(again), timeout=2)
+        assert decode(reply.data, AssignmentReply).accepted
+        await asyncio.sleep(0.5)
+        assert agent.completed == 1 and agent.in_flight == 0  # confirmed, not run again
+        await ensure_streams(js, cluster.dispatcher_settings)
+
+        async def stored() -> bool:
+            return await c.fetch_result("twice") is not None
+
+        await eventually(stored)
+        result = await c.fetch_result("twice")
+    assert result is not None and result.ok
