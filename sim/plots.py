@@ -76,7 +76,10 @@ def plot_policies(
 
 
 def plot_sweep(
-    loads: Sequence[float], series: Mapping[str, Sequence[PolicyResult]], out_dir: str | Path
+    loads: Sequence[float],
+    series: Mapping[str, Sequence[PolicyResult]],
+    out_dir: str | Path,
+    title: str = "",
 ) -> list[Path]:
     """Goodput and P99 TTFT against offered load, per policy."""
     plt = _plt()
@@ -92,6 +95,9 @@ def plot_sweep(
             ax.plot(loads, [getattr(r, attr) for r in rs], marker="o", label=name)
         ax.set_xlabel("offered load (x fleet capacity)")
         ax.set_ylabel(label)
+        ax.set_title(
+            f"{label.split(' (')[0].capitalize()} against load" + (f": {title}" if title else "")
+        )
         if attr == "ttft_p99_s":
             ax.set_yscale("log")
         ax.legend(fontsize="small")

@@ -223,7 +223,7 @@ def sweep(
         from sluice.sim.plots import PlotError, plot_sweep
 
         try:
-            for p in plot_sweep(xs, series, plot):
+            for p in plot_sweep(xs, series, plot, f"{trace.name}, {workers} workers"):
                 err.print(f"[dim]wrote {p}[/dim]")
         except PlotError as exc:
             raise _fail(str(exc)) from exc
