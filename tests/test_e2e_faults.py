@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+from nats.js.client import JetStreamContext
 
 from sluice.client import Client, Rejected, RejectReason
 from sluice.cluster import LocalCluster
@@ -23,6 +24,26 @@ from .conftest import cluster_kwargs, eventually
 pytestmark = [pytest.mark.e2e, pytest.mark.fault]
 
 PROMPT = list(range(5000, 5128))
+
+
+async def _submit_unwatched(
+    js: JetStreamContext, request_id: str, max_tokens: int
+) -> SubmitRequest:
+    """Publish a request as a producer that does not listen for its result (an offline job
+    that fetches results later): only the result stream can hold its answer."""
+    request = SubmitRequest(
+        request_id=request_id,
+        model="sim",
+        prompt_tokens=PROMPT,
+        max_tokens=max_tokens,
+        submitted_unix_ms=int(time.time() * 1000),
+    )
+    await js.publish(
+        names.request_subject("standard", "sim", "default"),
+        encode(request),
+        headers={"Nats-Msg-Id": request_id},
+    )
+    return request
 
 
 async def test_worker_death_reruns_request_elsewhere_with_one_result(nats_url: str) -> None:
@@ -122,18 +143,7 @@ async def test_a_result_that_cannot_be_stored_is_retried_not_dropped(nats_url: s
     ):
         js = c.nc.jetstream()
         await js.delete_stream(names.RESULT_STREAM)
-        request = SubmitRequest(
-            request_id="unstored",
-            model="sim",
-            prompt_tokens=PROMPT,
-            max_tokens=20,
-            submitted_unix_ms=int(time.time() * 1000),
-        )
-        await js.publish(
-            names.request_subject("standard", "sim", "default"),
-            encode(request),
-            headers={"Nats-Msg-Id": "unstored"},
-        )
+        await _submit_unwatched(js, "unstored", max_tokens=20)
         await asyncio.sleep(4.0)  # the request finished long ago; its result has nowhere to go
         assert cluster.dispatcher.scheduler.running == 1  # ...so it is not acked either
         await ensure_streams(js, cluster.dispatcher_settings)
@@ -172,18 +182,7 @@ async def test_reoffered_request_that_already_finished_is_not_run_again(nats_url
     ):
         js = c.nc.jetstream()
         await js.delete_stream(names.RESULT_STREAM)  # its report cannot complete yet
-        request = SubmitRequest(
-            request_id="twice",
-            model="sim",
-            prompt_tokens=PROMPT,
-            max_tokens=10,
-            submitted_unix_ms=int(time.time() * 1000),
-        )
-        await js.publish(
-            names.request_subject("standard", "sim", "default"),
-            encode(request),
-            headers={"Nats-Msg-Id": "twice"},
-        )
+        request = await _submit_unwatched(js, "twice", max_tokens=10)
         agent = cluster.agents[0]
 
         async def finished() -> bool:
