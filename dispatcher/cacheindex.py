@@ -1,0 +1,180 @@
+"""The cluster cache index (pure): which workers hold which prompt prefix blocks.
+
+Keys are chained block hashes (``sluice.schemas.hashing``), so a block's hash names the whole
+prefix up to it and "worker W holds block i" implies W holds blocks 0..i-1 as engines cache
+them. Three sources feed it:
+
+- **reports**: digests from agents, as deltas (blocks stored and evicted, numbered) and periodic
+  full snapshots; a missed delta number means the worker's view is stale until its next
+  snapshot (``apply_delta`` says so);
+- **guesses**: what the dispatcher itself routed to a worker, kept for ``guess_ttl_s``;
+- **completions**: a finished request's prefix is held by its worker (its reported
+  ``cached_tokens``, compared with the hit expected at routing, measures the index's error).
+
+Memory is bounded: at most ``max_blocks`` block hashes, least recently used dropped first.
+Lookups cost O(prefix blocks x holders per block), independent of the fleet size.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass
+class _Hold:
+    reported: bool = False
+    guess_until_s: float = float("-inf")
+
+    def alive(self, now_s: float) -> bool:
+        return self.reported or self.guess_until_s > now_s
+
+
+class CacheIndex:
+    """Chained block hash -> workers holding it, from reports, guesses and corrections."""
+
+    def __init__(self, *, max_blocks: int = 1_000_000, guess_ttl_s: float = 60.0) -> None:
+        if max_blocks < 1 or guess_ttl_s <= 0:
+            raise ValueError("max_blocks must be >= 1 and guess_ttl_s > 0")
+        self.max_blocks = max_blocks
+        self.guess_ttl_s = guess_ttl_s
+        self._blocks: OrderedDict[int, dict[str, _Hold]] = OrderedDict()
+        self._seq: dict[str, int] = {}
+        self._stale: set[str] = set()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    # ------------------------------------------------------------------ reports
+
+    def apply_delta(
+        self,
+        worker_id: str,
+        seq: int,
+        stored: Iterable[int],
+        evicted: Iterable[int],
+        now_s: float,
+    ) -> bool:
+        """Apply digest delta number ``seq``. Returns False (and applies nothing) if a delta
+        was missed: the worker's reports are stale until :meth:`apply_snapshot`."""
+        last = self._seq.get(worker_id)
+        if worker_id in self._stale or (last is not None and seq != last + 1):
+            self._stale.add(worker_id)
+            return False
+        self._seq[worker_id] = seq
+        for h in evicted:
+            self._unreport(worker_id, h)
+        for h in stored:
+            self._hold(h, worker_id).reported = True
+        self._trim()
+        return True
+
+    def apply_snapshot(self, worker_id: str, seq: int, blocks: Iterable[int], now_s: float) -> None:
+        """Replace everything a worker reported by a full snapshot numbered ``seq``; the
+        next delta must be ``seq + 1``."""
+        keep = set(blocks)
+        for h, holders in list(self._blocks.items()):
+            hold = holders.get(worker_id)
+            if hold is not None and hold.reported and h not in keep:
+                self._unreport(worker_id, h)
+        for h in keep:
+            self._hold(h, worker_id).reported = True
+        self._seq[worker_id] = seq
+        self._stale.discard(worker_id)
+        self._trim()
+
+    def needs_snapshot(self, worker_id: str) -> bool:
+        """True after a missed delta, until the worker's next snapshot."""
+        return worker_id in self._stale
+
+    # ------------------------------------------------------------------ guesses and corrections
+
+    def guess(self, worker_id: str, hashes: Sequence[int], now_s: float) -> None:
+        """The dispatcher routed a request with these prefix blocks to ``worker_id``: it will
+        hold them soon (until ``guess_ttl_s`` from now, unless reports say more)."""
+        until = now_s + self.guess_ttl_s
+        for h in hashes:
+            hold = self._hold(h, worker_id)
+            hold.guess_until_s = max(hold.guess_until_s, until)
+        self._trim()
+
+    def completed(self, worker_id: str, hashes: Sequence[int], now_s: float) -> None:
+        """A request with these prefix blocks finished on ``worker_id``: it computed the blocks
+        it did not have, so it holds the whole prefix now (a fresh guess until reports say
+        more). How far the index was off (expected hit at routing against the reported
+        ``cached_tokens``) is the caller's to measure: it knows what it expected."""
+        self.guess(worker_id, hashes, now_s)
+
+    # ------------------------------------------------------------------ lookups
+
+    def match(self, hashes: Sequence[int], now_s: float) -> dict[str, int]:
+        """For each worker holding the first block: how many leading blocks it holds."""
+        result: dict[str, int] = {}
+        alive: set[str] | None = None
+        for i, h in enumerate(hashes):
+            holders = self._blocks.get(h)
+            here = {w for w, hold in holders.items() if hold.alive(now_s)} if holders else set()
+            if holders is not None:
+                self._blocks.move_to_end(h)
+            now_alive = here if alive is None else alive & here
+            for w in (alive or set()) - now_alive:
+                result[w] = i
+            alive = now_alive
+            if not alive:
+                break
+        for w in alive or set():
+            result[w] = len(hashes)
+        return result
+
+    def holders(self, block_hash: int, now_s: float) -> set[str]:
+        holders = self._blocks.get(block_hash, {})
+        return {w for w, hold in holders.items() if hold.alive(now_s)}
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def remove_worker(self, worker_id: str) -> None:
+        """A worker lost its lease or left: forget everything about it."""
+        for h in list(self._blocks):
+            holders = self._blocks[h]
+            if holders.pop(worker_id, None) is not None and not holders:
+                del self._blocks[h]
+        self._seq.pop(worker_id, None)
+        self._stale.discard(worker_id)
+
+    def expire(self, now_s: float) -> int:
+        """Drop guesses past their TTL (lookups ignore them anyway); returns blocks freed."""
+        freed = 0
+        for h in list(self._blocks):
+            holders = self._blocks[h]
+            for w in [w for w, hold in holders.items() if not hold.alive(now_s)]:
+                del holders[w]
+            if not holders:
+                del self._blocks[h]
+                freed += 1
+        return freed
+
+    def _hold(self, h: int, worker_id: str) -> _Hold:
+        holders = self._blocks.get(h)
+        if holders is None:
+            holders = self._blocks[h] = {}
+        else:
+            self._blocks.move_to_end(h)
+        hold = holders.get(worker_id)
+        if hold is None:
+            hold = holders[worker_id] = _Hold()
+        return hold
+
+    def _unreport(self, worker_id: str, h: int) -> None:
+        holders = self._blocks.get(h)
+        if holders is None or worker_id not in holders:
+            return
+        holders[worker_id].reported = False
+        if holders[worker_id].guess_until_s == float("-inf"):
+            del holders[worker_id]
+        if not holders:
+            del self._blocks[h]
+
+    def _trim(self) -> None:
+        while len(self._blocks) > self.max_blocks:
+            self._blocks.popitem(last=False)

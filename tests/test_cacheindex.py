@@ -1,0 +1,110 @@
+"""The cluster cache index (pure)."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sluice.dispatcher.cacheindex import CacheIndex
+
+
+def test_longest_match_per_worker() -> None:
+    idx = CacheIndex()
+    idx.apply_snapshot("a", 0, [1, 2, 3], 0.0)
+    idx.apply_snapshot("b", 0, [1, 2], 0.0)
+    idx.apply_snapshot("c", 0, [9], 0.0)
+    assert idx.match([1, 2, 3, 4], 0.0) == {"a": 3, "b": 2}
+    assert idx.match([9, 1], 0.0) == {"c": 1}
+    assert idx.match([5], 0.0) == {}
+    assert idx.match([], 0.0) == {}
+
+
+def test_deltas_apply_in_order_and_a_gap_asks_for_a_snapshot() -> None:
+    idx = CacheIndex()
+    idx.apply_snapshot("a", 10, [1], 0.0)
+    assert idx.apply_delta("a", 11, stored=[2, 3], evicted=[], now_s=0.0)
+    assert idx.match([1, 2, 3], 0.0) == {"a": 3}
+    assert idx.apply_delta("a", 12, stored=[], evicted=[3], now_s=0.0)
+    assert idx.match([1, 2, 3], 0.0) == {"a": 2}
+    # delta 13 is lost: 14 must not be applied on a stale view
+    assert not idx.apply_delta("a", 14, stored=[7], evicted=[1], now_s=0.0)
+    assert idx.needs_snapshot("a")
+    assert not idx.apply_delta("a", 15, stored=[8], evicted=[], now_s=0.0)
+    assert idx.match([1, 2], 0.0) == {"a": 2}  # unchanged while stale
+    idx.apply_snapshot("a", 15, [7, 8], 0.0)  # resync
+    assert not idx.needs_snapshot("a")
+    assert idx.match([1], 0.0) == {} and idx.match([7, 8], 0.0) == {"a": 2}
+    assert idx.apply_delta("a", 16, stored=[9], evicted=[], now_s=0.0)
+
+
+def test_guesses_expire_after_their_ttl_reports_do_not() -> None:
+    idx = CacheIndex(guess_ttl_s=10.0)
+    idx.guess("a", [1, 2], now_s=0.0)
+    idx.apply_snapshot("b", 0, [1], 0.0)
+    assert idx.match([1, 2], 5.0) == {"a": 2, "b": 1}
+    assert idx.match([1, 2], 10.5) == {"b": 1}
+    assert idx.expire(10.5) == 1  # block 2 had only the guess
+    assert len(idx) == 1
+
+
+def test_completion_refreshes_the_whole_prefix() -> None:
+    idx = CacheIndex(guess_ttl_s=10.0)
+    idx.guess("a", [1, 2, 3], now_s=0.0)
+    idx.completed("a", [1, 2, 3, 4], now_s=8.0)
+    assert idx.match([1, 2, 3, 4], 15.0) == {"a": 4}
+
+
+def test_lru_bound_drops_least_recently_used_blocks() -> None:
+    idx = CacheIndex(max_blocks=3)
+    idx.apply_snapshot("a", 0, [1, 2, 3], 0.0)
+    idx.match([1], 0.0)  # touch 1: block 2 is now the least recently used
+    idx.guess("b", [4], 0.0)
+    assert len(idx) == 3
+    assert idx.holders(2, 0.0) == set() and idx.holders(1, 0.0) == {"a"}
+
+
+def test_worker_removal_forgets_it_everywhere() -> None:
+    idx = CacheIndex()
+    idx.apply_snapshot("a", 0, [1, 2], 0.0)
+    idx.guess("b", [1], 0.0)
+    idx.remove_worker("a")
+    assert idx.match([1, 2], 0.0) == {"b": 1}
+    assert idx.holders(2, 0.0) == set() and len(idx) == 1
+    assert idx.apply_delta("a", 0, stored=[5], evicted=[], now_s=0.0)  # starts afresh
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["snap", "guess", "remove", "match"]),
+            st.sampled_from(["a", "b", "c"]),
+            st.lists(st.integers(0, 12), max_size=6),
+        ),
+        max_size=40,
+    ),
+    max_blocks=st.integers(1, 8),
+)
+def test_match_agrees_with_a_brute_force_model_and_memory_stays_bounded(
+    ops: list[tuple[str, str, list[int]]], max_blocks: int
+) -> None:
+    idx = CacheIndex(max_blocks=max_blocks, guess_ttl_s=1e9)
+    for op, worker, hashes in ops:
+        if op == "snap":
+            idx.apply_snapshot(worker, 0, hashes, 0.0)
+        elif op == "guess":
+            idx.guess(worker, hashes, 0.0)
+        elif op == "remove":
+            idx.remove_worker(worker)
+        else:
+            got = idx.match(hashes, 0.0)
+            held = {w: {h for h in range(13) if w in idx.holders(h, 0.0)} for w in "abc"}
+            want = {}
+            for w, blocks in held.items():
+                n = 0
+                while n < len(hashes) and hashes[n] in blocks:
+                    n += 1
+                if n:
+                    want[w] = n
+            assert got == want
+        assert len(idx) <= max_blocks
