@@ -281,7 +281,6 @@ class Dispatcher:
         if outcome.status == "queued":
             self._held[rid] = _Held(msg, req, meta.sequence.stream)
             self._held_by_band[req.band] += 1
-            metrics.QUEUED.labels(req.band).inc()
         elif outcome.status == "duplicate":
             metrics.DUPLICATES.inc()
             await _ack(msg)

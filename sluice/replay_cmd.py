@@ -40,6 +40,7 @@ SeedOpt = Annotated[int, typer.Option(help="Seed of every random choice.")]
 SloOpt = Annotated[float, typer.Option("--slo-ttft-s", help="TTFT SLO for goodput.", min=0)]
 CapOpt = Annotated[int, typer.Option(help="Requests each worker takes at once.", min=1)]
 ALL_POLICIES = ",".join(POLICIES)
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON object.")]
 PlotOpt = Annotated[Path | None, typer.Option("--plot", help="Write PNG charts here.")]
 
 
@@ -88,7 +89,7 @@ def main(
     ] = None,
     compare: CompareOpt = ALL_POLICIES,
     seed: SeedOpt = 0,
-    as_json: Annotated[bool, typer.Option("--json", help="Print exactly one JSON object.")] = False,
+    as_json: JsonOpt = False,
     plot: PlotOpt = None,
     slo_ttft_s: SloOpt = 2.0,
     capacity: CapOpt = 64,
@@ -201,7 +202,7 @@ def sweep(
     ),
     compare: CompareOpt = ALL_POLICIES,
     seed: SeedOpt = 0,
-    as_json: Annotated[bool, typer.Option("--json", help="Print exactly one JSON object.")] = False,
+    as_json: JsonOpt = False,
     plot: PlotOpt = None,
     slo_ttft_s: SloOpt = 2.0,
     capacity: CapOpt = 64,

@@ -315,8 +315,10 @@ def test_refused_worker_is_skipped_until_its_next_heartbeat() -> None:
     s.refused(d)
     (d2,) = s.plan(0.0)
     assert d2.worker_id != d.worker_id
-    s.update_worker(_worker(d.worker_id))
-    assert len({x.worker_id for x in [s.plan(0.0)[0] for _ in range(1)]}) == 1
+    s.refused(d2)
+    assert s.plan(0.0) == []  # both refused: nobody is offered the request
+    s.update_worker(_worker(d.worker_id))  # its heartbeat brings it back
+    assert [x.worker_id for x in s.plan(0.0)] == [d.worker_id]
 
 
 def test_adopt_books_a_request_a_worker_reports() -> None:
