@@ -33,6 +33,7 @@ from sluice.schemas.hashing import prompt_hashes, prompt_length
 from sluice.schemas.models import (
     Assignment,
     AssignmentReply,
+    CacheDigest,
     Completion,
     Heartbeat,
     Result,
@@ -90,7 +91,10 @@ class Agent:
     ) -> None:
         self.settings = settings
         self.worker_id = settings.worker_id
-        self.engine = SimEngine(get_profile(settings.profile))
+        self.engine = SimEngine(
+            get_profile(settings.profile), digest_min_tokens=settings.digest_min_prefix_tokens
+        )
+        self._digest_seq = -1
         self._nc = nc
         self._own_nc = nc is None
         self._observer = observer
@@ -357,8 +361,8 @@ class Agent:
                 queued_s=max(0.0, run.accepted_unix_s - submitted),
                 ttft_s=max(0.0, first - submitted),
                 e2e_s=max(0.0, now - submitted),
-                prefill_s=ev.prefill_s,
-                decode_s=ev.decode_s,
+                prefill_s=ev.prefill_s / self.settings.speed,
+                decode_s=ev.decode_s / self.settings.speed,
             ),
         )
         metrics.REQUESTS.labels(self.worker_id, "ok").inc()
@@ -374,8 +378,8 @@ class Agent:
             prompt_tokens=ev.prompt_tokens,
             cached_tokens=ev.cached_tokens,
             output_tokens=ev.output_tokens,
-            prefill_s=ev.prefill_s,
-            decode_s=ev.decode_s,
+            prefill_s=ev.prefill_s / self.settings.speed,
+            decode_s=ev.decode_s / self.settings.speed,
         )
         self._changed()
         self._report(result, completion)
@@ -447,6 +451,21 @@ class Agent:
                 await self._heartbeat()
             await self._redeliver()
 
+    def _digest(self) -> CacheDigest:
+        """The next cache digest: a delta, or a snapshot every ``digest_snapshot_every``
+        heartbeats and whenever a delta would exceed ``digest_max_blocks``. A digest lost in
+        transit leaves a gap in ``seq``: dispatchers wait for the next snapshot."""
+        s = self.settings
+        cache = self.engine.cache
+        self._digest_seq += 1
+        stored, evicted = cache.drain_digest()
+        seq = self._digest_seq
+        bt = self.engine.profile.block_tokens
+        if seq % s.digest_snapshot_every == 0 or len(stored) + len(evicted) > s.digest_max_blocks:
+            blocks = cache.reported_blocks()[: s.digest_max_blocks]
+            return CacheDigest(seq=seq, snapshot=True, block_tokens=bt, stored=blocks)
+        return CacheDigest(seq=seq, block_tokens=bt, stored=stored, evicted=evicted)
+
     async def _heartbeat(self, *, leaving: bool = False) -> None:
         e = self.engine
         self._hb_seq += 1
@@ -470,5 +489,6 @@ class Agent:
             ),
             draining=self._draining,
             leaving=leaving,
+            cache=None if leaving else self._digest(),
         )
         await self.nc.publish(names.heartbeat_subject(self.worker_id), encode(hb))

@@ -50,6 +50,15 @@ class AgentSettings(SluiceSettings):
     token_flush_tokens: int = Field(
         default=16, ge=1, description="...or until this many tokens are buffered."
     )
+    digest_min_prefix_tokens: int = Field(
+        default=256, ge=1, description="Report cached prompts at least this long in digests."
+    )
+    digest_snapshot_every: int = Field(
+        default=30, ge=1, description="Every this many heartbeats, send a full cache snapshot."
+    )
+    digest_max_blocks: int = Field(
+        default=50_000, ge=1, description="Block hashes per cache digest at most."
+    )
     drain_timeout_s: float = Field(
         default=30.0, ge=0, description="On shutdown, wait this long for running requests."
     )

@@ -64,7 +64,9 @@ class CacheIndex:
             return False
         self._seq[worker_id] = seq
         for h in evicted:
-            self._unreport(worker_id, h)
+            # An eviction also ends a guess: the worker no longer holds the block whatever
+            # the dispatcher expected (a request routed there since will store it again).
+            self._unreport(worker_id, h, forget_guess=True)
         for h in stored:
             self._hold(h, worker_id).reported = True
         self._trim()
@@ -165,12 +167,12 @@ class CacheIndex:
             hold = holders[worker_id] = _Hold()
         return hold
 
-    def _unreport(self, worker_id: str, h: int) -> None:
+    def _unreport(self, worker_id: str, h: int, *, forget_guess: bool = False) -> None:
         holders = self._blocks.get(h)
         if holders is None or worker_id not in holders:
             return
         holders[worker_id].reported = False
-        if holders[worker_id].guess_until_s == float("-inf"):
+        if forget_guess or holders[worker_id].guess_until_s == float("-inf"):
             del holders[worker_id]
         if not holders:
             del self._blocks[h]

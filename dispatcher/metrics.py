@@ -35,3 +35,37 @@ HANDOFF = Histogram(
 BAD_INPUT = Counter(
     "sluice_dispatcher_bad_messages_total", "Undecodable heartbeats or completions", ["kind"]
 )
+ROUTED = Counter(
+    "sluice_dispatcher_routed_total",
+    "Routing decisions booked, by the rule that decided",
+    ["reason"],
+)
+FLAPS = Counter(
+    "sluice_dispatcher_flaps_total",
+    "Requests whose prefix had replicas but went to another worker",
+)
+FLAP_RATE = Gauge("sluice_dispatcher_flap_rate", "Flaps per routing decision since start")
+REPLICAS = Gauge(
+    "sluice_dispatcher_prefix_replicas",
+    "Live replica sets of prefixes: how many prefixes, and the largest set",
+    ["stat"],
+)
+WORKER_PROMPT_TOKENS = Counter(
+    "sluice_dispatcher_prompt_tokens_total", "Prompt tokens completed, per worker", ["worker"]
+)
+WORKER_CACHED_TOKENS = Counter(
+    "sluice_dispatcher_cached_tokens_total", "Prompt tokens found cached, per worker", ["worker"]
+)
+WORKER_HIT_RATE = Gauge(
+    "sluice_dispatcher_worker_hit_rate", "Cached share of completed prompt tokens", ["worker"]
+)
+HIT_ERROR = Histogram(
+    "sluice_dispatcher_hit_error_tokens",
+    "Cached tokens a completion reported minus the hit expected at routing",
+    buckets=(-4096, -1024, -256, -64, -16, 0, 16, 64, 256, 1024, 4096),
+)
+INDEX_BLOCKS = Gauge("sluice_dispatcher_cache_index_blocks", "Block hashes in the cache index")
+STALE_DIGESTS = Counter(
+    "sluice_dispatcher_stale_digests_total",
+    "Cache digests ignored after a missed delta (until the worker's next snapshot)",
+)

@@ -26,6 +26,15 @@ class Candidate:
     """Prompt plus maximum output tokens of those requests: the work they bring."""
     reported_pending_tokens: int = 0
     """Pending prefill plus active decode tokens in the worker's last heartbeat."""
+    reported_prefill_tokens: int = 0
+    """Prompt tokens still to prefill on the worker at its last heartbeat."""
+    unreported_prefill_tokens: int = 0
+    """Prefill expected from requests booked here that the last heartbeat did not list yet
+    (prompt minus the hit expected at routing)."""
+    report_age_s: float = 0.0
+    """How old the last heartbeat is."""
+    joined_s: float = float("-inf")
+    """When the worker first heartbeated (cold-start exploration)."""
 
 
 @dataclass(frozen=True)
@@ -39,13 +48,31 @@ class RouteRequest:
     block_hashes: tuple[int, ...] = ()
 
 
+@dataclass(frozen=True)
+class Choice:
+    """A policy's decision, with what it expects and (when asked) why: the decision log."""
+
+    worker_id: str
+    expected_hit_tokens: int = 0
+    """Prompt tokens the policy expects the worker to find in its KV cache."""
+    reason: str = ""
+    """Which rule decided (for example ``sticky``, ``spill``, ``explore``)."""
+    terms: tuple[dict[str, float | str], ...] = ()
+    """Per candidate: its score terms (filled only when the policy explains itself)."""
+
+
 class RoutingPolicy(Protocol):
-    """Chooses one of the candidates for a request. Must not mutate anything it is given."""
+    """Chooses one of the candidates for a request. ``choose`` must not change any state
+    (a choice may be discarded if the worker refuses): a policy that learns from its
+    decisions does it in an optional ``observe(request, worker_id, now_s)``, which the
+    scheduler calls once the worker accepted."""
 
     name: str
 
-    def choose(self, request: RouteRequest, candidates: Sequence[Candidate], now_s: float) -> str:
-        """Return the ``worker_id`` of one of ``candidates`` (never empty)."""
+    def choose(
+        self, request: RouteRequest, candidates: Sequence[Candidate], now_s: float
+    ) -> str | Choice:
+        """Return one of ``candidates`` (never empty), by ``worker_id`` or as a ``Choice``."""
         ...
 
 

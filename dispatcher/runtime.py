@@ -31,15 +31,17 @@ from nats.js.errors import NotFoundError
 
 from sluice.aio import finish_tasks, wait_event
 from sluice.dispatcher import metrics
+from sluice.dispatcher.cacheaware import CacheAware, Digest
+from sluice.dispatcher.decisions import DecisionLog, decision_record
 from sluice.dispatcher.leases import LeaseTable
 from sluice.dispatcher.routing import LeastLoaded, RoutingPolicy
-from sluice.dispatcher.scheduler import Dispatch, Ended, Request, Scheduler, WorkerInfo
+from sluice.dispatcher.scheduler import Booking, Dispatch, Ended, Request, Scheduler, WorkerInfo
 from sluice.dispatcher.settings import DispatcherSettings
 from sluice.dispatcher.streams import ensure_streams
 from sluice.schemas import names
 from sluice.schemas.codec import decode, encode
 from sluice.schemas.errors import DecodeError
-from sluice.schemas.hashing import prompt_hashes, prompt_length
+from sluice.schemas.hashing import DEFAULT_BLOCK_TOKENS, prompt_hashes, prompt_length
 from sluice.schemas.models import (
     Assignment,
     AssignmentReply,
@@ -82,7 +84,18 @@ class Dispatcher:
         self.settings = settings
         self._nc = nc
         self._own_nc = nc is None
+        if policy is None and settings.routing_policy == "cache-aware":
+            policy = CacheAware(settings.routing())
         self._policy = policy or LeastLoaded(random.Random(settings.seed))
+        self._cache_aware = self._policy if isinstance(self._policy, CacheAware) else None
+        self._decisions = (
+            DecisionLog(settings.decision_log, settings.decision_log_max_bytes)
+            if settings.decision_log is not None
+            else None
+        )
+        self._last_expire_s = 0.0
+        self._hit_tokens: Counter[str] = Counter()
+        self._prompt_tokens: Counter[str] = Counter()
         self._started_s = time.monotonic()
         self.scheduler = Scheduler(
             settings.admission(),
@@ -179,6 +192,8 @@ class Dispatcher:
             with contextlib.suppress(Exception):
                 await self.nc.flush(timeout=2)
         self._held.clear()
+        if self._decisions is not None:
+            self._decisions.close()
         if self._own_nc and self._nc is not None:
             with contextlib.suppress(Exception):
                 await self._nc.close()
@@ -404,6 +419,9 @@ class Dispatcher:
                 r = d.request
                 metrics.ADMITTED.labels(r.band).inc()
                 metrics.QUEUE_WAIT.labels(r.band).observe(max(0.0, booked_s - r.arrived_s))
+                metrics.ROUTED.labels(d.choice.reason if d.choice else "").inc()
+                if self._decisions is not None:
+                    self._decisions.write(decision_record(d, booked_s))
             elif not ok:
                 metrics.HANDOFF_REFUSED.inc()
                 self.scheduler.refused(d)
@@ -439,6 +457,8 @@ class Dispatcher:
     async def _lose_worker(self, worker_id: str) -> None:
         self.leases.drop(worker_id)
         requeued, ended = self.scheduler.remove_worker(worker_id)
+        if self._cache_aware is not None:
+            self._cache_aware.remove_worker(worker_id)
         with contextlib.suppress(KeyError):
             metrics.DRIFT.remove(worker_id)
         for e in ended:
@@ -454,10 +474,22 @@ class Dispatcher:
         self._kick.set()
 
     def _update_gauges(self) -> None:
+        now = time.monotonic()
         metrics.WORKERS.set(len(self.leases))
-        for snap in self.scheduler.band_snapshots(time.monotonic()):
+        for snap in self.scheduler.band_snapshots(now):
             metrics.QUEUED.labels(snap.band).set(snap.queued)
             metrics.RUNNING.labels(snap.band).set(snap.running)
+        p = self._cache_aware
+        if p is not None and now - self._last_expire_s >= 10.0:
+            self._last_expire_s = now
+            p.expire(now)
+            metrics.INDEX_BLOCKS.set(len(p.index))
+            counts = [n for n in p.affinity.replica_counts(now) if n]
+            metrics.REPLICAS.labels("prefixes").set(len(counts))
+            metrics.REPLICAS.labels("max").set(max(counts, default=0))
+            metrics.FLAP_RATE.set(p.flaps / max(1, p.decisions))
+            if self._decisions is not None:
+                self._decisions.flush()
 
     async def _on_reconnected(self) -> None:
         log.warning("reconnected to NATS; renewing every worker's lease")
@@ -487,14 +519,55 @@ class Dispatcher:
                 reported_pending_tokens=hb.load.pending_prefill_tokens
                 + hb.load.active_decode_tokens,
                 reported_in_flight=frozenset(hb.in_flight),
+                reported_prefill_tokens=hb.load.pending_prefill_tokens,
+                reported_s=now,
             )
         )
+        if self._cache_aware is not None:
+            self._feed_digest(hb, now)
         for rid in hb.in_flight:
             if self.scheduler.is_queued(rid):
                 self.scheduler.adopt(rid, hb.worker_id, now)
         drift = self.scheduler.drift(hb.worker_id, now, grace_s=2 * self.settings.lease_s)
         metrics.DRIFT.labels(hb.worker_id).set(drift)
         self._kick.set()
+
+    def _feed_digest(self, hb: Heartbeat, now: float) -> None:
+        assert self._cache_aware is not None
+        d = hb.cache
+        if d is not None and d.block_tokens != DEFAULT_BLOCK_TOKENS:
+            metrics.BAD_INPUT.labels("digest").inc()
+            log.warning(
+                "worker %s reports %d-token blocks; the index uses %d: digest ignored",
+                hb.worker_id,
+                d.block_tokens,
+                DEFAULT_BLOCK_TOKENS,
+            )
+            d = None
+        digest = None if d is None else Digest(d.seq, d.snapshot, tuple(d.stored), tuple(d.evicted))
+        if not self._cache_aware.heartbeat(hb.worker_id, digest, now):
+            metrics.STALE_DIGESTS.inc()
+
+    def _learn(self, c: Completion, booking: Booking | None, request: Request) -> None:
+        """Teach the policy from a completion, and count the worker's hit rate."""
+        w = c.worker_id
+        self._prompt_tokens[w] += c.prompt_tokens
+        self._hit_tokens[w] += c.cached_tokens
+        metrics.WORKER_PROMPT_TOKENS.labels(w).inc(c.prompt_tokens)
+        metrics.WORKER_CACHED_TOKENS.labels(w).inc(c.cached_tokens)
+        metrics.WORKER_HIT_RATE.labels(w).set(self._hit_tokens[w] / max(1, self._prompt_tokens[w]))
+        if booking is not None and booking.worker_id == w:
+            metrics.HIT_ERROR.observe(c.cached_tokens - booking.expected_hit_tokens)
+        if self._cache_aware is not None:
+            self._cache_aware.completed(
+                w,
+                request.route_view(),
+                cached_tokens=c.cached_tokens,
+                prefill_s=c.prefill_s,
+                output_tokens=c.output_tokens,
+                decode_s=c.decode_s,
+                now_s=time.monotonic(),
+            )
 
     async def _on_completion(self, msg: Msg) -> None:
         try:
@@ -504,7 +577,10 @@ class Dispatcher:
             await _respond(msg)
             return
         if c.ok:
+            booking = self.scheduler.booking(c.request_id)
             request = self.scheduler.complete(c.request_id)
+            if request is not None:
+                self._learn(c, booking, request)
             held = self._release_held(c.request_id)
             if held is not None:
                 await _ack(held.msg)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from sluice.dispatcher.admission import AdmissionConfig, priority_key
-from sluice.dispatcher.routing import Candidate, RouteRequest, RoutingPolicy
+from sluice.dispatcher.routing import Candidate, Choice, RouteRequest, RoutingPolicy
 from sluice.schemas.models import Rejection, RejectReason
 
 
@@ -63,6 +63,10 @@ class WorkerInfo:
     draining: bool = False
     reported_pending_tokens: int = 0
     reported_in_flight: frozenset[str] = frozenset()
+    reported_prefill_tokens: int = 0
+    """Prompt tokens still to prefill at the heartbeat."""
+    reported_s: float = 0.0
+    """When the heartbeat arrived, on the scheduler's clock."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,12 @@ class Dispatch:
 
     request: Request
     worker_id: str
+    choice: Choice | None = None
+    """The policy's full decision (expected hit, reason, score terms)."""
+
+    @property
+    def expected_hit_tokens(self) -> int:
+        return self.choice.expected_hit_tokens if self.choice else 0
 
 
 @dataclass(frozen=True)
@@ -80,6 +90,7 @@ class Booking:
     request: Request
     worker_id: str
     booked_s: float
+    expected_hit_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -144,7 +155,11 @@ class Scheduler:
         self._workers: dict[str, WorkerInfo] = {}
         self._worker_booked: dict[str, set[str]] = {}
         self._worker_tokens: Counter[str] = Counter()
+        # Per worker: booked requests its last heartbeat did not list yet -> prefill expected.
+        self._unreported: dict[str, dict[str, int]] = {}
+        self._joined_s: dict[str, float] = {}
         self._refused: set[str] = set()
+        self._observe = getattr(policy, "observe", None)
 
     # ----------------------------------------------------------------------------- queries
 
@@ -259,7 +274,12 @@ class Scheduler:
     def update_worker(self, info: WorkerInfo) -> None:
         """Record a worker's heartbeat (its lease is the runtime's ``LeaseTable``)."""
         self._workers[info.worker_id] = info
-        self._worker_booked.setdefault(info.worker_id, set())
+        self._joined_s.setdefault(info.worker_id, info.reported_s)
+        booked = self._worker_booked.setdefault(info.worker_id, set())
+        pending = self._unreported.get(info.worker_id)
+        if pending:
+            for rid in [r for r in pending if r in info.reported_in_flight or r not in booked]:
+                del pending[rid]
         self._seen_models.update(info.models)
         self._refused.discard(info.worker_id)
 
@@ -278,6 +298,8 @@ class Scheduler:
             else:
                 requeued.append(retry)
         self._worker_tokens.pop(worker_id, None)
+        self._unreported.pop(worker_id, None)
+        self._joined_s.pop(worker_id, None)
         return requeued, ended
 
     def _retry(self, request: Request) -> Request | Ended:
@@ -308,6 +330,7 @@ class Scheduler:
         }
         free: dict[str, int] = {}
         tokens: dict[str, int] = {}
+        unreported: dict[str, int] = {}
         by_model: dict[str, list[str]] = {}
         for wid, info in self._workers.items():
             if info.draining or wid in self._refused:
@@ -317,6 +340,7 @@ class Scheduler:
                 continue
             free[wid] = room
             tokens[wid] = self._worker_tokens[wid]
+            unreported[wid] = sum(self._unreported.get(wid, {}).values())
             for m in info.models:
                 by_model.setdefault(m, []).append(wid)
 
@@ -333,17 +357,24 @@ class Scheduler:
             _, _, band, model, idx = heapq.heappop(heads)
             if band_room[band] <= 0:
                 continue
-            candidates = [
-                Candidate(
-                    worker_id=w,
-                    capacity=self._workers[w].capacity,
-                    booked=self._workers[w].capacity - free[w],
-                    booked_tokens=tokens[w],
-                    reported_pending_tokens=self._workers[w].reported_pending_tokens,
+            candidates: list[Candidate] = []
+            for w in by_model[model]:
+                if free[w] <= 0:
+                    continue
+                info = self._workers[w]
+                candidates.append(
+                    Candidate(
+                        worker_id=w,
+                        capacity=info.capacity,
+                        booked=info.capacity - free[w],
+                        booked_tokens=tokens[w],
+                        reported_pending_tokens=info.reported_pending_tokens,
+                        reported_prefill_tokens=info.reported_prefill_tokens,
+                        unreported_prefill_tokens=unreported[w],
+                        report_age_s=max(0.0, now_s - info.reported_s),
+                        joined_s=self._joined_s.get(w, float("-inf")),
+                    )
                 )
-                for w in by_model[model]
-                if free[w] > 0
-            ]
             if not candidates:
                 continue  # every worker of this model is full: drop its queues from this plan
             q = self._queues[(band, model)]
@@ -351,10 +382,13 @@ class Scheduler:
             if request.deadline_s is not None and request.deadline_s <= now_s:
                 chosen = None  # the sweep ends it; never run an expired request
             else:
-                chosen = self.policy.choose(request.route_view(), candidates, now_s)
-                decisions.append(Dispatch(request, chosen))
+                picked = self.policy.choose(request.route_view(), candidates, now_s)
+                choice = picked if isinstance(picked, Choice) else Choice(picked)
+                chosen = choice.worker_id
+                decisions.append(Dispatch(request, chosen, choice))
                 free[chosen] -= 1
                 tokens[chosen] += request.work_tokens
+                unreported[chosen] += _expected_prefill(request, choice)
                 global_room -= 1
                 band_room[band] -= 1
             if idx + 1 < len(q):
@@ -374,10 +408,16 @@ class Scheduler:
         if dispatch.worker_id not in self._workers:
             return False  # the worker was lost meanwhile: the request stays queued
         self._unqueue(r.request_id)
-        self._running[r.request_id] = Booking(r, dispatch.worker_id, now_s)
+        w = dispatch.worker_id
+        self._running[r.request_id] = Booking(r, w, now_s, dispatch.expected_hit_tokens)
         self._running_by_band[r.band] += 1
-        self._worker_booked.setdefault(dispatch.worker_id, set()).add(r.request_id)
-        self._worker_tokens[dispatch.worker_id] += r.work_tokens
+        self._worker_booked.setdefault(w, set()).add(r.request_id)
+        self._worker_tokens[w] += r.work_tokens
+        if r.request_id not in self._workers[w].reported_in_flight:
+            expected = _expected_prefill(r, dispatch.choice)
+            self._unreported.setdefault(w, {})[r.request_id] = expected
+        if self._observe is not None:
+            self._observe(r.route_view(), w, now_s)
         return True
 
     def refused(self, dispatch: Dispatch) -> None:
@@ -424,6 +464,7 @@ class Scheduler:
         if booked is not None:
             booked.discard(request_id)
         self._worker_tokens[booking.worker_id] -= booking.request.work_tokens
+        self._unreported.get(booking.worker_id, {}).pop(request_id, None)
         return booking
 
     def sweep(self, now_s: float) -> list[Ended]:
@@ -455,6 +496,11 @@ class Scheduler:
     def order(self) -> Sequence[str]:
         """Queued request ids in the order ``plan`` considers them (for tests and stats)."""
         return [rid for _, _, rid in sorted((e.key, e.seq, rid) for rid, e in self._queued.items())]
+
+
+def _expected_prefill(request: Request, choice: Choice | None) -> int:
+    hit = choice.expected_hit_tokens if choice else 0
+    return max(1, request.prompt_tokens - hit)
 
 
 def _deadline_rejection() -> Rejection:

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import ClassVar
+from pathlib import Path
+from typing import ClassVar, Literal
 
 from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from sluice.config import SluiceSettings
 from sluice.dispatcher.admission import DEFAULT_BAND_DELAY_S, AdmissionConfig
+from sluice.dispatcher.cacheaware import CacheAwareConfig
+from sluice.schemas.hashing import DEFAULT_BLOCK_TOKENS
 from sluice.schemas.names import DEFAULT_BANDS
 
 
@@ -85,15 +88,77 @@ class DispatcherSettings(SluiceSettings):
     )
     fetch_timeout_s: float = Field(default=1.0, gt=0, description="Long-poll of each band task.")
     tick_s: float = Field(default=0.1, gt=0, description="Scheduling loop tick (deadlines).")
-    seed: int = Field(default=0, description="Seed of the routing policy's random tie-breaks.")
+    seed: int = Field(default=0, description="Seed of the least-loaded policy's random tie-breaks.")
     metrics_port: int = Field(
         default=0, ge=0, le=65535, description="Serve Prometheus metrics here (0: off)."
     )
     metrics_host: str = Field(default="127.0.0.1", description="Bind address for metrics.")
 
+    routing_policy: Literal["cache-aware", "least-loaded"] = Field(
+        default="cache-aware", description="How workers are chosen (see docs/architecture.md)."
+    )
+    routing_w_load: float = Field(default=1.2, ge=0, description="Weight of the load term.")
+    routing_w_cache: float = Field(default=0.7, ge=0, description="Weight of the cache-miss term.")
+    routing_w_stable: float = Field(
+        default=0.3, ge=0, description="Weight of moving a prefix off its replicas."
+    )
+    routing_w_busy: float = Field(
+        default=4.0, ge=0, description="Weight of booked/capacity inside the load term."
+    )
+    routing_ttft_scale_s: float = Field(
+        default=1.0, gt=0, description="Predicted TTFT that counts as load 1."
+    )
+    routing_min_hit_fraction: float = Field(
+        default=0.3, ge=0, le=1, description="Cache hits below this share of the prefix count 0."
+    )
+    routing_key_tokens: int = Field(
+        default=1024, ge=1, description="Leading tokens that name a prefix for stickiness."
+    )
+    routing_sticky_window_s: float = Field(
+        default=30.0, gt=0, description="A prefix sticks to its replicas this long after use."
+    )
+    routing_hard_load_fraction: float = Field(
+        default=0.9, gt=0, le=1, description="Booked share of capacity that breaks stickiness."
+    )
+    routing_hard_ttft_s: float = Field(
+        default=3.0, gt=0, description="Predicted TTFT that breaks stickiness."
+    )
+    routing_replica_headroom: float = Field(
+        default=1.5, gt=0, description="Replica budget = ceil(traffic share x workers x this)."
+    )
+    routing_max_replicas: int = Field(default=64, ge=1, description="Replicas of a prefix at most.")
+    routing_hot_tau_s: float = Field(
+        default=60.0, gt=0, description="Time constant of a prefix's traffic share."
+    )
+    routing_explore_share: float = Field(
+        default=0.05, ge=0, le=1, description="Share of requests sent to newly joined workers."
+    )
+    routing_explore_window_s: float = Field(
+        default=60.0, ge=0, description="How long a joined worker counts as new."
+    )
+    routing_prefill_tokens_per_s: float = Field(
+        default=8000.0, gt=0, description="Prior prefill speed until completions teach it."
+    )
+    routing_decode_step_s: float = Field(
+        default=0.03, gt=0, description="Prior decode time per token until completions teach it."
+    )
+    routing_guess_ttl_s: float = Field(
+        default=120.0, gt=0, description="How long a routed prefix counts as cached unreported."
+    )
+    routing_index_max_blocks: int = Field(
+        default=1_000_000, ge=1, description="Block hashes the cache index keeps at most."
+    )
+    decision_log: Path | None = Field(
+        default=None, description="Write one JSON line per routing decision here (off: unset)."
+    )
+    decision_log_max_bytes: int = Field(
+        default=256 * 1024 * 1024, ge=1024, description="Rotate the decision log at this size."
+    )
+
     @model_validator(mode="after")
     def _consistent(self) -> DispatcherSettings:
         self.admission()  # raises ValueError with the reason
+        self.routing()
         return self
 
     def admission(self) -> AdmissionConfig:
@@ -109,6 +174,32 @@ class DispatcherSettings(SluiceSettings):
             band_delay_s=delays,
             max_prompt_tokens=self.max_prompt_tokens,
             max_attempts=self.max_attempts,
+        )
+
+    def routing(self) -> CacheAwareConfig:
+        """The pure configuration of the cache-aware policy these settings describe."""
+        return CacheAwareConfig(
+            block_tokens=DEFAULT_BLOCK_TOKENS,
+            w_load=self.routing_w_load,
+            w_cache=self.routing_w_cache,
+            w_stable=self.routing_w_stable,
+            w_busy=self.routing_w_busy,
+            ttft_scale_s=self.routing_ttft_scale_s,
+            min_hit_fraction=self.routing_min_hit_fraction,
+            key_tokens=self.routing_key_tokens,
+            sticky_window_s=self.routing_sticky_window_s,
+            hard_load_fraction=self.routing_hard_load_fraction,
+            hard_ttft_s=self.routing_hard_ttft_s,
+            replica_headroom=self.routing_replica_headroom,
+            max_replicas=self.routing_max_replicas,
+            hot_tau_s=self.routing_hot_tau_s,
+            explore_share=self.routing_explore_share,
+            explore_window_s=self.routing_explore_window_s,
+            prefill_tokens_per_s=self.routing_prefill_tokens_per_s,
+            decode_step_s=self.routing_decode_step_s,
+            guess_ttl_s=self.routing_guess_ttl_s,
+            index_max_blocks=self.routing_index_max_blocks,
+            explain=self.decision_log is not None,
         )
 
     @property

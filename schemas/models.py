@@ -167,6 +167,26 @@ class WorkerLoad(_Wire):
     """Cumulative engine busy time in real seconds since the agent started (utilisation)."""
 
 
+BlockHash = Annotated[int, Field(ge=0, lt=2**64)]
+
+
+class CacheDigest(_Wire):
+    """What a worker's KV cache holds, as chained block hashes (``sluice.schemas.hashing``).
+
+    A *delta* (``snapshot`` false) lists blocks stored and evicted since digest ``seq - 1``; a
+    *snapshot* lists every reported block and restarts the numbering at ``seq``. A dispatcher
+    that misses a delta ignores the worker's deltas until its next snapshot. Workers report only
+    prompts of at least their ``digest_min_prefix_tokens``, and at most ``digest_max_blocks``
+    blocks per digest (a false negative only costs one cache miss).
+    """
+
+    seq: int = Field(ge=0)
+    snapshot: bool = False
+    block_tokens: int = Field(ge=1)
+    stored: list[BlockHash] = Field(default_factory=list)
+    evicted: list[BlockHash] = Field(default_factory=list)
+
+
 class Heartbeat(_Wire):
     """Agent → dispatchers on ``sluice.hb.<worker>`` about every second.
 
@@ -184,6 +204,7 @@ class Heartbeat(_Wire):
     load: WorkerLoad
     draining: bool = False
     leaving: bool = False
+    cache: CacheDigest | None = None
 
 
 class DeadLetter(_Wire):

@@ -64,11 +64,20 @@ class Step:
 class SimEngine:
     """One simulated GPU engine running a single model."""
 
-    def __init__(self, profile: EngineProfile, *, every_token: bool = True) -> None:
+    def __init__(
+        self,
+        profile: EngineProfile,
+        *,
+        every_token: bool = True,
+        digest_min_tokens: int | None = None,
+    ) -> None:
         """``every_token=False`` reports only first tokens and finishes (the replay needs no
-        more, and it saves an event per generated token)."""
+        more, and it saves an event per generated token). ``digest_min_tokens``: journal the
+        prompt blocks of sequences with at least that many tokens in full blocks for the cache
+        digest (``cache.drain_digest()``); None journals nothing."""
         self.profile = profile
         self.every_token = every_token
+        self.digest_min_tokens = digest_min_tokens
         self.cache = KVCache(profile.kv_capacity_blocks)
         self._waiting: deque[_Seq] = deque()
         self._running: list[_Seq] = []
@@ -89,6 +98,10 @@ class SimEngine:
     @property
     def waiting(self) -> int:
         return len(self._waiting)
+
+    def in_flight(self) -> list[str]:
+        """Ids of the requests on the engine (running or waiting)."""
+        return [s.request_id for s in self._running] + [s.request_id for s in self._waiting]
 
     def pending_prefill_tokens(self) -> int:
         return sum(s.prefill_left for s in self._running) + sum(
@@ -190,7 +203,9 @@ class SimEngine:
         while self._waiting and len(self._running) < p.max_running:
             s = self._waiting[0]
             hit = self.cache.match(s.hashes)
-            if not self.cache.admit(s.hashes, s.reserve_blocks):
+            m = self.digest_min_tokens
+            report = m is not None and len(s.hashes) * p.block_tokens >= m
+            if not self.cache.admit(s.hashes, s.reserve_blocks, report=report):
                 break
             self._waiting.popleft()
             # At least one prompt token is always computed, as real engines do.

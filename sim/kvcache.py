@@ -20,6 +20,11 @@ class KVCache:
         self._idle: OrderedDict[int, None] = OrderedDict()
         self._reserved = 0
         self.evicted_blocks = 0
+        # The digest journal: blocks reported to the dispatcher, and the changes since the
+        # last drain (a block stored and evicted in between cancels out).
+        self._reported: set[int] = set()
+        self._stored: dict[int, None] = {}
+        self._evicted: dict[int, None] = {}
 
     @property
     def used_blocks(self) -> int:
@@ -50,9 +55,10 @@ class KVCache:
         free = self.capacity_blocks - self.used_blocks
         return new + reserve_blocks <= free + len(self._idle) - idle_hits
 
-    def admit(self, hashes: Sequence[int], reserve_blocks: int) -> bool:
+    def admit(self, hashes: Sequence[int], reserve_blocks: int, *, report: bool = False) -> bool:
         """Pin ``hashes`` and reserve ``reserve_blocks``; False (and no change) if it cannot
-        fit even after evicting every idle block."""
+        fit even after evicting every idle block. ``report``: journal the blocks for the
+        cache digest (see :meth:`drain_digest`)."""
         if not self.fits(hashes, reserve_blocks):
             return False
         for h in hashes:
@@ -61,11 +67,32 @@ class KVCache:
                 self._pinned[h] = 1
             else:
                 self._pinned[h] = self._pinned.get(h, 0) + 1
+            if report and h not in self._reported:
+                self._reported.add(h)
+                if self._evicted.pop(h, 0) is None:
+                    continue  # evicted and stored again since the last drain: no change
+                self._stored[h] = None
         self._reserved += reserve_blocks
         while self.used_blocks > self.capacity_blocks:
-            self._idle.popitem(last=False)
+            h, _ = self._idle.popitem(last=False)
             self.evicted_blocks += 1
+            if h in self._reported:
+                self._reported.discard(h)
+                if self._stored.pop(h, 0) is None:
+                    continue  # stored and evicted since the last drain: no change
+                self._evicted[h] = None
         return True
+
+    def drain_digest(self) -> tuple[list[int], list[int]]:
+        """Reported blocks stored and evicted since the last drain."""
+        stored, evicted = list(self._stored), list(self._evicted)
+        self._stored.clear()
+        self._evicted.clear()
+        return stored, evicted
+
+    def reported_blocks(self) -> list[int]:
+        """Every block currently reported (a digest snapshot)."""
+        return list(self._reported)
 
     def release(self, hashes: Sequence[int], reserve_blocks: int) -> None:
         """Unpin ``hashes`` (they stay cached, most recently used) and free the reservation."""

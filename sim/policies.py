@@ -16,7 +16,9 @@ from typing import Protocol
 
 import xxhash
 
-from sluice.dispatcher.routing import Candidate, LeastLoaded, RouteRequest, RoutingPolicy
+from sluice.dispatcher.cacheaware import CacheAware, CacheAwareConfig
+from sluice.dispatcher.routing import Candidate, RouteRequest, RoutingPolicy
+from sluice.sim.profiles import REFERENCE, EngineProfile
 
 
 class FleetView(Protocol):
@@ -207,11 +209,29 @@ BASELINES = (
 POLICIES = ("sluice", *BASELINES)
 
 
-def make_policy(name: str, view: FleetView, workers: Sequence[str], seed: int) -> RoutingPolicy:
-    """A policy by its name in :data:`POLICIES`; ``sluice`` is the live dispatcher's default."""
+def make_policy(
+    name: str,
+    view: FleetView,
+    workers: Sequence[str],
+    seed: int,
+    *,
+    profile: EngineProfile = REFERENCE,
+    key_tokens: int = 1024,
+    explain: bool = False,
+) -> RoutingPolicy:
+    """A policy by its name in :data:`POLICIES`; ``sluice`` is the live dispatcher's default,
+    with its prior speeds taken from ``profile``."""
     rng = random.Random(seed)
     if name == "sluice":
-        return LeastLoaded(rng)
+        return CacheAware(
+            CacheAwareConfig(
+                block_tokens=profile.block_tokens,
+                key_tokens=key_tokens,
+                prefill_tokens_per_s=profile.prefill_tokens_per_s,
+                decode_step_s=profile.decode_base_s + 16 * profile.decode_per_seq_s,
+                explain=explain,
+            )
+        )
     if name == "random":
         return RandomPolicy(rng)
     if name == "round-robin":

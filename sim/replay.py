@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from sluice.dispatcher.admission import AdmissionConfig
+from sluice.dispatcher.cacheaware import CacheAware, Digest
+from sluice.dispatcher.decisions import DecisionLog, decision_record
 from sluice.dispatcher.scheduler import Request, Scheduler, WorkerInfo
 from sluice.schemas.names import DEFAULT_BANDS
 from sluice.sim.engine import Finished, SimEngine, TokensOut
@@ -40,6 +42,10 @@ class ReplayConfig:
     """The leading prefix that the flap rate watches."""
     heartbeat_s: float = 1.0
     """How often workers report their load to the scheduler, as the live agents do."""
+    digest_min_tokens: int = 256
+    """Engines report (in their heartbeat digests) the blocks of prompts this long or longer."""
+    snapshot_every: int = 30
+    """Every this many heartbeats a digest is a full snapshot rather than a delta."""
 
 
 @dataclass
@@ -133,15 +139,33 @@ def scale_to_load(
     return [replace(r, arrival_s=(r.arrival_s - t0) * factor) for r in trace]
 
 
-def replay(trace: Sequence[TraceRequest], policy_name: str, cfg: ReplayConfig) -> PolicyResult:
-    """Run ``trace`` through the scheduler with ``policy_name`` on ``cfg.workers`` engines."""
+def replay(
+    trace: Sequence[TraceRequest],
+    policy_name: str,
+    cfg: ReplayConfig,
+    decisions: DecisionLog | None = None,
+) -> PolicyResult:
+    """Run ``trace`` through the scheduler with ``policy_name`` on ``cfg.workers`` engines.
+    ``decisions``: write every routing decision, and every request's outcome, there."""
     block_tokens = trace[0].block_tokens
     profile = replace(cfg.profile, block_tokens=block_tokens)
     ids = [f"w{i:02d}" for i in range(cfg.workers)]
-    engines = {w: SimEngine(profile, every_token=False) for w in ids}
-    fleet = _Fleet(engines)
-    policy = make_policy(policy_name, fleet, ids, cfg.seed)
-    observe = getattr(policy, "observe", None)
+    fleet = _Fleet({})
+    policy = make_policy(
+        policy_name,
+        fleet,
+        ids,
+        cfg.seed,
+        profile=profile,
+        key_tokens=cfg.min_prefix_tokens,
+        explain=decisions is not None,
+    )
+    # Sluice's policy sees the fleet as the live dispatcher does: heartbeats with digests and
+    # load every heartbeat_s, its own placements, and completions. Baselines read the engines.
+    live = policy if isinstance(policy, CacheAware) else None
+    digest_min = cfg.digest_min_tokens if live is not None else None
+    engines = {w: SimEngine(profile, every_token=False, digest_min_tokens=digest_min) for w in ids}
+    fleet.engines = engines
     bands = tuple(dict.fromkeys([*DEFAULT_BANDS, *(r.band for r in trace)]))
     models = sorted({r.model for r in trace})
     sched = Scheduler(
@@ -187,8 +211,8 @@ def replay(trace: Sequence[TraceRequest], policy_name: str, cfg: ReplayConfig) -
                 held = [w for w in ids if engines[w].cache.match(head) == flap_blocks]
                 if held and d.worker_id not in held:
                     flaps += 1
-            if observe is not None:
-                observe(r.route_view(), d.worker_id, now)
+            if decisions is not None:
+                decisions.write(decision_record(d, now))
             engines[d.worker_id].add(
                 r.request_id, r.prompt_tokens, r.max_tokens, r.block_hashes, now
             )
@@ -196,25 +220,41 @@ def replay(trace: Sequence[TraceRequest], policy_name: str, cfg: ReplayConfig) -
                 start_step(d.worker_id)
 
     last_report = -math.inf
+    beats = 0
     series: list[tuple[float, list[int]]] = []
 
     def heartbeats() -> None:
         # What the live agents put in their heartbeats, every heartbeat_s of virtual time.
-        nonlocal last_report
+        nonlocal last_report, beats
         if now - last_report < cfg.heartbeat_s:
             return
         last_report = now
         series.append((now, [engines[w].running + engines[w].waiting for w in ids]))
         for w in ids:
             e = engines[w]
+            pending = e.pending_prefill_tokens()
             sched.update_worker(
                 WorkerInfo(
                     w,
                     frozenset(models),
                     cfg.capacity,
-                    reported_pending_tokens=e.pending_prefill_tokens() + e.active_decode_tokens(),
+                    reported_pending_tokens=pending + e.active_decode_tokens(),
+                    reported_in_flight=frozenset(e.in_flight()),
+                    reported_prefill_tokens=pending,
+                    reported_s=now,
                 )
             )
+            if live is not None:
+                if beats % cfg.snapshot_every == 0:
+                    e.cache.drain_digest()
+                    digest = Digest(beats, True, tuple(e.cache.reported_blocks()))
+                else:
+                    stored, evicted = e.cache.drain_digest()
+                    digest = Digest(beats, False, tuple(stored), tuple(evicted))
+                live.heartbeat(w, digest, now)
+        if live is not None and beats % 60 == 0:
+            live.expire(now)
+        beats += 1
 
     i_next = 0
     n = len(trace)
@@ -246,10 +286,31 @@ def replay(trace: Sequence[TraceRequest], policy_name: str, cfg: ReplayConfig) -
                 rec = records[int(ev.request_id)]
                 if isinstance(ev, TokensOut):
                     rec.first_s = now
-                else:
-                    rec.finish_s = now
-                    rec.cached = ev.cached_tokens
-                    sched.complete(ev.request_id)
+                    continue
+                rec.finish_s = now
+                rec.cached = ev.cached_tokens
+                done = sched.complete(ev.request_id)
+                if live is not None and done is not None:
+                    live.completed(
+                        w,
+                        done.route_view(),
+                        cached_tokens=ev.cached_tokens,
+                        prefill_s=ev.prefill_s,
+                        output_tokens=ev.output_tokens,
+                        decode_s=ev.decode_s,
+                        now_s=now,
+                    )
+                if decisions is not None:
+                    decisions.write(
+                        {
+                            "type": "outcome",
+                            "request_id": ev.request_id,
+                            "worker": w,
+                            "cached_tokens": ev.cached_tokens,
+                            "ttft_s": round((rec.first_s or now) - rec.arrival_s, 6),
+                            "t_s": round(now, 6),
+                        }
+                    )
             start_step(w)
         for ended in sched.sweep(now):
             records[int(ended.request.request_id)].rejected = True

@@ -1,0 +1,288 @@
+"""Sluice's routing policy: cache-aware, load-balanced, sticky, self-calibrating (pure).
+
+For a request and each candidate worker (live, with free capacity) the policy computes:
+
+- **hit**: the longest run of the request's chained block hashes the worker holds, from the
+  :class:`~sluice.dispatcher.cacheindex.CacheIndex` (agents' digests, the dispatcher's own
+  recent placements, corrected by completions);
+- **predicted TTFT**: prefill still queued on the worker (its last heartbeat, drained at its
+  learned speed since, plus what was booked there after it) and this request's *uncached*
+  tokens, times the worker's effective prefill cost per token learned from its completions
+  (:mod:`~sluice.dispatcher.calibration`), plus one decode step;
+- **score** (lower wins) ``w_load x ttft / ttft_scale_s + w_cache x miss + w_stable x moved``:
+  ``miss`` is ``1 - hit/prefix`` but 1 when the hit is under ``min_hit_fraction`` (a small
+  hit is not worth a detour); ``moved`` is 1 when the prefix has replicas and this worker is
+  not one of them.
+
+Then the safeguards, per request (there is no fleet-wide switch):
+
+- **stickiness**: a prefix whose replica set is full (see
+  :mod:`~sluice.dispatcher.affinity`) goes to one of its replicas for ``sticky_window_s``
+  unless every one of them is over the hard limit (``hard_load_fraction`` of its capacity
+  booked, or a predicted TTFT over ``hard_ttft_s``); then it spills to the best worker;
+- **replica budget**: while the prefix's budget (from its share of traffic) has room, any
+  worker may win and become a replica; balance among replicas is the load term;
+- **cold start**: a share ``explore_share`` of requests goes to the best worker that joined
+  less than ``explore_window_s`` ago, while some are that new and some are not;
+- **tie-breaks**: by a hash of request and worker ids, so equal workers share misses evenly
+  and ``choose`` stays free of side effects.
+
+``choose`` changes nothing; ``observe`` (called by the scheduler once the worker accepted)
+records the placement. ``heartbeat``, ``completed`` and ``remove_worker`` feed the index and
+the speeds from the runtime (or the simulator).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import xxhash
+
+from sluice.dispatcher.affinity import Affinity, prefix_key
+from sluice.dispatcher.cacheindex import CacheIndex
+from sluice.dispatcher.calibration import Calibration
+from sluice.dispatcher.routing import Candidate, Choice, RouteRequest
+
+_U64 = float(2**64)
+
+
+@dataclass(frozen=True)
+class CacheAwareConfig:
+    """The policy's settings (the dispatcher's ``routing_*`` settings map onto these)."""
+
+    block_tokens: int = 16
+    w_load: float = 1.2
+    w_cache: float = 0.7
+    w_stable: float = 0.3
+    ttft_scale_s: float = 1.0
+    w_busy: float = 4.0
+    min_hit_fraction: float = 0.3
+    key_tokens: int = 1024
+    sticky_window_s: float = 30.0
+    hard_load_fraction: float = 0.9
+    hard_ttft_s: float = 3.0
+    replica_headroom: float = 1.5
+    max_replicas: int = 64
+    hot_tau_s: float = 60.0
+    explore_share: float = 0.05
+    explore_window_s: float = 60.0
+    prefill_tokens_per_s: float = 8000.0
+    decode_step_s: float = 0.03
+    guess_ttl_s: float = 120.0
+    index_max_blocks: int = 1_000_000
+    explain: bool = False
+    sticky_cached: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_tokens < 1 or self.key_tokens < 1:
+            raise ValueError("block_tokens and key_tokens must be >= 1")
+        if min(self.w_load, self.w_cache, self.w_stable) < 0 or self.ttft_scale_s <= 0:
+            raise ValueError("weights must be >= 0 and ttft_scale_s > 0")
+        if not 0 <= self.min_hit_fraction <= 1 or not 0 <= self.explore_share <= 1:
+            raise ValueError("min_hit_fraction and explore_share must be within [0, 1]")
+        if not 0 < self.hard_load_fraction <= 1:
+            raise ValueError("hard_load_fraction must be within (0, 1]")
+
+
+@dataclass(frozen=True)
+class Scored:
+    """One candidate's terms for one request."""
+
+    candidate: Candidate
+    hit_tokens: int
+    ttft_s: float
+    load: float
+    miss: float
+    moved: float
+    score: float
+    over_hard: bool
+    tie: float
+
+
+@dataclass(frozen=True)
+class Digest:
+    """A worker's cache report: a numbered delta or a full snapshot."""
+
+    seq: int
+    snapshot: bool
+    stored: tuple[int, ...] = ()
+    evicted: tuple[int, ...] = ()
+
+
+class CacheAware:
+    """The ``sluice`` routing policy (see the module docstring)."""
+
+    name = "sluice"
+
+    def __init__(self, config: CacheAwareConfig | None = None) -> None:
+        self.config = c = config or CacheAwareConfig()
+        self.index = CacheIndex(max_blocks=c.index_max_blocks, guess_ttl_s=c.guess_ttl_s)
+        self.calibration = Calibration(
+            prefill_tokens_per_s=c.prefill_tokens_per_s, decode_step_s=c.decode_step_s
+        )
+        self.affinity = Affinity(
+            window_s=c.sticky_window_s,
+            tau_s=c.hot_tau_s,
+            headroom=c.replica_headroom,
+            max_replicas=c.max_replicas,
+        )
+        self._key_blocks = max(1, -(-c.key_tokens // c.block_tokens))
+        self._fleet: set[str] = set()
+        self.decisions = 0
+        self.flaps = 0
+        self.stale_reports = 0
+
+    # ------------------------------------------------------------------ selection (pure)
+
+    def score(
+        self, request: RouteRequest, candidates: Sequence[Candidate], now_s: float
+    ) -> tuple[list[Scored], list[str], int]:
+        """Every candidate's terms, the prefix's replicas and its budget. Changes nothing."""
+        c = self.config
+        hashes = request.block_hashes
+        matches = self.index.match(hashes, now_s) if hashes else {}
+        key = prefix_key(hashes, self._key_blocks)
+        fleet = max(len(self._fleet), len(candidates))
+        reps = self.affinity.replicas(key, now_s) if key is not None else []
+        if key is not None and self.config.sticky_cached:
+            # Workers that still cache the whole key prefix hold it too, however long ago
+            # it was routed there.
+            need = min(self._key_blocks, len(hashes))
+            reps += sorted(w for w, b in matches.items() if b >= need and w not in reps)
+        budget = self.affinity.budget(key, fleet, now_s) if key is not None else 1
+        rep_set = set(reps)
+        out = []
+        for cand in candidates:
+            w = cand.worker_id
+            blocks = matches.get(w, 0)
+            hit = min(blocks * c.block_tokens, request.prompt_tokens - 1) if blocks else 0
+            fraction = blocks / len(hashes) if hashes else 0.0
+            miss = 1.0 - fraction if fraction >= c.min_hit_fraction else 1.0
+            sp = self.calibration.speeds(w)
+            drained = cand.report_age_s / sp.prefill_s_per_token
+            ahead = max(0.0, cand.reported_prefill_tokens - drained)
+            ahead += cand.unreported_prefill_tokens
+            own = max(1, request.prompt_tokens - hit)
+            ttft = (ahead + own) * sp.prefill_s_per_token + sp.decode_s_per_token
+            moved = 1.0 if rep_set and w not in rep_set else 0.0
+            load = ttft / c.ttft_scale_s + c.w_busy * cand.booked / max(1, cand.capacity)
+            s = c.w_load * load + c.w_cache * miss + c.w_stable * moved
+            over = cand.booked >= c.hard_load_fraction * cand.capacity or ttft > c.hard_ttft_s
+            tie = xxhash.xxh64_intdigest(f"{request.request_id}/{w}".encode()) / _U64
+            out.append(Scored(cand, hit, ttft, load, miss, moved, s, over, tie))
+        return out, reps, budget
+
+    def choose(
+        self, request: RouteRequest, candidates: Sequence[Candidate], now_s: float
+    ) -> Choice:
+        if not candidates:
+            raise ValueError("choose() needs at least one candidate")
+        c = self.config
+        scored, reps, budget = self.score(request, candidates, now_s)
+        allowed = scored
+        reason = "score"
+        cold = [s for s in scored if now_s - s.candidate.joined_s < c.explore_window_s]
+        sticky = [s for s in scored if s.candidate.worker_id in reps and not s.over_hard]
+        if cold and len(cold) < len(scored) and self._explores(request):
+            allowed, reason = cold, "explore"
+        elif sticky and len(reps) >= budget:
+            allowed, reason = sticky, "sticky"
+        elif sticky:
+            reason = "expand"
+        elif reps:
+            reason = "spill"
+        if reason == "expand":
+            # The prefix is hot and may gain a replica: whoever serves it soonest (its miss
+            # is in its predicted TTFT) wins, so its traffic spreads instead of herding.
+            best = min(allowed, key=lambda s: (s.load, s.tie))
+        else:
+            best = min(allowed, key=lambda s: (s.score, s.tie))
+        terms: tuple[dict[str, float | str], ...] = ()
+        if c.explain:
+            terms = tuple(_terms(s, s in allowed) for s in scored)
+        return Choice(best.candidate.worker_id, best.hit_tokens, reason, terms)
+
+    def _explores(self, request: RouteRequest) -> bool:
+        h = xxhash.xxh64_intdigest(f"{request.request_id}/explore".encode()) / _U64
+        return h < self.config.explore_share
+
+    # ------------------------------------------------------------------ learning
+
+    def observe(self, request: RouteRequest, worker_id: str, now_s: float) -> None:
+        """The worker accepted the request: record the placement."""
+        self.decisions += 1
+        hashes = request.block_hashes
+        if hashes:
+            self.index.guess(worker_id, hashes, now_s)
+        key = prefix_key(hashes, self._key_blocks)
+        if key is None:
+            return
+        reps = self.affinity.replicas(key, now_s)
+        if reps and worker_id not in reps:
+            self.flaps += 1
+        fleet = max(len(self._fleet), 1)
+        self.affinity.used(key, worker_id, self.affinity.budget(key, fleet, now_s), now_s)
+
+    def heartbeat(self, worker_id: str, digest: Digest | None, now_s: float) -> bool:
+        """A worker's heartbeat, with its cache digest if it sent one. Returns False if the
+        digest was a delta after a gap (ignored until the worker's next snapshot)."""
+        self._fleet.add(worker_id)
+        if digest is None:
+            return True
+        if digest.snapshot:
+            self.index.apply_snapshot(worker_id, digest.seq, digest.stored, now_s)
+            return True
+        ok = self.index.apply_delta(worker_id, digest.seq, digest.stored, digest.evicted, now_s)
+        if not ok:
+            self.stale_reports += 1
+        return ok
+
+    def completed(
+        self,
+        worker_id: str,
+        request: RouteRequest,
+        *,
+        cached_tokens: int,
+        prefill_s: float,
+        output_tokens: int,
+        decode_s: float,
+        now_s: float,
+    ) -> None:
+        """A request finished on ``worker_id``: it holds the prefix now, and its timings
+        teach the worker's speeds."""
+        if request.block_hashes:
+            self.index.completed(worker_id, request.block_hashes, now_s)
+        self.calibration.observe(
+            worker_id,
+            uncached_tokens=max(0, request.prompt_tokens - cached_tokens),
+            prefill_s=prefill_s,
+            output_tokens=output_tokens,
+            decode_s=decode_s,
+        )
+
+    def remove_worker(self, worker_id: str) -> None:
+        """The worker lost its lease or left: forget what it held."""
+        self._fleet.discard(worker_id)
+        self.index.remove_worker(worker_id)
+        self.affinity.remove_worker(worker_id)
+        self.calibration.remove_worker(worker_id)
+
+    def expire(self, now_s: float) -> int:
+        """Drop expired guesses from the index (call now and then)."""
+        return self.index.expire(now_s)
+
+
+def _terms(s: Scored, allowed: bool) -> dict[str, float | str]:
+    return {
+        "worker": s.candidate.worker_id,
+        "hit_tokens": s.hit_tokens,
+        "ttft_s": round(s.ttft_s, 6),
+        "load": round(s.load, 6),
+        "miss": round(s.miss, 4),
+        "moved": s.moved,
+        "score": round(s.score, 6),
+        "over_hard": float(s.over_hard),
+        "allowed": float(allowed),
+        "booked": s.candidate.booked,
+    }

@@ -1,0 +1,117 @@
+"""Per-worker speeds learned online from completions (pure).
+
+Every completion reports how long its prefill took (from the engine taking the request to its
+first token) for how many uncached prompt tokens, and how long its decode took for how many
+tokens. Those ratios are the worker's speed *plus* whatever it was doing meanwhile (other
+requests' prefill chunks in the same steps, a big decode batch), and that contention is already
+in the policy's queue term. So the estimate is a low quantile of the ratios (``quantile``,
+default the 20th percentile), tracked online in log space: it measures the worker's own speed
+(a slower GPU, a throttled card), is not dragged up by the heavy tail of busy moments, and
+follows a change in a few dozen completions. Until a worker has reported, the prior (the
+configured nominal speeds) stands.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Speeds:
+    """A worker's estimated speeds."""
+
+    prefill_s_per_token: float
+    decode_s_per_token: float
+    observations: int
+
+
+class _Quantile:
+    """Online quantile of positive samples, in log space (step ``rate`` per sample)."""
+
+    def __init__(self, start: float, q: float, rate: float) -> None:
+        self.log = math.log(start)
+        self.q = q
+        self.rate = rate
+
+    def add(self, x: float) -> None:
+        if math.log(x) < self.log:
+            self.log -= self.rate * (1.0 - self.q)
+        else:
+            self.log += self.rate * self.q
+
+    @property
+    def value(self) -> float:
+        return math.exp(self.log)
+
+
+class Calibration:
+    """Effective prefill and decode seconds per token, per worker."""
+
+    def __init__(
+        self,
+        *,
+        prefill_tokens_per_s: float,
+        decode_step_s: float,
+        quantile: float = 0.2,
+        rate: float = 0.1,
+        min_prefill_tokens: int = 256,
+    ) -> None:
+        """``prefill_tokens_per_s`` and ``decode_step_s`` are the prior. Completions with fewer
+        than ``min_prefill_tokens`` uncached tokens do not update the prefill estimate (one
+        engine step dominates them)."""
+        if prefill_tokens_per_s <= 0 or decode_step_s <= 0:
+            raise ValueError("prior speeds must be > 0")
+        if not 0 < quantile < 1 or rate <= 0:
+            raise ValueError("quantile must be within (0, 1) and rate > 0")
+        self.prior = Speeds(1.0 / prefill_tokens_per_s, decode_step_s, 0)
+        self.quantile = quantile
+        self.rate = rate
+        self._min_prefill = min_prefill_tokens
+        self._prefill: dict[str, _Quantile] = {}
+        self._decode: dict[str, _Quantile] = {}
+        self._count: dict[str, int] = {}
+
+    def observe(
+        self,
+        worker_id: str,
+        *,
+        uncached_tokens: int,
+        prefill_s: float,
+        output_tokens: int,
+        decode_s: float,
+    ) -> None:
+        """Learn from one completion on ``worker_id``."""
+        if uncached_tokens >= self._min_prefill and prefill_s > 0:
+            est = self._prefill.get(worker_id)
+            if est is None:
+                est = self._prefill[worker_id] = _Quantile(
+                    self.prior.prefill_s_per_token, self.quantile, self.rate
+                )
+            est.add(prefill_s / uncached_tokens)
+        if output_tokens > 1 and decode_s > 0:
+            dec = self._decode.get(worker_id)
+            if dec is None:
+                dec = self._decode[worker_id] = _Quantile(
+                    self.prior.decode_s_per_token, 0.5, self.rate
+                )
+            dec.add(decode_s / (output_tokens - 1))
+        self._count[worker_id] = self._count.get(worker_id, 0) + 1
+
+    def speeds(self, worker_id: str) -> Speeds:
+        """The worker's current estimate (the prior until it has reported)."""
+        pre = self._prefill.get(worker_id)
+        dec = self._decode.get(worker_id)
+        return Speeds(
+            pre.value if pre else self.prior.prefill_s_per_token,
+            dec.value if dec else self.prior.decode_s_per_token,
+            self._count.get(worker_id, 0),
+        )
+
+    def remove_worker(self, worker_id: str) -> None:
+        self._prefill.pop(worker_id, None)
+        self._decode.pop(worker_id, None)
+        self._count.pop(worker_id, None)
+
+    def workers(self) -> list[str]:
+        return sorted(self._count)
