@@ -93,6 +93,8 @@ class Scored:
     hit_tokens: int
     ttft_s: float
     load: float
+    queue: float
+    """The load without this request's own prefill: what a new replica is chosen by."""
     miss: float
     moved: float
     score: float
@@ -166,11 +168,13 @@ class CacheAware:
             own = max(1, request.prompt_tokens - hit)
             ttft = (ahead + own) * sp.prefill_s_per_token + sp.decode_s_per_token
             moved = 1.0 if rep_set and w not in rep_set else 0.0
-            load = ttft / c.ttft_scale_s + c.w_busy * cand.booked / max(1, cand.capacity)
+            busy = c.w_busy * cand.booked / max(1, cand.capacity)
+            load = ttft / c.ttft_scale_s + busy
+            queue = ahead * sp.prefill_s_per_token / c.ttft_scale_s + busy
             s = c.w_load * load + c.w_cache * miss + c.w_stable * moved
             over = cand.booked >= c.hard_load_fraction * cand.capacity or ttft > c.hard_ttft_s
             tie = xxhash.xxh64_intdigest(f"{request.request_id}/{w}".encode()) / _U64
-            out.append(Scored(cand, hit, ttft, load, miss, moved, s, over, tie))
+            out.append(Scored(cand, hit, ttft, load, queue, miss, moved, s, over, tie))
         return out, reps, budget
 
     def choose(
@@ -195,7 +199,7 @@ class CacheAware:
         if reason == "expand":
             # The prefix is hot and may gain a replica: whoever serves it soonest (its miss
             # is in its predicted TTFT) wins, so its traffic spreads instead of herding.
-            best = min(allowed, key=lambda s: (s.load, s.tie))
+            best = min(allowed, key=lambda s: (round(s.queue, 2), s.miss, s.tie))
         else:
             best = min(allowed, key=lambda s: (s.score, s.tie))
         terms: tuple[dict[str, float | str], ...] = ()
@@ -279,6 +283,7 @@ def _terms(s: Scored, allowed: bool) -> dict[str, float | str]:
         "hit_tokens": s.hit_tokens,
         "ttft_s": round(s.ttft_s, 6),
         "load": round(s.load, 6),
+        "queue": round(s.queue, 6),
         "miss": round(s.miss, 4),
         "moved": s.moved,
         "score": round(s.score, 6),

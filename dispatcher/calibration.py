@@ -9,6 +9,11 @@ default the 20th percentile), tracked online in log space: it measures the worke
 (a slower GPU, a throttled card), is not dragged up by the heavy tail of busy moments, and
 follows a change in a few dozen completions. Until a worker has reported, the prior (the
 configured nominal speeds) stands.
+
+Per-worker noise must not become a lasting bias (a worker estimated slow gets less work, so
+fewer completions to correct it): a worker's own estimate is used only when it differs from the
+fleet's median by more than ``deadband`` (a factor, default 1.25); otherwise every worker gets
+the fleet median. A genuinely slower or faster worker stands out; noise does not.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Speeds:
-    """A worker's estimated speeds."""
+    """A worker's estimated speeds (seconds per uncached prompt token; per output token)."""
 
     prefill_s_per_token: float
     decode_s_per_token: float
@@ -56,14 +61,18 @@ class Calibration:
         quantile: float = 0.2,
         rate: float = 0.1,
         min_prefill_tokens: int = 256,
+        deadband: float = 1.25,
     ) -> None:
         """``prefill_tokens_per_s`` and ``decode_step_s`` are the prior. Completions with fewer
         than ``min_prefill_tokens`` uncached tokens do not update the prefill estimate (one
         engine step dominates them)."""
         if prefill_tokens_per_s <= 0 or decode_step_s <= 0:
             raise ValueError("prior speeds must be > 0")
-        if not 0 < quantile < 1 or rate <= 0:
-            raise ValueError("quantile must be within (0, 1) and rate > 0")
+        if not 0 < quantile < 1 or rate <= 0 or deadband < 1:
+            raise ValueError("quantile must be within (0, 1), rate > 0 and deadband >= 1")
+        self._band = math.log(deadband)
+        self._median_prefill = math.log(1.0 / prefill_tokens_per_s)
+        self._median_decode = math.log(decode_step_s)
         self.prior = Speeds(1.0 / prefill_tokens_per_s, decode_step_s, 0)
         self.quantile = quantile
         self.rate = rate
@@ -97,14 +106,21 @@ class Calibration:
                 )
             dec.add(decode_s / (output_tokens - 1))
         self._count[worker_id] = self._count.get(worker_id, 0) + 1
+        if self._prefill:
+            self._median_prefill = _median([q.log for q in self._prefill.values()])
+        if self._decode:
+            self._median_decode = _median([q.log for q in self._decode.values()])
+
+    def _pick(self, own: _Quantile | None, median: float) -> float:
+        if own is None or abs(own.log - median) <= self._band:
+            return math.exp(median)
+        return own.value
 
     def speeds(self, worker_id: str) -> Speeds:
         """The worker's current estimate (the prior until it has reported)."""
-        pre = self._prefill.get(worker_id)
-        dec = self._decode.get(worker_id)
         return Speeds(
-            pre.value if pre else self.prior.prefill_s_per_token,
-            dec.value if dec else self.prior.decode_s_per_token,
+            self._pick(self._prefill.get(worker_id), self._median_prefill),
+            self._pick(self._decode.get(worker_id), self._median_decode),
             self._count.get(worker_id, 0),
         )
 
@@ -115,3 +131,9 @@ class Calibration:
 
     def workers(self) -> list[str]:
         return sorted(self._count)
+
+
+def _median(values: list[float]) -> float:
+    v = sorted(values)
+    n = len(v)
+    return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2

@@ -146,7 +146,8 @@ def replay(
     decisions: DecisionLog | None = None,
 ) -> PolicyResult:
     """Run ``trace`` through the scheduler with ``policy_name`` on ``cfg.workers`` engines.
-    ``decisions``: write every routing decision, and every request's outcome, there."""
+    ``decisions``: write every routing decision, and every request's outcome, there (each
+    line names the policy; ``request_id`` joins a decision with its outcome)."""
     block_tokens = trace[0].block_tokens
     profile = replace(cfg.profile, block_tokens=block_tokens)
     ids = [f"w{i:02d}" for i in range(cfg.workers)]
@@ -212,7 +213,7 @@ def replay(
                 if held and d.worker_id not in held:
                     flaps += 1
             if decisions is not None:
-                decisions.write(decision_record(d, now))
+                decisions.write({"policy": policy_name, **decision_record(d, now)})
             engines[d.worker_id].add(
                 r.request_id, r.prompt_tokens, r.max_tokens, r.block_hashes, now
             )
@@ -303,6 +304,7 @@ def replay(
                 if decisions is not None:
                     decisions.write(
                         {
+                            "policy": policy_name,
                             "type": "outcome",
                             "request_id": ev.request_id,
                             "worker": w,
@@ -355,17 +357,21 @@ def _summarise(
 
 def floor(trace: Sequence[TraceRequest], cfg: ReplayConfig) -> dict[str, float]:
     """An ideal fleet: every request finds the whole reusable part of its prefix cached (the
-    infinite shared cache's hit) and never queues; its TTFT is the prefill of the rest."""
+    infinite shared cache's hit) and never queues; its TTFT is the prefill of the rest. Its
+    goodput counts the requests within the SLO over the trace's arrival span."""
     p = cfg.profile
     hits = upper_bound_hits(trace)
     ttft = [
         max(1, r.input_tokens - h) / p.prefill_tokens_per_s
         for r, h in zip(trace, hits, strict=True)
     ]
+    good = sum(1 for t in ttft if t <= cfg.slo_ttft_s)
+    span = max(trace[-1].arrival_s - trace[0].arrival_s, 1e-9)
     return {
         "ttft_p50_s": _round(percentile(ttft, 50)),
         "ttft_p99_s": _round(percentile(ttft, 99)),
-        "slo_fraction": _round(sum(1 for t in ttft if t <= cfg.slo_ttft_s) / len(ttft)),
+        "slo_fraction": _round(good / len(ttft)),
+        "goodput_rps": _round(good / span),
     }
 
 

@@ -11,13 +11,15 @@ from typing import Any
 
 from sluice.agent.runtime import Agent, Observer
 from sluice.agent.settings import AgentSettings
+from sluice.dispatcher.routing import RoutingPolicy
 from sluice.dispatcher.runtime import Dispatcher
 from sluice.dispatcher.settings import DispatcherSettings
 
 
 class LocalCluster:
     """``async with LocalCluster(url, workers=4) as cluster:`` runs a dispatcher and agents
-    ``worker-0`` … ``worker-N-1``; every part is stopped when the block exits."""
+    ``worker-0`` … ``worker-N-1``; every part is stopped when the block exits. ``policy``
+    replaces the dispatcher's routing policy (for comparisons)."""
 
     def __init__(
         self,
@@ -27,12 +29,13 @@ class LocalCluster:
         dispatcher: dict[str, Any] | None = None,
         agent: dict[str, Any] | None = None,
         observer: Observer | None = None,
+        policy: RoutingPolicy | None = None,
     ) -> None:
         self.nats_url = nats_url
         self.dispatcher_settings = DispatcherSettings(nats_url=nats_url, **(dispatcher or {}))
         self._agent_overrides = dict(agent or {})
         self._observer = observer
-        self.dispatcher = Dispatcher(self.dispatcher_settings)
+        self.dispatcher = Dispatcher(self.dispatcher_settings, policy=policy)
         self.agents: list[Agent] = [self._new_agent(f"worker-{i}") for i in range(workers)]
 
     def _new_agent(self, worker_id: str) -> Agent:

@@ -12,6 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from sluice.dispatcher.decisions import DecisionLog
 from sluice.sim.policies import POLICIES
 from sluice.sim.profiles import PROFILES, get_profile
 from sluice.sim.replay import (
@@ -66,14 +67,18 @@ def _setup(
 
 
 def _run_all(
-    requests: list[TraceRequest], cfg: ReplayConfig, names: list[str], label: str
+    requests: list[TraceRequest],
+    cfg: ReplayConfig,
+    names: list[str],
+    label: str,
+    decisions: DecisionLog | None = None,
 ) -> dict[str, PolicyResult]:
     results = {}
     for i, name in enumerate(names, 1):
         err.print(
             f"[dim]{label}replaying {len(requests):,} requests with {name} ({i}/{len(names)})[/dim]"
         )
-        results[name] = replay(requests, name, cfg)
+        results[name] = replay(requests, name, cfg, decisions)
     return results
 
 
@@ -93,6 +98,13 @@ def main(
     plot: PlotOpt = None,
     slo_ttft_s: SloOpt = 2.0,
     capacity: CapOpt = 64,
+    decisions: Annotated[
+        Path | None,
+        typer.Option(
+            "--decisions",
+            help="Write every routing decision and request outcome here as JSON lines.",
+        ),
+    ] = None,
 ) -> None:
     """Replay TRACE on WORKERS simulated engines with each policy of --compare.
 
@@ -107,7 +119,19 @@ def main(
     requests, cfg, names = _setup(trace, workers, profile, compare, seed, slo_ttft_s, capacity)
     if load is not None:
         requests = scale_to_load(requests, load, workers, cfg.profile)
-    results = _run_all(requests, cfg, names, "")
+    log = None
+    if decisions is not None:
+        try:
+            decisions.unlink(missing_ok=True)
+            log = DecisionLog(decisions, max_bytes=1 << 40)
+        except OSError as exc:
+            raise _fail(f"cannot write decisions to {decisions}: {exc}") from exc
+    try:
+        results = _run_all(requests, cfg, names, "", log)
+    finally:
+        if log is not None:
+            log.close()
+            err.print(f"[dim]wrote {log.lines:,} decision and outcome lines to {decisions}[/dim]")
     doc = {
         "trace": str(trace),
         "requests": len(requests),

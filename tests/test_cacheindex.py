@@ -108,3 +108,14 @@ def test_match_agrees_with_a_brute_force_model_and_memory_stays_bounded(
                     want[w] = n
             assert got == want
         assert len(idx) <= max_blocks
+
+
+def test_a_reported_eviction_also_ends_a_guess() -> None:
+    idx = CacheIndex(guess_ttl_s=100.0)
+    idx.apply_snapshot("a", 0, [], 0.0)
+    idx.guess("a", [1, 2, 3], 0.0)
+    assert idx.match([1, 2, 3], 1.0) == {"a": 3}
+    assert idx.apply_delta("a", 1, [1, 2], [3], 1.0)
+    assert idx.match([1, 2, 3], 1.0) == {"a": 2}
+    idx.guess("a", [1, 2, 3], 2.0)  # routed there again: it will store block 3 again
+    assert idx.match([1, 2, 3], 2.0) == {"a": 3}

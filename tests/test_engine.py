@@ -96,3 +96,33 @@ def test_request_larger_than_the_cache_is_an_error() -> None:
     e = SimEngine(dataclasses.replace(REFERENCE, kv_capacity_tokens=1024))
     with pytest.raises(EngineError, match="KV tokens"):
         e.add("big", 2000, 10, list(range(125)), 0.0)
+
+
+def test_the_digest_journal_reports_stored_and_evicted_blocks_once() -> None:
+    kv = KVCache(4)
+    assert kv.admit([1, 2], 0, report=True)
+    assert kv.admit([9], 0)  # not reported (a short prompt)
+    assert kv.drain_digest() == ([1, 2], [])
+    assert kv.drain_digest() == ([], [])
+    kv.release([1, 2], 0)
+    kv.release([9], 0)
+    assert kv.admit([3, 4, 5], 0, report=True)  # evicts 1 and 2 (and 9, never reported)
+    stored, evicted = kv.drain_digest()
+    assert stored == [3, 4, 5] and sorted(evicted) == [1, 2]
+    kv.release([3, 4, 5], 0)
+    assert kv.admit([6, 7, 8], 0, report=True)  # evicts 3 and 4 ...
+    kv.release([6, 7, 8], 0)
+    assert kv.admit([3], 0, report=True)  # ... then 5; 3 comes back before the next drain
+    stored, evicted = kv.drain_digest()
+    assert sorted(stored) == [6, 7, 8]  # 3: evicted and stored again, no change to report
+    assert sorted(evicted) == [4, 5]
+    assert sorted(kv.reported_blocks()) == [3, 6, 7, 8]
+
+
+def test_the_engine_reports_only_long_enough_prompts() -> None:
+    e = SimEngine(REFERENCE, digest_min_tokens=64)
+    e.add("short", 40, 2, [1, 2], 0.0)  # 2 full blocks = 32 tokens
+    e.add("long", 80, 2, [3, 4, 5, 6, 7], 0.0)  # 5 full blocks = 80 tokens
+    e.step()
+    stored, _ = e.cache.drain_digest()
+    assert sorted(stored) == [3, 4, 5, 6, 7]

@@ -104,7 +104,7 @@ def test_same_seed_gives_byte_identical_json(tmp_path: Path) -> None:
     doc = json.loads(a)
     assert set(doc) == {"trace", "requests", "upper_bound_hit_rate", "policies", "floor"}
     assert set(doc["policies"]) == set(POLICIES)
-    assert set(doc["floor"]) == {"ttft_p50_s", "ttft_p99_s", "slo_fraction"}
+    assert set(doc["floor"]) == {"ttft_p50_s", "ttft_p99_s", "slo_fraction", "goodput_rps"}
     for figures in doc["policies"].values():
         assert set(figures) == {
             "hit_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "queue_p50_s", "queue_p99_s",
@@ -255,3 +255,43 @@ def test_replay_command_rejects_bad_arguments(tmp_path: Path) -> None:
     for cmd, message in cases:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and message in out.stderr, (cmd, out.stderr)
+
+
+def test_decisions_file_joins_every_decision_with_its_outcome(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    write_jsonl(SCENARIOS["hot-prompt"](Shape(requests=200, rate=30, seed=1)), path)
+    out = tmp_path / "decisions.jsonl"
+    cmd = [sys.executable, "-m", "sluice.cli", "replay", "--trace", str(path), "--workers", "4",
+           "--compare", "sluice,round-robin", "--json", "--decisions", str(out)]  # fmt: skip
+    subprocess.run(cmd, capture_output=True, timeout=120, check=True)
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    for policy in ("sluice", "round-robin"):
+        mine = [x for x in lines if x["policy"] == policy]
+        decided = {x["request_id"]: x for x in mine if x["type"] == "decision"}
+        outcomes = {x["request_id"]: x for x in mine if x["type"] == "outcome"}
+        assert set(decided) == set(outcomes) == {str(i) for i in range(200)}
+        assert all(decided[r]["worker"] == outcomes[r]["worker"] for r in decided)
+    ours = [x for x in lines if x["policy"] == "sluice" and x["type"] == "decision"]
+    assert all(len(x["candidates"]) == 4 for x in ours)  # the score terms of every candidate
+    assert {"worker", "hit_tokens", "ttft_s", "miss", "score"} <= set(ours[-1]["candidates"][0])
+    # The index's expectation is mostly right once the prompts are known.
+    late = ours[100:]
+    got = {x["request_id"]: x["cached_tokens"] for x in lines
+           if x["policy"] == "sluice" and x["type"] == "outcome"}  # fmt: skip
+    close = sum(1 for x in late if abs(got[x["request_id"]] - x["expected_hit_tokens"]) <= 128)
+    assert close >= 0.8 * len(late)
+
+
+def test_sluice_replay_uses_digests_not_the_engines(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The sluice policy must see the fleet only as the live dispatcher does.
+    from sluice.sim import replay as replay_module
+
+    trace = SCENARIOS["multi-turn"](Shape(requests=300, rate=30, seed=3))
+
+    def forbidden(*args: object) -> int:
+        raise AssertionError("the sluice policy read the engines directly")
+
+    for name in ("cached_blocks", "pending_prefill_blocks", "active_blocks", "pending_tokens"):
+        monkeypatch.setattr(replay_module._Fleet, name, forbidden)
+    result = replay(trace, "sluice", CFG)
+    assert result.hit_rate > replay(trace, "round-robin", CFG).hit_rate
