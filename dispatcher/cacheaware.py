@@ -73,6 +73,8 @@ class CacheAwareConfig:
     index_max_blocks: int = 1_000_000
     explain: bool = False
     sticky_cached: bool = True
+    calibrate: bool = True
+    """Learn each worker's speeds from completions (False: always the prior)."""
 
     def __post_init__(self) -> None:
         if self.block_tokens < 1 or self.key_tokens < 1:
@@ -161,7 +163,7 @@ class CacheAware:
             hit = min(blocks * c.block_tokens, request.prompt_tokens - 1) if blocks else 0
             fraction = blocks / len(hashes) if hashes else 0.0
             miss = 1.0 - fraction if fraction >= c.min_hit_fraction else 1.0
-            sp = self.calibration.speeds(w)
+            sp = self.calibration.speeds(w) if c.calibrate else self.calibration.prior
             drained = cand.report_age_s / sp.prefill_s_per_token
             ahead = max(0.0, cand.reported_prefill_tokens - drained)
             ahead += cand.unreported_prefill_tokens

@@ -207,6 +207,8 @@ BASELINES = (
     "dynamo-cost",
 )
 POLICIES = ("sluice", *BASELINES)
+ABLATIONS = ("sluice-uncalibrated",)
+"""Variants of ``sluice`` for ablations; not in the default comparison."""
 
 
 def make_policy(
@@ -222,7 +224,7 @@ def make_policy(
     """A policy by its name in :data:`POLICIES`; ``sluice`` is the live dispatcher's default,
     with its prior speeds taken from ``profile``."""
     rng = random.Random(seed)
-    if name == "sluice":
+    if name in ("sluice", "sluice-uncalibrated"):
         return CacheAware(
             CacheAwareConfig(
                 block_tokens=profile.block_tokens,
@@ -230,6 +232,7 @@ def make_policy(
                 prefill_tokens_per_s=profile.prefill_tokens_per_s,
                 decode_step_s=profile.decode_base_s + 16 * profile.decode_per_seq_s,
                 explain=explain,
+                calibrate=name == "sluice",
             )
         )
     if name == "random":
@@ -244,4 +247,4 @@ def make_policy(
         return SglangCacheAware(rng)
     if name == "dynamo-cost":
         return DynamoCost(view, rng)
-    raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
+    raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES + ABLATIONS)}")

@@ -39,6 +39,9 @@ class ReplayConfig:
     seed: int = 0
     slo_ttft_s: float = 2.0
     min_prefix_tokens: int = 1024
+    slow_workers: int = 0
+    """The first this many workers run ``slow_factor`` times slower (a mixed fleet)."""
+    slow_factor: float = 1.0
     """The leading prefix that the flap rate watches."""
     heartbeat_s: float = 1.0
     """How often workers report their load to the scheduler, as the live agents do."""
@@ -165,7 +168,20 @@ def replay(
     # load every heartbeat_s, its own placements, and completions. Baselines read the engines.
     live = policy if isinstance(policy, CacheAware) else None
     digest_min = cfg.digest_min_tokens if live is not None else None
-    engines = {w: SimEngine(profile, every_token=False, digest_min_tokens=digest_min) for w in ids}
+    slow = replace(
+        profile,
+        prefill_tokens_per_s=profile.prefill_tokens_per_s / cfg.slow_factor,
+        decode_base_s=profile.decode_base_s * cfg.slow_factor,
+        decode_per_seq_s=profile.decode_per_seq_s * cfg.slow_factor,
+    )
+    engines = {
+        w: SimEngine(
+            slow if i < cfg.slow_workers else profile,
+            every_token=False,
+            digest_min_tokens=digest_min,
+        )
+        for i, w in enumerate(ids)
+    }
     fleet.engines = engines
     bands = tuple(dict.fromkeys([*DEFAULT_BANDS, *(r.band for r in trace)]))
     models = sorted({r.model for r in trace})

@@ -113,12 +113,13 @@ def bench(
     """Measure the dispatcher's own cost against baselines measured in the same run."""
     from sluice.bench import bench_core, bench_live
 
-    core = bench_core(requests=requests)
-    console.print(
-        f"core: {core.decisions:,} decisions; sluice scheduler "
-        f"{core.sluice_us_per_decision:.1f} us CPU/decision, minimal FIFO+round-robin baseline "
-        f"{core.baseline_us_per_decision:.2f} us; ratio {core.ratio:.1f}x"
-    )
+    for policy in ("cache-aware", "least-loaded"):
+        core = bench_core(requests=requests, policy=policy)
+        console.print(
+            f"core ({policy}): {core.decisions:,} decisions; sluice scheduler "
+            f"{core.sluice_us_per_decision:.1f} us CPU/decision, minimal FIFO+round-robin "
+            f"baseline {core.baseline_us_per_decision:.2f} us; ratio {core.ratio:.1f}x"
+        )
     if skip_live:
         return
     live = _run(bench_live(requests=live_requests))

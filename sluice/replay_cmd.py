@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sluice.dispatcher.decisions import DecisionLog
-from sluice.sim.policies import POLICIES
+from sluice.sim.policies import ABLATIONS, POLICIES
 from sluice.sim.profiles import PROFILES, get_profile
 from sluice.sim.replay import (
     PolicyResult,
@@ -36,7 +36,18 @@ out = Console(width=None if sys.stdout.isatty() else 150)
 TraceOpt = Annotated[Path, typer.Option("--trace", help="Mooncake/Sluice .jsonl or Azure .csv.")]
 WorkersOpt = Annotated[int, typer.Option("--workers", min=1, max=4096, help="Simulated workers.")]
 ProfileOpt = Annotated[str, typer.Option(help=f"Engine profile: {', '.join(PROFILES)}.")]
-CompareOpt = Annotated[str, typer.Option(help=f"Policies, comma-separated: {','.join(POLICIES)}.")]
+CompareOpt = Annotated[
+    str,
+    typer.Option(
+        help=f"Policies, comma-separated: {','.join(POLICIES)} (ablation: {','.join(ABLATIONS)})."
+    ),
+]
+SlowOpt = Annotated[
+    int, typer.Option("--slow-workers", min=0, help="This many workers run slower (see below).")
+]
+SlowFactorOpt = Annotated[
+    float, typer.Option("--slow-factor", min=1.0, help="How many times slower they run.")
+]
 SeedOpt = Annotated[int, typer.Option(help="Seed of every random choice.")]
 SloOpt = Annotated[float, typer.Option("--slo-ttft-s", help="TTFT SLO for goodput.", min=0)]
 CapOpt = Annotated[int, typer.Option(help="Requests each worker takes at once.", min=1)]
@@ -51,7 +62,14 @@ def _fail(message: str) -> typer.Exit:
 
 
 def _setup(
-    trace: Path, workers: int, profile: str, compare: str, seed: int, slo: float, capacity: int
+    trace: Path,
+    workers: int,
+    profile: str,
+    compare: str,
+    seed: int,
+    slo: float,
+    capacity: int,
+    slow: tuple[int, float] = (0, 1.0),
 ) -> tuple[list[TraceRequest], ReplayConfig, list[str]]:
     try:
         requests = load_trace(trace)
@@ -59,10 +77,21 @@ def _setup(
     except (TraceError, KeyError) as exc:
         raise _fail(str(exc).strip('"')) from exc
     names = [p.strip() for p in compare.split(",") if p.strip()]
-    unknown = [p for p in names if p not in POLICIES]
+    unknown = [p for p in names if p not in POLICIES + ABLATIONS]
     if unknown or not names:
-        raise _fail(f"unknown policies {unknown}; known: {', '.join(POLICIES)}")
-    cfg = ReplayConfig(workers=workers, profile=prof, capacity=capacity, seed=seed, slo_ttft_s=slo)
+        raise _fail(f"unknown policies {unknown}; known: {', '.join(POLICIES + ABLATIONS)}")
+    slow_n, slow_f = slow
+    if slow_n > workers:
+        raise _fail(f"--slow-workers {slow_n} exceeds --workers {workers}")
+    cfg = ReplayConfig(
+        workers=workers,
+        profile=prof,
+        capacity=capacity,
+        seed=seed,
+        slo_ttft_s=slo,
+        slow_workers=slow_n,
+        slow_factor=slow_f,
+    )
     return requests, cfg, names
 
 
@@ -98,6 +127,8 @@ def main(
     plot: PlotOpt = None,
     slo_ttft_s: SloOpt = 2.0,
     capacity: CapOpt = 64,
+    slow_workers: SlowOpt = 0,
+    slow_factor: SlowFactorOpt = 1.0,
     decisions: Annotated[
         Path | None,
         typer.Option(
@@ -110,13 +141,16 @@ def main(
 
     Fleet capacity (for --load): each request costs its prefill at the profile's rate plus its
     output at the per-sequence decode cost of a 64-sequence batch, with no cache reuse; the
-    fleet does WORKERS such seconds of work per second.
+    fleet does WORKERS such seconds of work per second (counted at the profile's speed, also
+    when --slow-workers makes some workers --slow-factor times slower: a mixed fleet).
     """
     if ctx.invoked_subcommand is not None:
         return
     if trace == Path():
         raise _fail("--trace is required")
-    requests, cfg, names = _setup(trace, workers, profile, compare, seed, slo_ttft_s, capacity)
+    requests, cfg, names = _setup(
+        trace, workers, profile, compare, seed, slo_ttft_s, capacity, (slow_workers, slow_factor)
+    )
     if load is not None:
         requests = scale_to_load(requests, load, workers, cfg.profile)
     log = None
@@ -263,3 +297,58 @@ def sweep(
     for n, rs in series.items():
         t.add_row(n, *(f"{r.goodput_rps:.2f} / {_fmt(r.ttft_p99_s)}" for r in rs))
     out.print(t)
+
+
+@app.command()
+def report(
+    files: Annotated[list[Path], typer.Argument(help="Outputs of `sluice replay --json`.")],
+) -> None:
+    """Print Markdown tables of replay results, with each policy's distance to the floor."""
+    for f in files:
+        try:
+            doc = json.loads(f.read_text())
+            pols: dict[str, dict[str, float]] = doc["policies"]
+            fl: dict[str, float] = doc["floor"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise _fail(f"{f}: not the output of `sluice replay --json` ({exc})") from exc
+        print(_markdown(f, doc, pols, fl))
+
+
+def _markdown(
+    f: Path, doc: dict[str, Any], pols: dict[str, dict[str, float]], fl: dict[str, float]
+) -> str:
+    rr = pols.get("round-robin", {}).get("goodput_rps")
+    lines = [
+        f"**{f.stem}**: {doc['requests']:,} requests; upper-bound hit rate "
+        f"{doc['upper_bound_hit_rate']:.1%}; floor: TTFT p50 {fl['ttft_p50_s']:.3f} s, "
+        f"p99 {fl['ttft_p99_s']:.2f} s, goodput {fl.get('goodput_rps', math.nan):.2f}/s",
+        "",
+        "| policy | hit rate | TTFT p50 | TTFT p99 | goodput | vs round-robin "
+        "| P50 above floor | goodput below floor | util std | flap |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, p in pols.items():
+        ratio = f"\N{MULTIPLICATION SIGN}{p['goodput_rps'] / rr:.2f}" if rr else "-"
+        below = fl.get("goodput_rps", math.nan) - p["goodput_rps"]
+        lines.append(
+            f"| `{name}` | {p['hit_rate']:.1%} | {p['ttft_p50_s']:.3f} s | "
+            f"{p['ttft_p99_s']:.2f} s | {p['goodput_rps']:.3f}/s | {ratio} | "
+            f"+{p['ttft_p50_s'] - fl['ttft_p50_s']:.3f} s | {below:.3f}/s | "
+            f"{p['util_std']:.4f} | {p['flap_rate']:.1%} |"
+        )
+    others = {n: p for n, p in pols.items() if not n.startswith("sluice")}
+    ours = pols.get("sluice")
+    if ours and others and "goodput_rps" in fl:
+        best_g = max(others, key=lambda n: others[n]["goodput_rps"])
+        best_p = min(others, key=lambda n: others[n]["ttft_p50_s"])
+        gap_g = fl["goodput_rps"] - others[best_g]["goodput_rps"]
+        gap_p = others[best_p]["ttft_p50_s"] - fl["ttft_p50_s"]
+        closed_g = (ours["goodput_rps"] - others[best_g]["goodput_rps"]) / gap_g if gap_g else 0
+        closed_p = (others[best_p]["ttft_p50_s"] - ours["ttft_p50_s"]) / gap_p if gap_p else 0
+        lines += [
+            "",
+            f"`sluice` closes {closed_g:.0%} of the goodput distance between the best baseline "
+            f"(`{best_g}`) and the floor, and {closed_p:.0%} of the P50 TTFT distance "
+            f"(best baseline `{best_p}`).",
+        ]
+    return "\n".join(lines) + "\n"

@@ -287,3 +287,14 @@ def test_the_decision_log_is_bounded(tmp_path: Path) -> None:
     assert json.loads(previous[-1])["request_id"] == f"r{199 - len(current)}"
     with pytest.raises(ValueError):
         DecisionLog(tmp_path / "x.jsonl", max_bytes=10)
+
+
+def test_the_core_benchmark_runs_both_policies() -> None:
+    from sluice.bench import bench_core
+
+    for policy in ("cache-aware", "least-loaded"):
+        r = bench_core(requests=2000, policy=policy)
+        assert r.policy == policy and r.decisions == 2000
+        assert r.sluice_us_per_decision > 0 and r.baseline_us_per_decision > 0
+    with pytest.raises(ValueError):
+        bench_core(requests=10, policy="nope")

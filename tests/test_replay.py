@@ -110,6 +110,18 @@ def test_same_seed_gives_byte_identical_json(tmp_path: Path) -> None:
             "hit_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "queue_p50_s", "queue_p99_s",
             "e2e_p50_s", "throughput_rps", "goodput_rps", "util_std", "flap_rate", "rejected",
         }  # fmt: skip
+    (tmp_path / "r.json").write_bytes(a)
+    md = subprocess.run(
+        [sys.executable, "-m", "sluice.cli", "replay", "report", str(tmp_path / "r.json")],
+        capture_output=True, text=True, timeout=60, check=True,
+    ).stdout  # fmt: skip
+    assert md.count("\n| `") == len(POLICIES)  # one row per policy
+    assert "closes" in md and "of the goodput distance" in md
+    bad = subprocess.run(
+        [sys.executable, "-m", "sluice.cli", "replay", "report", str(path)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "not the output of" in bad.stderr
 
 
 def test_load_scaling_hits_the_requested_offered_load() -> None:
