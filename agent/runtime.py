@@ -92,7 +92,9 @@ class Agent:
         self.settings = settings
         self.worker_id = settings.worker_id
         self.engine = SimEngine(
-            get_profile(settings.profile), digest_min_tokens=settings.digest_min_prefix_tokens
+            get_profile(settings.profile),
+            digest_min_tokens=settings.digest_min_prefix_tokens,
+            digest_stride=settings.digest_stride_blocks,
         )
         self._digest_seq = -1
         self._nc = nc
@@ -460,7 +462,7 @@ class Agent:
         self._digest_seq += 1
         stored, evicted = cache.drain_digest()
         seq = self._digest_seq
-        bt = self.engine.profile.block_tokens
+        bt = self.engine.profile.block_tokens * s.digest_stride_blocks
         if seq % s.digest_snapshot_every == 0 or len(stored) + len(evicted) > s.digest_max_blocks:
             blocks = cache.reported_blocks()[: s.digest_max_blocks]
             return CacheDigest(seq=seq, snapshot=True, block_tokens=bt, stored=blocks)

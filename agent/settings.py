@@ -11,6 +11,7 @@ from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from sluice.config import SluiceSettings
+from sluice.schemas.hashing import DEFAULT_INDEX_STRIDE
 from sluice.sim.profiles import PROFILES
 
 
@@ -55,6 +56,11 @@ class AgentSettings(SluiceSettings):
     )
     digest_snapshot_every: int = Field(
         default=30, ge=1, description="Every this many heartbeats, send a full cache snapshot."
+    )
+    digest_stride_blocks: int = Field(
+        default=DEFAULT_INDEX_STRIDE,
+        ge=1,
+        description="Report every Nth prompt block (the dispatcher's index stride).",
     )
     digest_max_blocks: int = Field(
         default=50_000, ge=1, description="Block hashes per cache digest at most."

@@ -34,6 +34,7 @@ the speeds from the runtime (or the simulator).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -43,15 +44,27 @@ from sluice.dispatcher.affinity import Affinity, prefix_key
 from sluice.dispatcher.cacheindex import CacheIndex
 from sluice.dispatcher.calibration import Calibration
 from sluice.dispatcher.routing import Candidate, Choice, RouteRequest
+from sluice.schemas.hashing import DEFAULT_BLOCK_TOKENS, DEFAULT_INDEX_STRIDE
 
 _U64 = float(2**64)
+_MASK = 2**64 - 1
+_MIX = 0x9E3779B97F4A7C15  # odd: multiplying by it mixes the bits of request x worker
+
+
+@functools.lru_cache(maxsize=65536)
+def _worker_hash(worker_id: str) -> int:
+    return xxhash.xxh64_intdigest(worker_id.encode())
 
 
 @dataclass(frozen=True)
 class CacheAwareConfig:
     """The policy's settings (the dispatcher's ``routing_*`` settings map onto these)."""
 
-    block_tokens: int = 16
+    block_tokens: int = DEFAULT_BLOCK_TOKENS
+    index_stride: int = DEFAULT_INDEX_STRIDE
+    """The index keeps every this-many-th block hash of a prompt (a chained hash names its
+    whole prefix, so the blocks in between add only resolution): ``block_tokens x
+    index_stride`` tokens per index entry, which is what agents' digests must report."""
     w_load: float = 1.2
     w_cache: float = 0.7
     w_stable: float = 0.3
@@ -77,8 +90,8 @@ class CacheAwareConfig:
     """Learn each worker's speeds from completions (False: always the prior)."""
 
     def __post_init__(self) -> None:
-        if self.block_tokens < 1 or self.key_tokens < 1:
-            raise ValueError("block_tokens and key_tokens must be >= 1")
+        if min(self.block_tokens, self.key_tokens, self.index_stride) < 1:
+            raise ValueError("block_tokens, key_tokens and index_stride must be >= 1")
         if min(self.w_load, self.w_cache, self.w_stable) < 0 or self.ttft_scale_s <= 0:
             raise ValueError("weights must be >= 0 and ttft_scale_s > 0")
         if not 0 <= self.min_hit_fraction <= 1 or not 0 <= self.explore_share <= 1:
@@ -87,7 +100,7 @@ class CacheAwareConfig:
             raise ValueError("hard_load_fraction must be within (0, 1]")
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Scored:
     """One candidate's terms for one request."""
 
@@ -132,6 +145,9 @@ class CacheAware:
             max_replicas=c.max_replicas,
         )
         self._key_blocks = max(1, -(-c.key_tokens // c.block_tokens))
+        self._stride = c.index_stride
+        self.index_block_tokens = c.block_tokens * c.index_stride
+        """Tokens per index entry: what a digest's ``block_tokens`` must say."""
         self._fleet: set[str] = set()
         self.decisions = 0
         self.flaps = 0
@@ -145,37 +161,48 @@ class CacheAware:
         """Every candidate's terms, the prefix's replicas and its budget. Changes nothing."""
         c = self.config
         hashes = request.block_hashes
-        matches = self.index.match(hashes, now_s) if hashes else {}
+        indexed = self._indexed(hashes)
+        matches = self.index.match(indexed, now_s) if indexed else {}
         key = prefix_key(hashes, self._key_blocks)
         fleet = max(len(self._fleet), len(candidates))
         reps = self.affinity.replicas(key, now_s) if key is not None else []
         if key is not None and self.config.sticky_cached:
             # Workers that still cache the whole key prefix hold it too, however long ago
             # it was routed there.
-            need = min(self._key_blocks, len(hashes))
+            need = min(self._key_blocks // self._stride, len(indexed)) or 1
             reps += sorted(w for w, b in matches.items() if b >= need and w not in reps)
         budget = self.affinity.budget(key, fleet, now_s) if key is not None else 1
         rep_set = set(reps)
+        rh = xxhash.xxh64_intdigest(request.request_id.encode())
+        # The loop below runs for every candidate of every decision: constants hoisted.
+        n_indexed = len(indexed)
+        prompt = request.prompt_tokens
+        ibt = self.index_block_tokens
+        min_hit, scale, w_busy = c.min_hit_fraction, c.ttft_scale_s, c.w_busy
+        w_load, w_cache, w_stable = c.w_load, c.w_cache, c.w_stable
+        hard_fraction, hard_ttft = c.hard_load_fraction, c.hard_ttft_s
+        speeds = self.calibration.speeds if c.calibrate else None
+        prior = self.calibration.prior
         out = []
         for cand in candidates:
             w = cand.worker_id
             blocks = matches.get(w, 0)
-            hit = min(blocks * c.block_tokens, request.prompt_tokens - 1) if blocks else 0
-            fraction = blocks / len(hashes) if hashes else 0.0
-            miss = 1.0 - fraction if fraction >= c.min_hit_fraction else 1.0
-            sp = self.calibration.speeds(w) if c.calibrate else self.calibration.prior
-            drained = cand.report_age_s / sp.prefill_s_per_token
-            ahead = max(0.0, cand.reported_prefill_tokens - drained)
-            ahead += cand.unreported_prefill_tokens
-            own = max(1, request.prompt_tokens - hit)
-            ttft = (ahead + own) * sp.prefill_s_per_token + sp.decode_s_per_token
+            hit = min(blocks * ibt, prompt - 1) if blocks else 0
+            fraction = blocks / n_indexed if n_indexed else 0.0
+            miss = 1.0 - fraction if fraction >= min_hit else 1.0
+            sp = speeds(w) if speeds else prior
+            per_token = sp.prefill_s_per_token
+            ahead = cand.reported_prefill_tokens - cand.report_age_s / per_token
+            ahead = (ahead if ahead > 0.0 else 0.0) + cand.unreported_prefill_tokens
+            own = prompt - hit if prompt - hit > 1 else 1
+            ttft = (ahead + own) * per_token + sp.decode_s_per_token
             moved = 1.0 if rep_set and w not in rep_set else 0.0
-            busy = c.w_busy * cand.booked / max(1, cand.capacity)
-            load = ttft / c.ttft_scale_s + busy
-            queue = ahead * sp.prefill_s_per_token / c.ttft_scale_s + busy
-            s = c.w_load * load + c.w_cache * miss + c.w_stable * moved
-            over = cand.booked >= c.hard_load_fraction * cand.capacity or ttft > c.hard_ttft_s
-            tie = xxhash.xxh64_intdigest(f"{request.request_id}/{w}".encode()) / _U64
+            busy = w_busy * cand.booked / (cand.capacity or 1)
+            load = ttft / scale + busy
+            queue = ahead * per_token / scale + busy
+            s = w_load * load + w_cache * miss + w_stable * moved
+            over = cand.booked >= hard_fraction * cand.capacity or ttft > hard_ttft
+            tie = (((rh ^ _worker_hash(w)) * _MIX) & _MASK) / _U64
             out.append(Scored(cand, hit, ttft, load, queue, miss, moved, s, over, tie))
         return out, reps, budget
 
@@ -209,6 +236,10 @@ class CacheAware:
             terms = tuple(_terms(s, s in allowed) for s in scored)
         return Choice(best.candidate.worker_id, best.hit_tokens, reason, terms)
 
+    def _indexed(self, hashes: Sequence[int]) -> Sequence[int]:
+        s = self._stride
+        return hashes if s == 1 else hashes[s - 1 :: s]
+
     def _explores(self, request: RouteRequest) -> bool:
         h = xxhash.xxh64_intdigest(f"{request.request_id}/explore".encode()) / _U64
         return h < self.config.explore_share
@@ -219,8 +250,9 @@ class CacheAware:
         """The worker accepted the request: record the placement."""
         self.decisions += 1
         hashes = request.block_hashes
-        if hashes:
-            self.index.guess(worker_id, hashes, now_s)
+        indexed = self._indexed(hashes)
+        if indexed:
+            self.index.guess(worker_id, indexed, now_s)
         key = prefix_key(hashes, self._key_blocks)
         if key is None:
             return
@@ -257,8 +289,9 @@ class CacheAware:
     ) -> None:
         """A request finished on ``worker_id``: it holds the prefix now, and its timings
         teach the worker's speeds."""
-        if request.block_hashes:
-            self.index.completed(worker_id, request.block_hashes, now_s)
+        indexed = self._indexed(request.block_hashes)
+        if indexed:
+            self.index.completed(worker_id, indexed, now_s)
         self.calibration.observe(
             worker_id,
             uncached_tokens=max(0, request.prompt_tokens - cached_tokens),

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 
-@dataclass
+@dataclass(slots=True)
 class _Hold:
     reported: bool = False
     guess_until_s: float = float("-inf")
@@ -96,9 +96,18 @@ class CacheIndex:
         """The dispatcher routed a request with these prefix blocks to ``worker_id``: it will
         hold them soon (until ``guess_ttl_s`` from now, unless reports say more)."""
         until = now_s + self.guess_ttl_s
-        for h in hashes:
-            hold = self._hold(h, worker_id)
-            hold.guess_until_s = max(hold.guess_until_s, until)
+        blocks = self._blocks
+        for h in hashes:  # the hot path of every booking: _hold() inlined
+            holders = blocks.get(h)
+            if holders is None:
+                blocks[h] = {worker_id: _Hold(False, until)}
+                continue
+            blocks.move_to_end(h)
+            hold = holders.get(worker_id)
+            if hold is None:
+                holders[worker_id] = _Hold(False, until)
+            elif hold.guess_until_s < until:
+                hold.guess_until_s = until
         self._trim()
 
     def completed(self, worker_id: str, hashes: Sequence[int], now_s: float) -> None:
@@ -111,18 +120,26 @@ class CacheIndex:
     # ------------------------------------------------------------------ lookups
 
     def match(self, hashes: Sequence[int], now_s: float) -> dict[str, int]:
-        """For each worker holding the first block: how many leading blocks it holds."""
+        """For each worker holding the first block: how many leading blocks it holds. A pure
+        read (recency is kept by what is stored and routed, not by lookups)."""
         result: dict[str, int] = {}
         alive: set[str] | None = None
+        blocks = self._blocks
         for i, h in enumerate(hashes):
-            holders = self._blocks.get(h)
-            here = {w for w, hold in holders.items() if hold.alive(now_s)} if holders else set()
-            if holders is not None:
-                self._blocks.move_to_end(h)
-            now_alive = here if alive is None else alive & here
-            for w in (alive or set()) - now_alive:
+            holders = blocks.get(h)
+            if not holders:
+                here: set[str] = set()
+            elif alive is None:
+                here = {w for w, x in holders.items() if x.reported or x.guess_until_s > now_s}
+            else:
+                here = {
+                    w
+                    for w in alive
+                    if (x := holders.get(w)) is not None and (x.reported or x.guess_until_s > now_s)
+                }
+            for w in (alive or set()) - here:
                 result[w] = i
-            alive = now_alive
+            alive = here
             if not alive:
                 break
         for w in alive or set():

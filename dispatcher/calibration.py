@@ -80,6 +80,8 @@ class Calibration:
         self._prefill: dict[str, _Quantile] = {}
         self._decode: dict[str, _Quantile] = {}
         self._count: dict[str, int] = {}
+        self._current: dict[str, Speeds] = {}
+        self._fleet = self.prior
 
     def observe(
         self,
@@ -110,6 +112,19 @@ class Calibration:
             self._median_prefill = _median([q.log for q in self._prefill.values()])
         if self._decode:
             self._median_decode = _median([q.log for q in self._decode.values()])
+        self._refresh()
+
+    def _refresh(self) -> None:
+        # Speeds are read for every candidate of every decision; compute them once here.
+        self._fleet = Speeds(math.exp(self._median_prefill), math.exp(self._median_decode), 0)
+        self._current = {
+            w: Speeds(
+                self._pick(self._prefill.get(w), self._median_prefill),
+                self._pick(self._decode.get(w), self._median_decode),
+                n,
+            )
+            for w, n in self._count.items()
+        }
 
     def _pick(self, own: _Quantile | None, median: float) -> float:
         if own is None or abs(own.log - median) <= self._band:
@@ -118,16 +133,13 @@ class Calibration:
 
     def speeds(self, worker_id: str) -> Speeds:
         """The worker's current estimate (the prior until it has reported)."""
-        return Speeds(
-            self._pick(self._prefill.get(worker_id), self._median_prefill),
-            self._pick(self._decode.get(worker_id), self._median_decode),
-            self._count.get(worker_id, 0),
-        )
+        return self._current.get(worker_id, self._fleet)
 
     def remove_worker(self, worker_id: str) -> None:
         self._prefill.pop(worker_id, None)
         self._decode.pop(worker_id, None)
         self._count.pop(worker_id, None)
+        self._refresh()
 
     def workers(self) -> list[str]:
         return sorted(self._count)

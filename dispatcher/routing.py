@@ -10,12 +10,12 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 
-@dataclass(frozen=True)
-class Candidate:
-    """A worker that could take a request now, as the policy sees it."""
+class Candidate(NamedTuple):
+    """A worker that could take a request now, as the policy sees it (a named tuple: the
+    scheduler builds one per worker for every decision, and tuples are cheap to build)."""
 
     worker_id: str
     capacity: int

@@ -41,7 +41,7 @@ from sluice.dispatcher.streams import ensure_streams
 from sluice.schemas import names
 from sluice.schemas.codec import decode, encode
 from sluice.schemas.errors import DecodeError
-from sluice.schemas.hashing import DEFAULT_BLOCK_TOKENS, prompt_hashes, prompt_length
+from sluice.schemas.hashing import prompt_hashes, prompt_length
 from sluice.schemas.models import (
     Assignment,
     AssignmentReply,
@@ -535,13 +535,15 @@ class Dispatcher:
     def _feed_digest(self, hb: Heartbeat, now: float) -> None:
         assert self._cache_aware is not None
         d = hb.cache
-        if d is not None and d.block_tokens != DEFAULT_BLOCK_TOKENS:
+        expected = self._cache_aware.index_block_tokens
+        if d is not None and d.block_tokens != expected:
             metrics.BAD_INPUT.labels("digest").inc()
             log.warning(
-                "worker %s reports %d-token blocks; the index uses %d: digest ignored",
+                "worker %s reports %d-token index blocks; this dispatcher indexes %d "
+                "(block size x routing_index_stride_blocks): digest ignored",
                 hb.worker_id,
                 d.block_tokens,
-                DEFAULT_BLOCK_TOKENS,
+                expected,
             )
             d = None
         digest = None if d is None else Digest(d.seq, d.snapshot, tuple(d.stored), tuple(d.evicted))

@@ -14,7 +14,7 @@ from pydantic_settings import SettingsConfigDict
 from sluice.config import SluiceSettings
 from sluice.dispatcher.admission import DEFAULT_BAND_DELAY_S, AdmissionConfig
 from sluice.dispatcher.cacheaware import CacheAwareConfig
-from sluice.schemas.hashing import DEFAULT_BLOCK_TOKENS
+from sluice.schemas.hashing import DEFAULT_BLOCK_TOKENS, DEFAULT_INDEX_STRIDE
 from sluice.schemas.names import DEFAULT_BANDS
 
 
@@ -145,6 +145,11 @@ class DispatcherSettings(SluiceSettings):
     routing_guess_ttl_s: float = Field(
         default=120.0, gt=0, description="How long a routed prefix counts as cached unreported."
     )
+    routing_index_stride_blocks: int = Field(
+        default=DEFAULT_INDEX_STRIDE,
+        ge=1,
+        description="Index every Nth prompt block (agents' digest_stride_blocks must match).",
+    )
     routing_index_max_blocks: int = Field(
         default=1_000_000, ge=1, description="Block hashes the cache index keeps at most."
     )
@@ -199,6 +204,7 @@ class DispatcherSettings(SluiceSettings):
             decode_step_s=self.routing_decode_step_s,
             guess_ttl_s=self.routing_guess_ttl_s,
             index_max_blocks=self.routing_index_max_blocks,
+            index_stride=self.routing_index_stride_blocks,
             explain=self.decision_log is not None,
         )
 

@@ -20,6 +20,10 @@ from collections.abc import Sequence
 import xxhash
 
 DEFAULT_BLOCK_TOKENS = 16
+DEFAULT_INDEX_STRIDE = 8
+"""The dispatcher's cache index keeps every 8th block hash (128 tokens with 16-token blocks):
+a chained hash names its whole prefix, so the blocks in between only add resolution, and
+indexing them all would cost eight times the CPU and memory. Agents report the same blocks."""
 TEXT_BYTES_PER_TOKEN = 4
 _TOKEN_SEED = 0x5A1C_E000
 _TEXT_SEED = 0x5A1C_E001

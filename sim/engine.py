@@ -70,14 +70,19 @@ class SimEngine:
         *,
         every_token: bool = True,
         digest_min_tokens: int | None = None,
+        digest_stride: int = 1,
     ) -> None:
         """``every_token=False`` reports only first tokens and finishes (the replay needs no
         more, and it saves an event per generated token). ``digest_min_tokens``: journal the
         prompt blocks of sequences with at least that many tokens in full blocks for the cache
-        digest (``cache.drain_digest()``); None journals nothing."""
+        digest (``cache.drain_digest()``), every ``digest_stride``-th block of each (the
+        dispatcher's index resolution); None journals nothing."""
         self.profile = profile
         self.every_token = every_token
         self.digest_min_tokens = digest_min_tokens
+        if digest_stride < 1:
+            raise ValueError("digest_stride must be >= 1")
+        self.digest_stride = digest_stride
         self.cache = KVCache(profile.kv_capacity_blocks)
         self._waiting: deque[_Seq] = deque()
         self._running: list[_Seq] = []
@@ -203,8 +208,9 @@ class SimEngine:
         while self._waiting and len(self._running) < p.max_running:
             s = self._waiting[0]
             hit = self.cache.match(s.hashes)
-            m = self.digest_min_tokens
-            report = m is not None and len(s.hashes) * p.block_tokens >= m
+            m, k = self.digest_min_tokens, self.digest_stride
+            long_enough = m is not None and len(s.hashes) * p.block_tokens >= m
+            report = s.hashes[k - 1 :: k] if long_enough else ()
             if not self.cache.admit(s.hashes, s.reserve_blocks, report=report):
                 break
             self._waiting.popleft()

@@ -55,10 +55,12 @@ class KVCache:
         free = self.capacity_blocks - self.used_blocks
         return new + reserve_blocks <= free + len(self._idle) - idle_hits
 
-    def admit(self, hashes: Sequence[int], reserve_blocks: int, *, report: bool = False) -> bool:
+    def admit(
+        self, hashes: Sequence[int], reserve_blocks: int, *, report: Sequence[int] = ()
+    ) -> bool:
         """Pin ``hashes`` and reserve ``reserve_blocks``; False (and no change) if it cannot
-        fit even after evicting every idle block. ``report``: journal the blocks for the
-        cache digest (see :meth:`drain_digest`)."""
+        fit even after evicting every idle block. ``report``: those of ``hashes`` to journal
+        for the cache digest (see :meth:`drain_digest`)."""
         if not self.fits(hashes, reserve_blocks):
             return False
         for h in hashes:
@@ -67,7 +69,8 @@ class KVCache:
                 self._pinned[h] = 1
             else:
                 self._pinned[h] = self._pinned.get(h, 0) + 1
-            if report and h not in self._reported:
+        for h in report:
+            if h not in self._reported:
                 self._reported.add(h)
                 if self._evicted.pop(h, 0) is None:
                     continue  # evicted and stored again since the last drain: no change

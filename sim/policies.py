@@ -228,6 +228,7 @@ def make_policy(
         return CacheAware(
             CacheAwareConfig(
                 block_tokens=profile.block_tokens,
+                index_stride=1,  # trace blocks are already coarse (128-512 tokens)
                 key_tokens=key_tokens,
                 prefill_tokens_per_s=profile.prefill_tokens_per_s,
                 decode_step_s=profile.decode_base_s + 16 * profile.decode_per_seq_s,

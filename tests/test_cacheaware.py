@@ -43,7 +43,8 @@ def _cand(
 
 
 def _policy(**kw: object) -> CacheAware:
-    return CacheAware(CacheAwareConfig(block_tokens=BT, explore_share=0.0, **kw))  # type: ignore[arg-type]
+    cfg = CacheAwareConfig(block_tokens=BT, index_stride=1, explore_share=0.0, **kw)  # type: ignore[arg-type]
+    return CacheAware(cfg)
 
 
 # ---------------------------------------------------------------------------------- selection
@@ -175,7 +176,9 @@ def test_a_hot_prefix_spreads_over_its_replicas_and_balances_among_them() -> Non
 
 
 def test_the_exploration_share_converges_to_its_setting() -> None:
-    p = CacheAware(CacheAwareConfig(block_tokens=BT, explore_share=0.1, explore_window_s=60))
+    p = CacheAware(
+        CacheAwareConfig(block_tokens=BT, index_stride=1, explore_share=0.1, explore_window_s=60)
+    )
     # The old workers hold the prefix and are idle; the new one would never win on score.
     for w in ("a", "b", "c"):
         p.heartbeat(w, Digest(0, True, PREFIX), 0.0)
@@ -298,3 +301,14 @@ def test_the_core_benchmark_runs_both_policies() -> None:
         assert r.sluice_us_per_decision > 0 and r.baseline_us_per_decision > 0
     with pytest.raises(ValueError):
         bench_core(requests=10, policy="nope")
+
+
+def test_the_index_keeps_every_stride_th_block_and_counts_hits_in_tokens() -> None:
+    p = CacheAware(CacheAwareConfig(block_tokens=BT, index_stride=8, explore_share=0.0))
+    assert p.index_block_tokens == 128
+    p.observe(_req(0), "w", 0.0)
+    assert len(p.index) == len(PREFIX) // 8  # 10 index entries for 80 blocks
+    # A request sharing the first 45 blocks: 5 whole index entries = 640 tokens expected.
+    other = _req(1, hashes=(*PREFIX[:45], *range(7000, 7035)))
+    choice = p.choose(other, [_cand("w"), _cand("v")], 1.0)
+    assert choice.expected_hit_tokens == 5 * 128

@@ -57,10 +57,11 @@ def test_completion_refreshes_the_whole_prefix() -> None:
 def test_lru_bound_drops_least_recently_used_blocks() -> None:
     idx = CacheIndex(max_blocks=3)
     idx.apply_snapshot("a", 0, [1, 2, 3], 0.0)
-    idx.match([1], 0.0)  # touch 1: block 2 is now the least recently used
+    idx.guess("c", [1], 0.0)  # routed again: block 2 is now the least recently used
+    assert idx.match([1, 2, 3], 0.0) == {"a": 3, "c": 1}  # a lookup changes nothing
     idx.guess("b", [4], 0.0)
     assert len(idx) == 3
-    assert idx.holders(2, 0.0) == set() and idx.holders(1, 0.0) == {"a"}
+    assert idx.holders(2, 0.0) == set() and idx.holders(1, 0.0) == {"a", "c"}
 
 
 def test_worker_removal_forgets_it_everywhere() -> None:

@@ -100,19 +100,19 @@ def test_request_larger_than_the_cache_is_an_error() -> None:
 
 def test_the_digest_journal_reports_stored_and_evicted_blocks_once() -> None:
     kv = KVCache(4)
-    assert kv.admit([1, 2], 0, report=True)
+    assert kv.admit([1, 2], 0, report=[1, 2])
     assert kv.admit([9], 0)  # not reported (a short prompt)
     assert kv.drain_digest() == ([1, 2], [])
     assert kv.drain_digest() == ([], [])
     kv.release([1, 2], 0)
     kv.release([9], 0)
-    assert kv.admit([3, 4, 5], 0, report=True)  # evicts 1 and 2 (and 9, never reported)
+    assert kv.admit([3, 4, 5], 0, report=[3, 4, 5])  # evicts 1 and 2 (and 9, never reported)
     stored, evicted = kv.drain_digest()
     assert stored == [3, 4, 5] and sorted(evicted) == [1, 2]
     kv.release([3, 4, 5], 0)
-    assert kv.admit([6, 7, 8], 0, report=True)  # evicts 3 and 4 ...
+    assert kv.admit([6, 7, 8], 0, report=[6, 7, 8])  # evicts 3 and 4 ...
     kv.release([6, 7, 8], 0)
-    assert kv.admit([3], 0, report=True)  # ... then 5; 3 comes back before the next drain
+    assert kv.admit([3], 0, report=[3])  # ... then 5; 3 comes back before the next drain
     stored, evicted = kv.drain_digest()
     assert sorted(stored) == [6, 7, 8]  # 3: evicted and stored again, no change to report
     assert sorted(evicted) == [4, 5]
@@ -126,3 +126,10 @@ def test_the_engine_reports_only_long_enough_prompts() -> None:
     e.step()
     stored, _ = e.cache.drain_digest()
     assert sorted(stored) == [3, 4, 5, 6, 7]
+
+
+def test_the_digest_reports_every_stride_th_block() -> None:
+    e = SimEngine(REFERENCE, digest_min_tokens=16, digest_stride=4)
+    e.add("a", 160, 2, list(range(10)), 0.0)  # 10 blocks: positions 3 and 7 are reported
+    e.step()
+    assert sorted(e.cache.drain_digest()[0]) == [3, 7]
