@@ -307,9 +307,10 @@ class CacheAware:
         self.affinity.remove_worker(worker_id)
         self.calibration.remove_worker(worker_id)
 
-    def expire(self, now_s: float) -> int:
-        """Drop expired guesses from the index (call now and then)."""
-        return self.index.expire(now_s)
+    def expire(self, now_s: float, max_blocks: int | None = None) -> int:
+        """Drop expired guesses from the index (call now and then; ``max_blocks`` bounds the
+        work of one call, oldest blocks first)."""
+        return self.index.expire(now_s, max_blocks)
 
 
 def _terms(s: Scored, allowed: bool) -> dict[str, float | str]:

@@ -17,6 +17,7 @@ Lookups cost O(prefix blocks x holders per block), independent of the fleet size
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -42,6 +43,8 @@ class CacheIndex:
         self._blocks: OrderedDict[int, dict[str, _Hold]] = OrderedDict()
         self._seq: dict[str, int] = {}
         self._stale: set[str] = set()
+        self._reported: dict[str, set[int]] = {}
+        """Per worker, the blocks its reports say it holds (a snapshot diffs against it)."""
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -67,8 +70,10 @@ class CacheIndex:
             # An eviction also ends a guess: the worker no longer holds the block whatever
             # the dispatcher expected (a request routed there since will store it again).
             self._unreport(worker_id, h, forget_guess=True)
+        mine = self._reported.setdefault(worker_id, set())
         for h in stored:
             self._hold(h, worker_id).reported = True
+            mine.add(h)
         self._trim()
         return True
 
@@ -76,12 +81,12 @@ class CacheIndex:
         """Replace everything a worker reported by a full snapshot numbered ``seq``; the
         next delta must be ``seq + 1``."""
         keep = set(blocks)
-        for h, holders in list(self._blocks.items()):
-            hold = holders.get(worker_id)
-            if hold is not None and hold.reported and h not in keep:
-                self._unreport(worker_id, h)
-        for h in keep:
+        old = self._reported.get(worker_id, set())
+        for h in old - keep:
+            self._unreport(worker_id, h)
+        for h in keep - old:
             self._hold(h, worker_id).reported = True
+        self._reported[worker_id] = keep
         self._seq[worker_id] = seq
         self._stale.discard(worker_id)
         self._trim()
@@ -160,11 +165,14 @@ class CacheIndex:
                 del self._blocks[h]
         self._seq.pop(worker_id, None)
         self._stale.discard(worker_id)
+        self._reported.pop(worker_id, None)
 
-    def expire(self, now_s: float) -> int:
-        """Drop guesses past their TTL (lookups ignore them anyway); returns blocks freed."""
+    def expire(self, now_s: float, max_blocks: int | None = None) -> int:
+        """Drop guesses past their TTL (lookups ignore them anyway), looking at the
+        ``max_blocks`` least recently used blocks (all by default: a live caller bounds each
+        call); returns blocks freed."""
         freed = 0
-        for h in list(self._blocks):
+        for h in list(itertools.islice(self._blocks, max_blocks)):
             holders = self._blocks[h]
             for w in [w for w, hold in holders.items() if not hold.alive(now_s)]:
                 del holders[w]
@@ -189,6 +197,9 @@ class CacheIndex:
         if holders is None or worker_id not in holders:
             return
         holders[worker_id].reported = False
+        mine = self._reported.get(worker_id)
+        if mine is not None:
+            mine.discard(h)
         if forget_guess or holders[worker_id].guess_until_s == float("-inf"):
             del holders[worker_id]
         if not holders:
@@ -196,4 +207,7 @@ class CacheIndex:
 
     def _trim(self) -> None:
         while len(self._blocks) > self.max_blocks:
-            self._blocks.popitem(last=False)
+            h, holders = self._blocks.popitem(last=False)
+            for w, hold in holders.items():
+                if hold.reported:
+                    self._reported[w].discard(h)

@@ -482,7 +482,7 @@ class Dispatcher:
         p = self._cache_aware
         if p is not None and now - self._last_expire_s >= 10.0:
             self._last_expire_s = now
-            p.expire(now)
+            p.expire(now, max_blocks=20_000)  # bounded: the event loop must not stall
             metrics.INDEX_BLOCKS.set(len(p.index))
             counts = [n for n in p.affinity.replica_counts(now) if n]
             metrics.REPLICAS.labels("prefixes").set(len(counts))

@@ -163,28 +163,34 @@ class SimEngine:
         budget = p.prefill_chunk_tokens
         events: list[TokensOut | Finished] = []
         prefilling: list[tuple[_Seq, int]] = []
-        decoding = [s for s in self._running if s.prefill_left == 0]
-        for s in self._running:
-            if s.prefill_left > 0 and budget > 0:
-                n = min(s.prefill_left, budget)
+        decoding: list[_Seq] = []
+        for s in self._running:  # one pass: this is the simulator's innermost loop
+            if s.prefill_left == 0:
+                decoding.append(s)
+            elif budget > 0:
+                n = s.prefill_left if s.prefill_left < budget else budget
                 budget -= n
                 prefilling.append((s, n))
-        prefill_tokens = p.prefill_chunk_tokens - budget
-        prefill_time = prefill_tokens / p.prefill_tokens_per_s
+        prefill_time = (p.prefill_chunk_tokens - budget) / p.prefill_tokens_per_s
         decode_time = p.decode_base_s + p.decode_per_seq_s * len(decoding) if decoding else 0.0
         duration = prefill_time + decode_time
+        done: list[_Seq] = []
         for s, n in prefilling:
             s.prefill_left -= n
             s.prefill_s += duration
             if s.prefill_left == 0:
                 s.generated = 1
                 events.append(TokensOut(s.request_id, 1, True))
+                if s.output_tokens <= 1:
+                    done.append(s)
+        every = self.every_token
         for s in decoding:
             s.generated += 1
             s.decode_s += duration
-            if self.every_token:
+            if every:
                 events.append(TokensOut(s.request_id, 1, False))
-        done = [s for s in self._running if s.prefill_left == 0 and s.generated >= s.output_tokens]
+            if s.generated >= s.output_tokens:
+                done.append(s)
         if done:
             for s in done:
                 self.cache.release(s.hashes, s.reserve_blocks)

@@ -217,7 +217,7 @@ def replay(
     def dispatch() -> None:
         nonlocal flaps
         # One decision per pass: the next one must see this one's load on the engines.
-        while planned := sched.plan(now, max_decisions=1):
+        while sched.queued and (planned := sched.plan(now, max_decisions=1)):
             d = planned[0]
             r = d.request
             sched.book(d, now)
@@ -330,8 +330,9 @@ def replay(
                         }
                     )
             start_step(w)
-        for ended in sched.sweep(now):
-            records[int(ended.request.request_id)].rejected = True
+        if sched.queued:  # nothing to sweep or plan otherwise (most events: saves time)
+            for ended in sched.sweep(now):
+                records[int(ended.request.request_id)].rejected = True
         heartbeats()
         dispatch()
 
