@@ -312,3 +312,33 @@ def test_the_index_keeps_every_stride_th_block_and_counts_hits_in_tokens() -> No
     other = _req(1, hashes=(*PREFIX[:45], *range(7000, 7035)))
     choice = p.choose(other, [_cand("w"), _cand("v")], 1.0)
     assert choice.expected_hit_tokens == 5 * 128
+
+
+def test_agent_digests_are_numbered_deltas_with_periodic_bounded_snapshots() -> None:
+    from sluice.agent import AgentSettings
+    from sluice.agent.runtime import Agent
+
+    settings = AgentSettings(
+        worker_id="w",
+        digest_min_prefix_tokens=16,
+        digest_stride_blocks=1,
+        digest_snapshot_every=3,
+        digest_max_blocks=4,
+    )
+    agent = Agent(settings)  # not started: only its engine and digests are used
+    e = agent.engine
+    first = agent._digest()
+    assert (first.seq, first.snapshot, first.stored) == (0, True, [])
+    e.add("a", 48, 2, [1, 2, 3], 0.0)
+    e.step()
+    d1 = agent._digest()
+    assert (d1.seq, d1.snapshot, sorted(d1.stored)) == (1, False, [1, 2, 3])
+    assert d1.block_tokens == e.profile.block_tokens
+    e.add("b", 96, 2, [11, 12, 13, 14, 15, 16], 0.0)
+    e.step()
+    d2 = agent._digest()  # 6 new blocks > digest_max_blocks: a bounded snapshot instead
+    assert d2.seq == 2 and d2.snapshot and len(d2.stored) == 4
+    d3 = agent._digest()
+    assert d3.seq == 3 and d3.snapshot  # every third digest is a snapshot anyway
+    d4 = agent._digest()
+    assert d4.seq == 4 and not d4.snapshot and d4.stored == [] and d4.evicted == []

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from prometheus_client import REGISTRY
 
 from sluice.client import Client
 from sluice.cluster import LocalCluster
@@ -50,6 +51,14 @@ async def _run(nats_url: str, policy: RoutingPolicy | None, **dispatcher: object
     return results
 
 
+def _routed() -> float:
+    reasons = ("score", "sticky", "expand", "spill", "explore")
+    return sum(
+        REGISTRY.get_sample_value("sluice_dispatcher_routed_total", {"reason": r}) or 0.0
+        for r in reasons
+    )
+
+
 def _hit_rate(results: list[Result]) -> float:
     assert all(r.ok for r in results)
     return sum(r.cached_tokens for r in results) / sum(r.prompt_tokens for r in results)
@@ -59,7 +68,14 @@ async def test_repeated_prefixes_raise_the_hit_rate_against_round_robin(
     nats_url: str, tmp_path: Path
 ) -> None:
     log = tmp_path / "decisions.jsonl"
+    routed_before = _routed()
     ours = await _run(nats_url, None, decision_log=str(log))
+    # The metrics count every decision by its rule, and each worker's hit rate.
+    assert _routed() - routed_before == PREFIXES * ROUNDS
+    rates = {r.worker_id: REGISTRY.get_sample_value(
+        "sluice_dispatcher_worker_hit_rate", {"worker": r.worker_id}) for r in ours}  # fmt: skip
+    assert all(v is not None and 0 <= v <= 1 for v in rates.values())
+    assert max(v or 0.0 for v in rates.values()) > 0.5
     workers = [f"worker-{i}" for i in range(WORKERS)]
     theirs = await _run(nats_url, RoundRobin(workers))
 
