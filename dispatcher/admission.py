@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from sluice.dispatcher.quotas import Quotas
 from sluice.schemas.names import DEFAULT_BANDS
 
 DEFAULT_BAND_DELAY_S: Mapping[str, float] = {"interactive": 0.0, "standard": 2.0, "batch": 10.0}
@@ -28,7 +29,8 @@ class AdmissionConfig:
 
     ``global_limit`` caps the requests running at once across the fleet; ``band_limits`` caps
     each band (a band missing from it is capped only by the global limit). ``band_delay_s`` is
-    the aging delay of each band (see the module docstring).
+    the aging delay of each band (see the module docstring). ``quotas`` are each model's own
+    limits (total, per band, per tenant: :mod:`sluice.dispatcher.quotas`).
     """
 
     bands: tuple[str, ...] = DEFAULT_BANDS
@@ -37,6 +39,7 @@ class AdmissionConfig:
     band_delay_s: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_BAND_DELAY_S))
     max_prompt_tokens: int = 1_000_000
     max_attempts: int = 3
+    quotas: Quotas = field(default_factory=Quotas)
 
     def __post_init__(self) -> None:
         if not self.bands:
@@ -50,6 +53,10 @@ class AdmissionConfig:
             raise ValueError("band limits must be >= 0")
         if any(v < 0 for v in self.band_delay_s.values()):
             raise ValueError("band delays must be >= 0")
+        for model, q in [*self.quotas.models.items(), ("(default)", self.quotas.default)]:
+            unknown = set(q.band_limits) - set(self.bands)
+            if unknown:
+                raise ValueError(f"quota of model {model} names unknown bands: {sorted(unknown)}")
 
     def delay_s(self, band: str) -> float:
         """The aging delay of ``band`` (bands not listed get the largest configured delay)."""

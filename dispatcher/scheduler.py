@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from sluice.dispatcher.admission import AdmissionConfig, priority_key
+from sluice.dispatcher.quotas import Level, Usage
 from sluice.dispatcher.routing import Candidate, Choice, RouteRequest, RoutingPolicy
 from sluice.schemas.models import Rejection, RejectReason
 
@@ -160,6 +161,7 @@ class Scheduler:
         self._joined_s: dict[str, float] = {}
         self._refused: set[str] = set()
         self._observe = getattr(policy, "observe", None)
+        self._usage = Usage()
 
     # ----------------------------------------------------------------------------- queries
 
@@ -188,6 +190,16 @@ class Scheduler:
 
     def booked_on(self, worker_id: str) -> frozenset[str]:
         return frozenset(self._worker_booked.get(worker_id, ()))
+
+    def quota_levels(self, request: Request) -> tuple[list[Level], int]:
+        """The per-model quota levels ``request`` uses, and how much of each."""
+        quotas = self.config.quotas
+        levels = [lv for lv, _ in quotas.levels(request.model, request.band, request.tenant)]
+        return levels, quotas.of(request.model).cost(request.prompt_tokens, request.max_tokens)
+
+    def usage(self) -> dict[Level, int]:
+        """What runs at every per-model quota level now."""
+        return self._usage.snapshot()
 
     def known_model(self, model: str) -> bool:
         if self._configured_models:
@@ -352,10 +364,30 @@ class Scheduler:
         heapq.heapify(heads)
 
         decisions: list[Dispatch] = []
+        planned: Counter[Level] = Counter()
+        skipped: Counter[tuple[str, str]] = Counter()
+        quotas = self.config.quotas
         limit = max_decisions if max_decisions is not None else global_room
         while heads and global_room > 0 and len(decisions) < limit:
             _, _, band, model, idx = heapq.heappop(heads)
             if band_room[band] <= 0:
+                continue
+            q = self._queues[(band, model)]
+            request = self._queued[q[idx][2]].request
+            levels, amount = self.quota_levels(request)
+            blocked = self._usage.blocked_by(quotas, model, band, request.tenant, amount, planned)
+            if blocked is not None:
+                # A full tenant must not hold up other tenants behind it. A full model or
+                # model-band holds up its whole queue, also with token quotas (where a smaller
+                # request might fit): letting it pass could starve the big one.
+                skipped[(band, model)] += 1
+                if (
+                    blocked[0] == "model-tenant"
+                    and idx + 1 < len(q)
+                    and skipped[(band, model)] < _SCAN_LIMIT
+                ):
+                    key, seq, _ = q[idx + 1]
+                    heapq.heappush(heads, (key, seq, band, model, idx + 1))
                 continue
             candidates: list[Candidate] = []
             for w in by_model[model]:
@@ -377,8 +409,6 @@ class Scheduler:
                 )
             if not candidates:
                 continue  # every worker of this model is full: drop its queues from this plan
-            q = self._queues[(band, model)]
-            request = self._queued[q[idx][2]].request
             if request.deadline_s is not None and request.deadline_s <= now_s:
                 chosen = None  # the sweep ends it; never run an expired request
             else:
@@ -391,6 +421,8 @@ class Scheduler:
                 unreported[chosen] += _expected_prefill(request, choice)
                 global_room -= 1
                 band_room[band] -= 1
+                for level in levels:
+                    planned[level] += amount
             if idx + 1 < len(q):
                 key, seq, _ = q[idx + 1]
                 heapq.heappush(heads, (key, seq, band, model, idx + 1))
@@ -413,6 +445,8 @@ class Scheduler:
         self._running_by_band[r.band] += 1
         self._worker_booked.setdefault(w, set()).add(r.request_id)
         self._worker_tokens[w] += r.work_tokens
+        levels, amount = self.quota_levels(r)
+        self._usage.add(levels, amount)
         if r.request_id not in self._workers[w].reported_in_flight:
             expected = _expected_prefill(r, dispatch.choice)
             self._unreported.setdefault(w, {})[r.request_id] = expected
@@ -464,6 +498,8 @@ class Scheduler:
         if booked is not None:
             booked.discard(request_id)
         self._worker_tokens[booking.worker_id] -= booking.request.work_tokens
+        levels, amount = self.quota_levels(booking.request)
+        self._usage.remove(levels, amount)
         self._unreported.get(booking.worker_id, {}).pop(request_id, None)
         return booking
 
@@ -496,6 +532,10 @@ class Scheduler:
     def order(self) -> Sequence[str]:
         """Queued request ids in the order ``plan`` considers them (for tests and stats)."""
         return [rid for _, _, rid in sorted((e.key, e.seq, rid) for rid, e in self._queued.items())]
+
+
+_SCAN_LIMIT = 256
+"""Queued requests of one (band, model) queue that one plan looks past when quotas block them."""
 
 
 def _expected_prefill(request: Request, choice: Choice | None) -> int:

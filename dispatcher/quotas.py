@@ -1,0 +1,119 @@
+"""Per-model quotas and their accounting (pure).
+
+Besides the fleet-wide limits of :class:`~sluice.dispatcher.admission.AdmissionConfig` (the
+global limit and each band's), every model has its own quota, at three levels at once:
+
+- the model's **total**;
+- **per band** within the model;
+- **per tenant** within the model, with a default for tenants not listed.
+
+A request runs only when every level has room. A model counts in **requests** (each running
+request uses 1) or in **tokens** (each uses its prompt plus its maximum output, what it may put
+in a worker's KV cache), chosen per model. A level without a limit is unlimited; a limit of 0
+admits nothing at that level. One model's quota is untouched by another's traffic: isolation
+between models is quotas that sum to at most the global limit.
+
+Order: a request whose tenant is full does not hold up other tenants queued behind it (the plan
+looks past up to 256 such requests per queue); a request blocked by its model's total or its
+model-band limit holds up its queue, also with token quotas, so a large request cannot be
+starved by smaller ones slipping past it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+Unit = Literal["requests", "tokens"]
+Level = tuple[str, ...]
+"""A quota level: ``("model", m)``, ``("model-band", m, b)`` or ``("model-tenant", m, t)``."""
+
+
+@dataclass(frozen=True)
+class ModelQuota:
+    """One model's limits (None: unlimited at that level)."""
+
+    limit: int | None = None
+    band_limits: Mapping[str, int] = field(default_factory=dict)
+    tenant_limits: Mapping[str, int] = field(default_factory=dict)
+    default_tenant_limit: int | None = None
+    unit: Unit = "requests"
+
+    def __post_init__(self) -> None:
+        values = [self.limit, self.default_tenant_limit]
+        values += [*self.band_limits.values(), *self.tenant_limits.values()]
+        if any(v is not None and v < 0 for v in values):
+            raise ValueError("quota limits must be >= 0")
+        if self.unit not in ("requests", "tokens"):
+            raise ValueError(f"unit must be 'requests' or 'tokens', not {self.unit!r}")
+
+    def tenant_limit(self, tenant: str) -> int | None:
+        return self.tenant_limits.get(tenant, self.default_tenant_limit)
+
+    def cost(self, prompt_tokens: int, max_tokens: int) -> int:
+        """What one request uses of this model's quota."""
+        return 1 if self.unit == "requests" else prompt_tokens + max_tokens
+
+
+@dataclass(frozen=True)
+class Quotas:
+    """Every model's quota; models not listed get ``default``."""
+
+    models: Mapping[str, ModelQuota] = field(default_factory=dict)
+    default: ModelQuota = field(default_factory=ModelQuota)
+
+    def of(self, model: str) -> ModelQuota:
+        return self.models.get(model, self.default)
+
+    def levels(self, model: str, band: str, tenant: str) -> list[tuple[Level, int | None]]:
+        """The levels a request of ``model``/``band``/``tenant`` uses, with their limits."""
+        q = self.of(model)
+        return [
+            (("model", model), q.limit),
+            (("model-band", model, band), q.band_limits.get(band)),
+            (("model-tenant", model, tenant), q.tenant_limit(tenant)),
+        ]
+
+
+class Usage:
+    """What is running at every quota level (in each model's unit)."""
+
+    def __init__(self) -> None:
+        self._used: Counter[Level] = Counter()
+
+    def used(self, level: Level) -> int:
+        return self._used[level]
+
+    def blocked_by(
+        self,
+        quotas: Quotas,
+        model: str,
+        band: str,
+        tenant: str,
+        amount: int,
+        planned: Mapping[Level, int] | None = None,
+    ) -> Level | None:
+        """The first level without room for ``amount`` more (counting ``planned`` on top of
+        what runs), or None if every level has room."""
+        for level, limit in quotas.levels(model, band, tenant):
+            if limit is None:
+                continue
+            extra = planned.get(level, 0) if planned else 0
+            if self._used[level] + extra + amount > limit:
+                return level
+        return None
+
+    def add(self, levels: Iterable[Level], amount: int) -> None:
+        for level in levels:
+            self._used[level] += amount
+
+    def remove(self, levels: Iterable[Level], amount: int) -> None:
+        for level in levels:
+            self._used[level] -= amount
+            if self._used[level] <= 0:
+                del self._used[level]
+
+    def snapshot(self) -> dict[Level, int]:
+        return dict(self._used)
