@@ -8,14 +8,40 @@ import socket
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from pydantic import AliasChoices, Field, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from sluice.config import SluiceSettings
 from sluice.dispatcher.admission import DEFAULT_BAND_DELAY_S, AdmissionConfig
 from sluice.dispatcher.cacheaware import CacheAwareConfig
+from sluice.dispatcher.quotas import ModelQuota, Quotas
 from sluice.schemas.hashing import DEFAULT_BLOCK_TOKENS, DEFAULT_INDEX_STRIDE
 from sluice.schemas.names import DEFAULT_BANDS
+
+
+class QuotaSettings(BaseModel):
+    """One model's quota (see :mod:`sluice.dispatcher.quotas`); unset levels are unlimited."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    limit: int | None = Field(default=None, ge=0, description="The model's total.")
+    band_limits: dict[str, int] = Field(default_factory=dict, description="Per band.")
+    tenant_limits: dict[str, int] = Field(default_factory=dict, description="Per tenant.")
+    default_tenant_limit: int | None = Field(
+        default=None, ge=0, description="Each tenant not in tenant_limits."
+    )
+    unit: Literal["requests", "tokens"] = Field(
+        default="requests", description="Count running requests, or prompt + max output tokens."
+    )
+
+    def quota(self) -> ModelQuota:
+        return ModelQuota(
+            limit=self.limit,
+            band_limits=dict(self.band_limits),
+            tenant_limits=dict(self.tenant_limits),
+            default_tenant_limit=self.default_tenant_limit,
+            unit=self.unit,
+        )
 
 
 class DispatcherSettings(SluiceSettings):
@@ -61,6 +87,13 @@ class DispatcherSettings(SluiceSettings):
     )
     model_grace_s: float | None = Field(
         default=None, ge=0, description="How long unknown models wait (default: one lease)."
+    )
+    quotas: dict[str, QuotaSettings] = Field(
+        default_factory=dict,
+        description="Per model: limit, band_limits, tenant_limits, default_tenant_limit, unit.",
+    )
+    default_quota: QuotaSettings = Field(
+        default_factory=QuotaSettings, description="The quota of models not in quotas."
     )
     max_prompt_tokens: int = Field(default=1_000_000, ge=1, description="Longest prompt accepted.")
     max_attempts: int = Field(default=3, ge=1, description="Runs of a request before giving up.")
@@ -179,6 +212,10 @@ class DispatcherSettings(SluiceSettings):
             band_delay_s=delays,
             max_prompt_tokens=self.max_prompt_tokens,
             max_attempts=self.max_attempts,
+            quotas=Quotas(
+                models={m: q.quota() for m, q in self.quotas.items()},
+                default=self.default_quota.quota(),
+            ),
         )
 
     def routing(self) -> CacheAwareConfig:

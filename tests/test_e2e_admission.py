@@ -186,3 +186,40 @@ def encode_partial(obj: dict[str, object]) -> bytes:
     import msgpack
 
     return msgpack.packb({"v": 1, **obj})
+
+
+async def test_model_and_tenant_quotas_hold_at_the_agents(nats_url: str) -> None:
+    quota = {"limit": 6, "tenant_limits": {"a": 2}, "default_tenant_limit": 3}
+    kw = cluster_kwargs(
+        workers=3, dispatcher={"global_limit": 20, "quotas": {"sim": quota}}, agent={"capacity": 8}
+    )
+    peaks: dict[str, int] = {}
+    async with LocalCluster(nats_url, **kw) as cluster, Client(nats_url) as c:
+        stop = asyncio.Event()
+
+        async def watch() -> None:
+            # What the agents run, by tenant, every few milliseconds.
+            while not stop.is_set():
+                now: dict[str, int] = {}
+                for agent in cluster.agents:
+                    for run in list(agent._running.values()):
+                        t = run.assignment.request.tenant
+                        now[t] = now.get(t, 0) + 1
+                now["*"] = sum(now.values())
+                for k, v in now.items():
+                    peaks[k] = max(peaks.get(k, 0), v)
+                await asyncio.sleep(0.002)
+
+        watcher = asyncio.create_task(watch())
+        handles = [
+            await c.submit("sim", PROMPT, max_tokens=60, tenant=t)
+            for i in range(12)
+            for t in ("a", "b", "c")
+        ]
+        results = [await h.result(timeout_s=60) for h in handles]
+        stop.set()
+        await watcher
+    assert all(r.ok for r in results)
+    assert peaks["*"] == 6, f"model total peaked at {peaks['*']}, its limit is 6"
+    assert peaks["a"] == 2, f"tenant a peaked at {peaks['a']}, its limit is 2"
+    assert peaks["b"] <= 3 and peaks["c"] <= 3

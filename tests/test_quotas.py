@@ -155,3 +155,28 @@ def test_no_level_is_ever_exceeded(
             for level, lim in quotas.levels(r.model, r.band, r.tenant):
                 assert lim is None or used[level] <= lim, (level, used[level], lim)
         assert s.usage() == {k: v for k, v in used.items() if v}
+
+
+def test_quotas_from_a_config_file(tmp_path: object) -> None:
+    from pathlib import Path
+
+    from sluice.dispatcher import DispatcherSettings
+
+    path = Path(str(tmp_path)) / "sluice.toml"
+    path.write_text(
+        "[dispatcher]\n"
+        "global_limit = 200\n"
+        "[dispatcher.quotas.llama-70b]\n"
+        "limit = 120\n"
+        "band_limits = { batch = 80 }\n"
+        "tenant_limits = { acme = 40 }\n"
+        "default_tenant_limit = 10\n"
+        'unit = "tokens"\n'
+        "[dispatcher.default_quota]\n"
+        "default_tenant_limit = 20\n"
+    )
+    q = DispatcherSettings.load(path).admission().quotas
+    llama = q.of("llama-70b")
+    assert (llama.limit, llama.unit, llama.tenant_limit("acme"), llama.tenant_limit("x")) == (
+        120, "tokens", 40, 10)  # fmt: skip
+    assert q.of("other").tenant_limit("anyone") == 20
