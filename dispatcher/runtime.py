@@ -415,16 +415,22 @@ class Dispatcher:
         accepted = await asyncio.gather(*(self._offer(d) for d in decisions))
         booked_s = time.monotonic()
         for d, ok in zip(decisions, accepted, strict=True):
-            if ok and self.scheduler.book(d, booked_s):
-                r = d.request
+            if not ok:
+                metrics.HANDOFF_REFUSED.inc()
+                self.scheduler.refused(d)
+                continue
+            r = d.request
+            booked = self.scheduler.book(d, booked_s)
+            # The worker's heartbeat may have listed it first (adopted): still this decision.
+            b = self.scheduler.booking(r.request_id)
+            if booked or (
+                b is not None and b.worker_id == d.worker_id and b.request.attempt == r.attempt
+            ):
                 metrics.ADMITTED.labels(r.band).inc()
                 metrics.QUEUE_WAIT.labels(r.band).observe(max(0.0, booked_s - r.arrived_s))
                 metrics.ROUTED.labels(d.choice.reason if d.choice else "").inc()
                 if self._decisions is not None:
                     self._decisions.write(decision_record(d, booked_s))
-            elif not ok:
-                metrics.HANDOFF_REFUSED.inc()
-                self.scheduler.refused(d)
         self._kick.set()  # room may remain: plan again at once
 
     async def _offer(self, d: Dispatch) -> bool:

@@ -162,6 +162,11 @@ class Scheduler:
         self._refused: set[str] = set()
         self._observe = getattr(policy, "observe", None)
         self._usage = Usage()
+        # So that a sweep costs what it ends, not the queue's length: deadlines in a heap
+        # (entries of requests no longer queued are skipped), and the requests whose model was
+        # unknown when queued (a model, once known, stays known).
+        self._deadlines: list[tuple[float, int, str]] = []
+        self._maybe_unknown: set[str] = set()
 
     # ----------------------------------------------------------------------------- queries
 
@@ -270,6 +275,10 @@ class Scheduler:
         key = priority_key(request.arrived_s, self.config.delay_s(request.band))
         entry = _Entry(key, self._seq, request)
         self._queued[request.request_id] = entry
+        if request.deadline_s is not None:
+            heapq.heappush(self._deadlines, (request.deadline_s, self._seq, request.request_id))
+        if not self.known_model(request.model):
+            self._maybe_unknown.add(request.request_id)
         q = self._queues.setdefault((request.band, request.model), [])
         bisect.insort(q, (key, self._seq, request.request_id))
 
@@ -507,13 +516,19 @@ class Scheduler:
         """End queued requests that must not run: deadline passed, or model still unknown
         after the discovery grace. Returns them with their typed rejections."""
         ended: list[Ended] = []
-        check_models = now_s >= self._model_grace_until_s
-        for rid, entry in list(self._queued.items()):
-            r = entry.request
-            if r.deadline_s is not None and r.deadline_s <= now_s:
+        while self._deadlines and self._deadlines[0][0] <= now_s:
+            _, seq, rid = heapq.heappop(self._deadlines)
+            entry = self._queued.get(rid)
+            if entry is not None and entry.seq == seq:
                 ended.append(Ended(self._unqueue(rid), _deadline_rejection()))
-            elif check_models and not self.known_model(r.model):
-                ended.append(Ended(self._unqueue(rid), self._unknown_model(r.model)))
+        if self._maybe_unknown and now_s >= self._model_grace_until_s:
+            for rid in sorted(self._maybe_unknown):
+                entry = self._queued.get(rid)
+                if entry is None or self.known_model(entry.request.model):
+                    self._maybe_unknown.discard(rid)
+                    continue
+                self._maybe_unknown.discard(rid)
+                ended.append(Ended(self._unqueue(rid), self._unknown_model(entry.request.model)))
         return ended
 
     def drift(self, worker_id: str, now_s: float, grace_s: float) -> int:

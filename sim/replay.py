@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import heapq
 import math
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from sluice.dispatcher.admission import AdmissionConfig
 from sluice.dispatcher.cacheaware import CacheAware, Digest
@@ -55,6 +57,7 @@ class ReplayConfig:
 class _Record:
     arrival_s: float
     prompt: int
+    band: str
     first_s: float | None = None
     dispatch_s: float | None = None
     finish_s: float | None = None
@@ -78,18 +81,21 @@ class PolicyResult:
     util_std: float
     flap_rate: float
     rejected: int
+    bands: dict[str, dict[str, float | int]] = field(default_factory=dict)
+    """Per band: submitted, completed, rejected, queue P50/P99 and TTFT P99 (seconds)."""
     busy: list[float] = field(default_factory=list, repr=False)
     load_series: list[tuple[float, list[int]]] = field(default_factory=list, repr=False)
     """(time, running requests per worker), sampled at the emulated heartbeats."""
     ttfts: list[float] = field(default_factory=list, repr=False)
 
-    def as_json(self) -> dict[str, float | int]:
+    def as_json(self) -> dict[str, Any]:
         keys = (
             "hit_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "queue_p50_s", "queue_p99_s",
             "e2e_p50_s", "throughput_rps", "goodput_rps", "util_std", "flap_rate",
         )  # fmt: skip
-        out: dict[str, float | int] = {k: _round(getattr(self, k)) for k in keys}
+        out: dict[str, Any] = {k: _round(getattr(self, k)) for k in keys}
         out["rejected"] = self.rejected
+        out["bands"] = self.bands
         return out
 
 
@@ -193,7 +199,7 @@ def replay(
     for w in ids:
         sched.update_worker(WorkerInfo(w, frozenset(models), cfg.capacity))
 
-    records = [_Record(r.arrival_s, r.input_tokens) for r in trace]
+    records = [_Record(r.arrival_s, r.input_tokens, r.band) for r in trace]
     flap_blocks = max(1, -(-cfg.min_prefix_tokens // block_tokens))
     flaps = 0
     busy_until = dict.fromkeys(ids, -1.0)
@@ -354,7 +360,28 @@ def _summarise(
     span = max(end - start, 1e-9)
     prompt = sum(r.prompt for r in done)
     busy = [e.busy_s / span for e in engines.values()]
+    bands: dict[str, dict[str, float | int]] = {}
+    for band in sorted({r.band for r in records}):
+        mine = [r for r in records if r.band == band]
+        ok = [r for r in mine if r.finish_s is not None]
+        bands[band] = {
+            "submitted": len(mine),
+            "completed": len(ok),
+            "rejected": sum(1 for r in mine if r.rejected),
+            "queue_p50_s": _round(
+                percentile([r.dispatch_s - r.arrival_s for r in ok if r.dispatch_s is not None], 50)
+            ),
+            "queue_p99_s": _round(
+                percentile([r.dispatch_s - r.arrival_s for r in ok if r.dispatch_s is not None], 99)
+            ),
+            "ttft_p99_s": _round(
+                percentile([r.first_s - r.arrival_s for r in ok if r.first_s is not None], 99)
+            ),
+        }
+        if bands[band]["submitted"] != bands[band]["completed"] + bands[band]["rejected"]:
+            raise AssertionError(f"band {band}: requests unaccounted for")  # a replay bug
     return PolicyResult(
+        bands=bands,
         hit_rate=sum(r.cached for r in done) / prompt if prompt else 0.0,
         ttft_p50_s=percentile(ttft, 50),
         ttft_p90_s=percentile(ttft, 90),
@@ -390,6 +417,40 @@ def floor(trace: Sequence[TraceRequest], cfg: ReplayConfig) -> dict[str, float]:
         "slo_fraction": _round(good / len(ttft)),
         "goodput_rps": _round(good / span),
     }
+
+
+def add_batch_load(
+    trace: Sequence[TraceRequest],
+    batch_load: float,
+    workers: int,
+    profile: EngineProfile,
+    seed: int = 0,
+) -> list[TraceRequest]:
+    """The trace plus an offline stream in the ``batch`` band worth ``batch_load`` x the fleet's
+    capacity over the trace's span (counted as :func:`scale_to_load` counts it): unique prompts
+    of 500-4,000 tokens, 100-500 output tokens, arrivals spread uniformly at random."""
+    if batch_load < 0:
+        raise ValueError("batch_load must be >= 0")
+    if batch_load == 0:
+        return list(trace)
+    rng = random.Random(seed + 7919)
+    t0, t1 = trace[0].arrival_s, trace[-1].arrival_s
+    target = batch_load * workers * max(t1 - t0, 1e-9)
+    bt = trace[0].block_tokens
+    extra: list[TraceRequest] = []
+    work = 0.0
+    while work < target:
+        r = TraceRequest(
+            arrival_s=rng.uniform(t0, t1),
+            input_tokens=rng.randint(500, 4000),
+            output_tokens=rng.randint(100, 500),
+            block_tokens=bt,
+            band="batch",
+            tenant="offline",
+        )
+        work += request_cost_s(r, profile)
+        extra.append(r)
+    return sorted([*trace, *extra], key=lambda r: r.arrival_s)
 
 
 def upper_bound_hit_rate(trace: Sequence[TraceRequest]) -> float:

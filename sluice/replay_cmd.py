@@ -18,6 +18,7 @@ from sluice.sim.profiles import PROFILES, get_profile
 from sluice.sim.replay import (
     PolicyResult,
     ReplayConfig,
+    add_batch_load,
     floor,
     replay,
     scale_to_load,
@@ -129,6 +130,14 @@ def main(
     capacity: CapOpt = 64,
     slow_workers: SlowOpt = 0,
     slow_factor: SlowFactorOpt = 1.0,
+    batch_load: Annotated[
+        float,
+        typer.Option(
+            "--batch-load",
+            min=0.0,
+            help="Add an offline stream in the batch band worth this x fleet capacity.",
+        ),
+    ] = 0.0,
     decisions: Annotated[
         Path | None,
         typer.Option(
@@ -153,6 +162,8 @@ def main(
     )
     if load is not None:
         requests = scale_to_load(requests, load, workers, cfg.profile)
+    if batch_load > 0:
+        requests = add_batch_load(requests, batch_load, workers, cfg.profile, seed)
     log = None
     if decisions is not None:
         try:

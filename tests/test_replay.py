@@ -109,6 +109,7 @@ def test_same_seed_gives_byte_identical_json(tmp_path: Path) -> None:
         assert set(figures) == {
             "hit_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "queue_p50_s", "queue_p99_s",
             "e2e_p50_s", "throughput_rps", "goodput_rps", "util_std", "flap_rate", "rejected",
+            "bands",
         }  # fmt: skip
     (tmp_path / "r.json").write_bytes(a)
     md = subprocess.run(
@@ -307,3 +308,21 @@ def test_sluice_replay_uses_digests_not_the_engines(monkeypatch: pytest.MonkeyPa
         monkeypatch.setattr(replay_module._Fleet, name, forbidden)
     result = replay(trace, "sluice", CFG)
     assert result.hit_rate > replay(trace, "round-robin", CFG).hit_rate
+
+
+def test_batch_load_adds_offline_work_and_every_band_adds_up() -> None:
+    from sluice.sim.replay import add_batch_load
+
+    trace = SCENARIOS["multi-turn"](Shape(requests=400, rate=20, seed=4))
+    both = add_batch_load(trace, 0.5, 4, REFERENCE, seed=1)
+    batch = [r for r in both if r.band == "batch"]
+    span = trace[-1].arrival_s - trace[0].arrival_s
+    work = sum(request_cost_s(r, REFERENCE) for r in batch)
+    assert 0.5 * 4 * span <= work < 0.5 * 4 * span + 3.0  # one request past the target at most
+    assert all(not r.block_ids and r.tenant == "offline" for r in batch)
+    assert add_batch_load(trace, 0.5, 4, REFERENCE, seed=1) == both  # deterministic
+    result = replay(both, "sluice", CFG)
+    assert set(result.bands) == {"interactive", "batch"}
+    for figures in result.bands.values():
+        assert figures["submitted"] == figures["completed"] + figures["rejected"]
+    assert result.bands["batch"]["submitted"] == len(batch)
