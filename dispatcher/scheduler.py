@@ -277,6 +277,15 @@ class Scheduler:
         self._queued[request.request_id] = entry
         if request.deadline_s is not None:
             heapq.heappush(self._deadlines, (request.deadline_s, self._seq, request.request_id))
+            if len(self._deadlines) > 2 * len(self._queued) + 1024:
+                # Entries of requests that left the queue stay until their deadline; with far
+                # deadlines they would pile up: keep only the queued ones.
+                self._deadlines = [
+                    (e.request.deadline_s, e.seq, rid)
+                    for rid, e in self._queued.items()
+                    if e.request.deadline_s is not None
+                ]
+                heapq.heapify(self._deadlines)
         if not self.known_model(request.model):
             self._maybe_unknown.add(request.request_id)
         q = self._queues.setdefault((request.band, request.model), [])

@@ -365,3 +365,15 @@ def test_renew_all_gives_every_worker_a_fresh_lease() -> None:
     leases.renew_all(10.0)
     assert leases.expired(10.5) == []
     assert leases.expired(11.5) == ["a", "b"]
+
+
+def test_deadline_bookkeeping_stays_bounded_and_still_ends_the_queued() -> None:
+    s = _sched(global_limit=10_000)
+    s.update_worker(_worker("w", capacity=10_000))
+    for i in range(5000):  # far deadlines, dispatched at once: their entries would linger
+        s.enqueue(_req(f"r{i}", t=0.0, deadline_s=3600.0), 0.0)
+        _run_all(s, 0.0)
+    s.enqueue(_req("late", t=0.0, deadline_s=1.0), 0.0)
+    s.update_worker(_worker("w", capacity=0))  # no room: it stays queued
+    assert len(s._deadlines) <= 2 * s.queued + 1024
+    assert [e.request.request_id for e in s.sweep(2.0)] == ["late"]
