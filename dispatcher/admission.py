@@ -31,6 +31,13 @@ class AdmissionConfig:
     each band (a band missing from it is capped only by the global limit). ``band_delay_s`` is
     the aging delay of each band (see the module docstring). ``quotas`` are each model's own
     limits (total, per band, per tenant: :mod:`sluice.dispatcher.quotas`).
+
+    ``band_shares`` is borrowing and degradation. A band with a share may use idle room beyond
+    it (up to its limit), but while a more urgent band (earlier in ``bands``) has requests
+    waiting, it gets no new room beyond its share: as its requests finish, the room goes to the
+    urgent band (offline gives way to online), and it takes its share back, and more, once the
+    urgent band no longer waits. A band always gets its share, so a share above 0 bounds how long
+    its requests can be held back. A band without a share is never held back this way.
     """
 
     bands: tuple[str, ...] = DEFAULT_BANDS
@@ -40,15 +47,19 @@ class AdmissionConfig:
     max_prompt_tokens: int = 1_000_000
     max_attempts: int = 3
     quotas: Quotas = field(default_factory=Quotas)
+    band_shares: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.bands:
             raise ValueError("at least one band is required")
         if self.global_limit < 1:
             raise ValueError("global_limit must be >= 1")
-        unknown = (set(self.band_limits) | set(self.band_delay_s)) - set(self.bands)
+        named = set(self.band_limits) | set(self.band_delay_s) | set(self.band_shares)
+        unknown = named - set(self.bands)
         if unknown:
-            raise ValueError(f"limits or delays for unknown bands: {sorted(unknown)}")
+            raise ValueError(f"limits, delays or shares for unknown bands: {sorted(unknown)}")
+        if any(v < 0 for v in self.band_shares.values()):
+            raise ValueError("band shares must be >= 0")
         if any(v < 0 for v in self.band_limits.values()):
             raise ValueError("band limits must be >= 0")
         if any(v < 0 for v in self.band_delay_s.values()):

@@ -374,6 +374,17 @@ class Scheduler:
             for m in info.models:
                 by_model.setdefault(m, []).append(wid)
 
+        # Pressure: a band holds back the bands after it (their shares, see AdmissionConfig)
+        # while it has requests waiting that a live worker of their model could serve.
+        served = {m for i in self._workers.values() if not i.draining for m in i.models}
+        waiting = {band for (band, model) in self._queues if model in served}
+        shares = self.config.band_shares
+        pressed: set[str] = set()
+        for i, b in enumerate(self.config.bands):
+            if b in shares and any(u in waiting for u in self.config.bands[:i]):
+                pressed.add(b)
+        running_in = Counter(self._running_by_band)
+
         heads: list[tuple[float, int, str, str, int]] = []
         for (band, model), q in self._queues.items():
             if band_room.get(band, 0) > 0 and model in by_model:
@@ -390,6 +401,8 @@ class Scheduler:
             _, _, band, model, idx = heapq.heappop(heads)
             if band_room[band] <= 0:
                 continue
+            if band in pressed and running_in[band] >= shares[band]:
+                continue  # a more urgent band waits: this one gets no more than its share
             q = self._queues[(band, model)]
             request = self._queued[q[idx][2]].request
             levels, amount = self.quota_levels(request)
@@ -439,6 +452,7 @@ class Scheduler:
                 unreported[chosen] += _expected_prefill(request, choice)
                 global_room -= 1
                 band_room[band] -= 1
+                running_in[band] += 1
                 for level in levels:
                     planned[level] += amount
             if idx + 1 < len(q):

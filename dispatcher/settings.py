@@ -69,6 +69,10 @@ class DispatcherSettings(SluiceSettings):
     band_limits: dict[str, int] = Field(
         default_factory=dict, description="Per-band concurrency caps (default: the global limit)."
     )
+    band_shares: dict[str, int] = Field(
+        default_factory=dict,
+        description="Per band: the share it keeps while a more urgent band waits (borrowing).",
+    )
     band_delay_s: dict[str, float] = Field(
         default_factory=lambda: dict(DEFAULT_BAND_DELAY_S),
         description="Aging delay per band: a request's virtual deadline is arrival + delay.",
@@ -210,6 +214,7 @@ class DispatcherSettings(SluiceSettings):
             global_limit=self.global_limit,
             band_limits=dict(self.band_limits),
             band_delay_s=delays,
+            band_shares=dict(self.band_shares),
             max_prompt_tokens=self.max_prompt_tokens,
             max_attempts=self.max_attempts,
             quotas=Quotas(

@@ -44,6 +44,8 @@ class ReplayConfig:
     slow_workers: int = 0
     """The first this many workers run ``slow_factor`` times slower (a mixed fleet)."""
     slow_factor: float = 1.0
+    batch_share: float | None = None
+    """The batch band's share of the slots while a more urgent band waits (None: no share)."""
     """The leading prefix that the flap rate watches."""
     heartbeat_s: float = 1.0
     """How often workers report their load to the scheduler, as the live agents do."""
@@ -192,7 +194,15 @@ def replay(
     bands = tuple(dict.fromkeys([*DEFAULT_BANDS, *(r.band for r in trace)]))
     models = sorted({r.model for r in trace})
     sched = Scheduler(
-        AdmissionConfig(bands=bands, global_limit=cfg.workers * cfg.capacity),
+        AdmissionConfig(
+            bands=bands,
+            global_limit=cfg.workers * cfg.capacity,
+            band_shares=(
+                {}
+                if cfg.batch_share is None or "batch" not in bands
+                else {"batch": int(cfg.batch_share * cfg.workers * cfg.capacity)}
+            ),
+        ),
         policy,
         models=models,
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -138,6 +139,15 @@ def main(
             help="Add an offline stream in the batch band worth this x fleet capacity.",
         ),
     ] = 0.0,
+    batch_share: Annotated[
+        float | None,
+        typer.Option(
+            "--batch-share",
+            min=0.0,
+            max=1.0,
+            help="Share of the slots the batch band keeps while online traffic waits.",
+        ),
+    ] = None,
     decisions: Annotated[
         Path | None,
         typer.Option(
@@ -164,6 +174,8 @@ def main(
         requests = scale_to_load(requests, load, workers, cfg.profile)
     if batch_load > 0:
         requests = add_batch_load(requests, batch_load, workers, cfg.profile, seed)
+    if batch_share is not None:
+        cfg = replace(cfg, batch_share=batch_share)
     log = None
     if decisions is not None:
         try:
