@@ -65,6 +65,11 @@ HIT_ERROR = Histogram(
     buckets=(-4096, -1024, -256, -64, -16, 0, 16, 64, 256, 1024, 4096),
 )
 INDEX_BLOCKS = Gauge("sluice_dispatcher_cache_index_blocks", "Block hashes in the cache index")
+CONFIG_UPDATES = Counter(
+    "sluice_dispatcher_config_updates_total",
+    "Run-time admission configurations seen in the KV bucket, by outcome",
+    ["outcome"],
+)
 STALE_DIGESTS = Counter(
     "sluice_dispatcher_stale_digests_total",
     "Cache digests ignored after a missed delta (until the worker's next snapshot)",

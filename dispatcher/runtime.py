@@ -28,6 +28,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.client import JetStreamContext
 from nats.js.errors import NotFoundError
+from nats.js.kv import KeyValue
 
 from sluice.aio import finish_tasks, wait_event
 from sluice.dispatcher import metrics
@@ -37,12 +38,13 @@ from sluice.dispatcher.leases import LeaseTable
 from sluice.dispatcher.routing import LeastLoaded, RoutingPolicy
 from sluice.dispatcher.scheduler import Booking, Dispatch, Ended, Request, Scheduler, WorkerInfo
 from sluice.dispatcher.settings import DispatcherSettings
-from sluice.dispatcher.streams import ensure_streams
+from sluice.dispatcher.streams import config_bucket, ensure_streams
 from sluice.schemas import names
 from sluice.schemas.codec import decode, encode
 from sluice.schemas.errors import DecodeError
 from sluice.schemas.hashing import prompt_hashes, prompt_length
 from sluice.schemas.models import (
+    AdmissionOverrides,
     Assignment,
     AssignmentReply,
     BandStats,
@@ -114,6 +116,7 @@ class Dispatcher:
         self._subs: list[Subscription] = []
         self._background: set[asyncio.Task[Any]] = set()
         self._running = False
+        self._config_watch: KeyValue.KeyWatcher | None = None
 
     @property
     def nc(self) -> NATS:
@@ -153,6 +156,9 @@ class Dispatcher:
             self._tasks.append(
                 asyncio.create_task(self._pull_loop(band, psub), name=f"pull-{band}")
             )
+        kv = await config_bucket(self.js, s)
+        self._config_watch = await kv.watch(names.ADMISSION_KEY)
+        self._tasks.append(asyncio.create_task(self._config_loop(), name="config"))
         self._tasks.append(asyncio.create_task(self._schedule_loop(), name="schedule"))
         self._tasks.append(asyncio.create_task(self._keepalive_loop(), name="keepalive"))
         log.info("dispatcher %s started on %s", s.dispatcher_id, s.nats_url)
@@ -178,6 +184,10 @@ class Dispatcher:
         self._kick.set()
         for room in self._room.values():
             room.set()
+        if self._config_watch is not None:
+            with contextlib.suppress(Exception):
+                # Ends the config loop's iteration (no cancellation needed).
+                await self._config_watch.stop()  # type: ignore[no-untyped-call]
         await finish_tasks(self._tasks, self.settings.fetch_timeout_s + 1.0)
         self._tasks = []
         await finish_tasks(list(self._background), 2.0)
@@ -478,6 +488,34 @@ class Dispatcher:
                 self._release_held(r.request_id)
                 await _ack(held.msg)
         self._kick.set()
+
+    async def _config_loop(self) -> None:
+        """Apply the operators' run-time admission configuration as it changes."""
+        assert self._config_watch is not None
+        async for entry in self._config_watch:
+            if entry is None:
+                continue  # the end of the initial value(s)
+            deleted = entry.operation is not None  # a delete or purge: back to the settings
+            self.apply_overrides(None if deleted else entry.value)
+
+    def apply_overrides(self, data: bytes | None) -> bool:
+        """Apply a run-time configuration (JSON of ``AdmissionOverrides``; None: back to this
+        dispatcher's settings). An invalid one is logged and ignored; returns whether it took."""
+        try:
+            if data is None:
+                config = self.settings.admission()
+            else:
+                overrides = AdmissionOverrides.model_validate_json(data)
+                config = self.settings.with_overrides(overrides)
+            self.scheduler.reconfigure(config)
+        except ValueError as exc:  # pydantic's ValidationError is a ValueError
+            metrics.CONFIG_UPDATES.labels("rejected").inc()
+            log.error("run-time admission configuration ignored: %s", exc)
+            return False
+        metrics.CONFIG_UPDATES.labels("applied").inc()
+        log.info("run-time admission configuration applied")
+        self._kick.set()
+        return True
 
     def _update_gauges(self) -> None:
         now = time.monotonic()

@@ -301,6 +301,16 @@ class Scheduler:
             del self._queues[(r.band, r.model)]
         return r
 
+    def reconfigure(self, config: AdmissionConfig) -> None:
+        """Take new limits, shares and quotas at run time. Requests already running stay; the
+        next plan applies the new limits (a lowered limit frees no room until enough requests
+        end). Bands and aging delays cannot change: queued requests are ordered by them."""
+        if config.bands != self.config.bands or dict(config.band_delay_s) != dict(
+            self.config.band_delay_s
+        ):
+            raise ValueError("bands and aging delays cannot change at run time")
+        self.config = config
+
     def update_worker(self, info: WorkerInfo) -> None:
         """Record a worker's heartbeat (its lease is the runtime's ``LeaseTable``)."""
         self._workers[info.worker_id] = info

@@ -8,7 +8,7 @@ import socket
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from sluice.config import SluiceSettings
@@ -16,32 +16,19 @@ from sluice.dispatcher.admission import DEFAULT_BAND_DELAY_S, AdmissionConfig
 from sluice.dispatcher.cacheaware import CacheAwareConfig
 from sluice.dispatcher.quotas import ModelQuota, Quotas
 from sluice.schemas.hashing import DEFAULT_BLOCK_TOKENS, DEFAULT_INDEX_STRIDE
+from sluice.schemas.models import AdmissionOverrides, QuotaSpec
 from sluice.schemas.names import DEFAULT_BANDS
 
 
-class QuotaSettings(BaseModel):
-    """One model's quota (see :mod:`sluice.dispatcher.quotas`); unset levels are unlimited."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    limit: int | None = Field(default=None, ge=0, description="The model's total.")
-    band_limits: dict[str, int] = Field(default_factory=dict, description="Per band.")
-    tenant_limits: dict[str, int] = Field(default_factory=dict, description="Per tenant.")
-    default_tenant_limit: int | None = Field(
-        default=None, ge=0, description="Each tenant not in tenant_limits."
+def model_quota(spec: QuotaSpec) -> ModelQuota:
+    """The pure quota an operator's spec describes."""
+    return ModelQuota(
+        limit=spec.limit,
+        band_limits=dict(spec.band_limits),
+        tenant_limits=dict(spec.tenant_limits),
+        default_tenant_limit=spec.default_tenant_limit,
+        unit=spec.unit,
     )
-    unit: Literal["requests", "tokens"] = Field(
-        default="requests", description="Count running requests, or prompt + max output tokens."
-    )
-
-    def quota(self) -> ModelQuota:
-        return ModelQuota(
-            limit=self.limit,
-            band_limits=dict(self.band_limits),
-            tenant_limits=dict(self.tenant_limits),
-            default_tenant_limit=self.default_tenant_limit,
-            unit=self.unit,
-        )
 
 
 class DispatcherSettings(SluiceSettings):
@@ -92,12 +79,12 @@ class DispatcherSettings(SluiceSettings):
     model_grace_s: float | None = Field(
         default=None, ge=0, description="How long unknown models wait (default: one lease)."
     )
-    quotas: dict[str, QuotaSettings] = Field(
+    quotas: dict[str, QuotaSpec] = Field(
         default_factory=dict,
         description="Per model: limit, band_limits, tenant_limits, default_tenant_limit, unit.",
     )
-    default_quota: QuotaSettings = Field(
-        default_factory=QuotaSettings, description="The quota of models not in quotas."
+    default_quota: QuotaSpec = Field(
+        default_factory=QuotaSpec, description="The quota of models not in quotas."
     )
     max_prompt_tokens: int = Field(default=1_000_000, ge=1, description="Longest prompt accepted.")
     max_attempts: int = Field(default=3, ge=1, description="Runs of a request before giving up.")
@@ -218,8 +205,8 @@ class DispatcherSettings(SluiceSettings):
             max_prompt_tokens=self.max_prompt_tokens,
             max_attempts=self.max_attempts,
             quotas=Quotas(
-                models={m: q.quota() for m, q in self.quotas.items()},
-                default=self.default_quota.quota(),
+                models={m: model_quota(q) for m, q in self.quotas.items()},
+                default=model_quota(self.default_quota),
             ),
         )
 
@@ -249,6 +236,16 @@ class DispatcherSettings(SluiceSettings):
             index_stride=self.routing_index_stride_blocks,
             explain=self.decision_log is not None,
         )
+
+    def with_overrides(self, overrides: AdmissionOverrides) -> AdmissionConfig:
+        """The admission configuration with an operator's run-time overrides applied; raises
+        ValueError (naming the problem) if the result is inconsistent."""
+        update: dict[str, object] = {"quotas": {**self.quotas, **overrides.quotas}}
+        for name in ("global_limit", "band_limits", "band_shares", "default_quota"):
+            value = getattr(overrides, name)
+            if value is not None:
+                update[name] = value
+        return self.model_copy(update=update).admission()
 
     @property
     def effective_learn_s(self) -> float:

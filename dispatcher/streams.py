@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from nats.js import api
 from nats.js.client import JetStreamContext
-from nats.js.errors import BadRequestError
+from nats.js.errors import BadRequestError, BucketNotFoundError
+from nats.js.kv import KeyValue
 
 from sluice.dispatcher.errors import StreamSetupError
 from sluice.dispatcher.settings import DispatcherSettings
@@ -84,3 +85,18 @@ async def ensure_streams(js: JetStreamContext, s: DispatcherSettings) -> None:
             await js.add_consumer(names.request_stream(b), cfg_c)
         except Exception as exc:
             raise StreamSetupError(f"cannot set up consumer {cfg_c.durable_name}: {exc}") from exc
+
+
+async def config_bucket(js: JetStreamContext, s: DispatcherSettings) -> KeyValue:
+    """The run-time configuration bucket (created if missing; it keeps 10 revisions)."""
+    try:
+        return await js.key_value(names.CONFIG_BUCKET)
+    except BucketNotFoundError:
+        return await js.create_key_value(
+            api.KeyValueConfig(
+                bucket=names.CONFIG_BUCKET,
+                history=10,
+                storage=api.StorageType.FILE,
+                replicas=s.stream_replicas,
+            )
+        )

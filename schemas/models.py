@@ -207,6 +207,44 @@ class Heartbeat(_Wire):
     cache: CacheDigest | None = None
 
 
+class QuotaSpec(BaseModel):
+    """One model's quota as operators write it (settings, or the run-time config in KV);
+    levels left unset are unlimited."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    limit: int | None = Field(default=None, ge=0, description="The model's total.")
+    band_limits: dict[str, int] = Field(default_factory=dict, description="Per band.")
+    tenant_limits: dict[str, int] = Field(default_factory=dict, description="Per tenant.")
+    default_tenant_limit: int | None = Field(
+        default=None, ge=0, description="Each tenant not in tenant_limits."
+    )
+    unit: Literal["requests", "tokens"] = Field(
+        default="requests", description="Count running requests, or prompt + max output tokens."
+    )
+
+    @model_validator(mode="after")
+    def _non_negative(self) -> QuotaSpec:
+        if any(v < 0 for v in [*self.band_limits.values(), *self.tenant_limits.values()]):
+            raise ValueError("quota limits must be >= 0")
+        return self
+
+
+class AdmissionOverrides(BaseModel):
+    """Admission settings changed at run time: JSON under the key ``admission`` of the KV
+    bucket ``SLUICE_CONFIG``, which dispatchers watch (``sluice quota set``). A field left out
+    keeps the dispatcher's own setting; a model left out of ``quotas`` keeps its configured
+    quota."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    global_limit: int | None = Field(default=None, ge=1)
+    band_limits: dict[str, int] | None = None
+    band_shares: dict[str, int] | None = None
+    quotas: dict[str, QuotaSpec] = Field(default_factory=dict)
+    default_quota: QuotaSpec | None = None
+
+
 class DeadLetter(_Wire):
     """What the dispatcher keeps for input it cannot answer on a result subject."""
 

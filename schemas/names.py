@@ -140,3 +140,10 @@ def completion_subject(worker_id: str) -> str:
 
 STATS_SUBJECT = f"{PREFIX}.stats"
 """Request/reply: the dispatcher answers with its queue depths and in-flight counts."""
+
+
+# --- run-time configuration (a JetStream KV bucket that dispatchers watch) ----------------------
+
+CONFIG_BUCKET = "SLUICE_CONFIG"
+ADMISSION_KEY = "admission"
+"""JSON of :class:`~sluice.schemas.models.AdmissionOverrides` (``sluice quota set`` writes it)."""

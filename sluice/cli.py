@@ -32,9 +32,11 @@ console = Console(width=None if sys.stdout.isatty() else 150)
 
 
 def _register_replay() -> None:
+    from sluice.quota_cmd import app as quota_app
     from sluice.replay_cmd import app as replay_app
 
     app.add_typer(replay_app, name="replay")
+    app.add_typer(quota_app, name="quota")
 
 
 err = Console(stderr=True, width=None if sys.stderr.isatty() else 150)

@@ -223,3 +223,95 @@ async def test_model_and_tenant_quotas_hold_at_the_agents(nats_url: str) -> None
     assert peaks["*"] == 6, f"model total peaked at {peaks['*']}, its limit is 6"
     assert peaks["a"] == 2, f"tenant a peaked at {peaks['a']}, its limit is 2"
     assert peaks["b"] <= 3 and peaks["c"] <= 3
+
+
+async def test_a_quota_change_at_run_time_takes_effect_within_a_second(nats_url: str) -> None:
+    import json
+
+    from sluice.client.admin import admission_overrides, set_model_quota
+    from sluice.schemas.models import QuotaSpec
+
+    kw = cluster_kwargs(
+        workers=2,
+        dispatcher={"global_limit": 20, "quotas": {"sim": {"limit": 2}}},
+        agent={"capacity": 8},
+    )
+    async with LocalCluster(nats_url, **kw) as cluster, Client(nats_url) as c:
+        sched = cluster.dispatcher.scheduler
+
+        def running_at_agents() -> int:
+            return sum(len(a._running) for a in cluster.agents)
+
+        handles = [await c.submit("sim", PROMPT, max_tokens=400) for _ in range(12)]
+
+        async def two_run() -> bool:
+            return running_at_agents() == 2
+
+        await eventually(two_run)
+        await asyncio.sleep(0.3)
+        assert running_at_agents() == 2
+
+        t0 = asyncio.get_running_loop().time()
+        await set_model_quota(c.nc, "sim", QuotaSpec(limit=5))
+
+        async def applied() -> bool:
+            return sched.config.quotas.of("sim").limit == 5
+
+        await eventually(applied, timeout_s=1.0, every_s=0.01)
+        took = asyncio.get_running_loop().time() - t0
+        assert took < 1.0, f"the new quota took {took:.2f} s to apply"
+
+        async def five_run() -> bool:
+            return running_at_agents() == 5
+
+        await eventually(five_run, timeout_s=5.0)
+
+        # The CLI writes the same document; an invalid one is refused before it is written.
+        rc, _, err = await _quota_cli(nats_url, "set", "sim", "--limit", "3", "--tenant", "acme=1")
+        assert rc == 0, err
+        rc, out, err = await _quota_cli(nats_url, "show")
+        doc = json.loads(out)
+        assert doc["admission"]["quotas"]["sim"] == {"limit": 3, "tenant_limits": {"acme": 1}}
+        rc, _, err = await _quota_cli(nats_url, "set", "sim", "--band", "gold")
+        assert rc == 2 and "NAME=COUNT" in err
+
+        async def three() -> bool:
+            return sched.config.quotas.of("sim").limit == 3
+
+        await eventually(three, timeout_s=1.0, every_s=0.01)
+
+        # A document the dispatcher cannot use (an unknown band) is ignored, not applied.
+        await set_model_quota(c.nc, "sim", QuotaSpec(limit=7, band_limits={"gold": 1}))
+        await asyncio.sleep(0.5)
+        assert sched.config.quotas.of("sim").limit == 3
+        overrides, revision = await admission_overrides(c.nc)
+        assert revision > 0 and overrides.quotas["sim"].limit == 7
+
+        rc, _, err = await _quota_cli(nats_url, "clear", "sim")
+        assert rc == 0, err
+
+        async def back() -> bool:
+            return sched.config.quotas.of("sim").limit == 2  # the configured quota again
+
+        await eventually(back, timeout_s=1.0, every_s=0.01)
+        results = [await h.result(timeout_s=60) for h in handles]
+    assert all(r.ok for r in results)
+
+
+async def _quota_cli(nats_url: str, *args: str) -> tuple[int, str, str]:
+    """Run ``sluice quota ARGS`` as its own process against ``nats_url``."""
+    import os
+    import sys
+
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "sluice.cli", "quota", *args,
+        env={**os.environ, "SLUICE_NATS_URL": nats_url},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), 30)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    return proc.returncode or 0, out.decode(), err.decode()

@@ -1,0 +1,122 @@
+"""``sluice quota``: change per-model quotas at run time, without restarting a dispatcher."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import typer
+from pydantic import ValidationError
+from rich.console import Console
+
+from sluice.config import ConfigError
+
+app = typer.Typer(
+    help="Per-model quotas at run time: dispatchers apply a change within a second.",
+    no_args_is_help=True,
+)
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 150)
+ConfigOpt = Annotated[
+    Path | None, typer.Option("--config", help="TOML config file (the [client] table).")
+]
+
+
+def _fail(message: str) -> typer.Exit:
+    err.print(f"[red]error:[/red] {message}")
+    return typer.Exit(2)
+
+
+def _pairs(values: list[str], what: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for v in values:
+        name, sep, number = v.partition("=")
+        if not sep or not name or not number.strip().isdigit():
+            raise _fail(f"{what} takes NAME=COUNT (a whole number >= 0), not {v!r}")
+        out[name] = int(number)
+    return out
+
+
+def _with_nats(config: Path | None, go: Callable[[Any], Awaitable[Any]]) -> Any:
+    from sluice.client import ClientSettings, SluiceError
+    from sluice.transport import TransportError, connect
+
+    try:
+        settings = ClientSettings.load(config)
+    except ConfigError as exc:
+        raise _fail(str(exc)) from exc
+
+    async def run() -> Any:
+        nc = await connect(settings.nats_url, "sluice-quota")
+        try:
+            return await go(nc)
+        finally:
+            await nc.close()
+
+    try:
+        return asyncio.run(run())
+    except (SluiceError, TransportError) as exc:
+        raise _fail(str(exc)) from exc
+
+
+@app.command("set")
+def set_quota(
+    model: Annotated[str, typer.Argument(help="The model whose quota to set.")],
+    limit: Annotated[int | None, typer.Option(min=0, help="The model's total.")] = None,
+    band: Annotated[list[str], typer.Option(help="Per band: BAND=COUNT (repeatable).")] = [],  # noqa: B006
+    tenant: Annotated[list[str], typer.Option(help="Per tenant: TENANT=COUNT (repeatable).")] = [],  # noqa: B006
+    default_tenant: Annotated[
+        int | None, typer.Option(min=0, help="Each tenant not named with --tenant.")
+    ] = None,
+    unit: Annotated[
+        str, typer.Option(help="requests, or tokens (prompt + max output).")
+    ] = "requests",
+    config: ConfigOpt = None,
+) -> None:
+    """Replace MODEL's quota at run time (levels not given are unlimited)."""
+    from sluice.client.admin import set_model_quota
+    from sluice.schemas.models import QuotaSpec
+
+    if unit not in ("requests", "tokens"):
+        raise _fail(f"--unit is requests or tokens, not {unit!r}")
+    try:
+        spec = QuotaSpec(
+            limit=limit,
+            band_limits=_pairs(band, "--band"),
+            tenant_limits=_pairs(tenant, "--tenant"),
+            default_tenant_limit=default_tenant,
+            unit=_unit(unit),
+        )
+    except ValidationError as exc:
+        raise _fail(str(exc)) from exc
+    _with_nats(config, lambda nc: set_model_quota(nc, model, spec))
+    err.print(f"quota of {model} set: {spec.model_dump_json(exclude_defaults=True)}")
+
+
+def _unit(unit: str) -> Literal["requests", "tokens"]:
+    return "tokens" if unit == "tokens" else "requests"
+
+
+@app.command("clear")
+def clear_quota(
+    model: Annotated[str, typer.Argument(help="The model whose run-time quota to drop.")],
+    config: ConfigOpt = None,
+) -> None:
+    """Drop MODEL's run-time quota: its configured quota applies again."""
+    from sluice.client.admin import clear_model_quota
+
+    _with_nats(config, lambda nc: clear_model_quota(nc, model))
+    err.print(f"run-time quota of {model} cleared")
+
+
+@app.command("show")
+def show(config: ConfigOpt = None) -> None:
+    """Print the run-time configuration (JSON; empty: only the dispatchers' settings apply)."""
+    from sluice.client.admin import admission_overrides
+
+    overrides, revision = _with_nats(config, admission_overrides)
+    doc = overrides.model_dump(mode="json", exclude_defaults=True)
+    print(json.dumps({"revision": revision, "admission": doc}))
