@@ -29,7 +29,14 @@ from sluice.client.settings import ClientSettings
 from sluice.schemas import names
 from sluice.schemas.codec import decode, encode
 from sluice.schemas.errors import DecodeError
-from sluice.schemas.models import DispatcherStats, Result, SubmitRequest, TokenChunk
+from sluice.schemas.models import (
+    DispatcherStats,
+    Result,
+    SubmitRequest,
+    TokenChunk,
+    WaitEstimate,
+    WaitQuery,
+)
 from sluice.transport import TransportError, connect
 
 _MAX_MSGS_EXCEEDED = 10077  # JetStream: the stream is at max_msgs with discard=new
@@ -305,8 +312,14 @@ class Client:
             )
         except APIError as exc:
             if exc.err_code == _MAX_MSGS_EXCEEDED:
+                retry_after, queued = self.queue_full_retry_after_s, None
+                with contextlib.suppress(ServiceUnavailable):
+                    est = await self.estimate_wait(r.model, r.band, timeout_s=0.5)
+                    queued = est.queued
+                    if est.expected_wait_s:
+                        retry_after = est.expected_wait_s
                 raise QueueFull(
-                    r.band, r.model, self.queue_full_retry_after_s, exc.description or ""
+                    r.band, r.model, retry_after, exc.description or "", queued=queued
                 ) from exc
             raise ServiceUnavailable(f"submit to {subject} failed: {exc}") from exc
         except NoStreamResponseError as exc:
@@ -339,6 +352,21 @@ class Client:
             return decode(raw.data, Result)
         except DecodeError:
             return None
+
+    async def estimate_wait(
+        self, model: str, band: str | None = None, timeout_s: float = 2.0
+    ) -> WaitEstimate:
+        """How long a request to ``model`` in ``band`` would wait for admission now, with the
+        queue depth, recent wait percentiles and admission and rejection rates."""
+        query = WaitQuery(model=model, band=band or self.band)
+        try:
+            msg = await self.nc.request(names.WAIT_SUBJECT, encode(query), timeout=timeout_s)
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as exc:
+            raise ServiceUnavailable("no dispatcher answered the wait estimate") from exc
+        try:
+            return decode(msg.data, WaitEstimate)
+        except DecodeError as exc:
+            raise ServiceUnavailable(f"bad wait estimate reply: {exc}") from exc
 
     async def stats(self, timeout_s: float = 2.0) -> DispatcherStats:
         """Queue depths and in-flight counts from a dispatcher."""

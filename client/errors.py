@@ -15,15 +15,26 @@ class InvalidRequest(SluiceError, ValueError):
 
 class QueueFull(SluiceError):
     """The band's queue is at its bound: the publish was refused at once. Retry after
-    ``retry_after_s`` seconds, or submit to another band."""
+    ``retry_after_s`` seconds (the dispatcher's expected wait when it could tell, else the
+    configured default), or submit to another band. ``queued`` is the queue depth the dispatcher
+    reported (None if none answered)."""
 
-    def __init__(self, band: str, model: str, retry_after_s: float, detail: str = "") -> None:
+    def __init__(
+        self,
+        band: str,
+        model: str,
+        retry_after_s: float,
+        detail: str = "",
+        queued: int | None = None,
+    ) -> None:
         self.band = band
         self.model = model
         self.retry_after_s = retry_after_s
+        self.queued = queued
+        depth = "" if queued is None else f", {queued} queued"
         super().__init__(
-            f"queue of band {band!r} is full (model {model!r}); retry after {retry_after_s:.1f}s"
-            + (f": {detail}" if detail else "")
+            f"queue of band {band!r} is full (model {model!r}{depth}); "
+            f"retry after {retry_after_s:.1f}s" + (f": {detail}" if detail else "")
         )
 
 

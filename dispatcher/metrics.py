@@ -65,6 +65,34 @@ HIT_ERROR = Histogram(
     buckets=(-4096, -1024, -256, -64, -16, 0, 16, 64, 256, 1024, 4096),
 )
 INDEX_BLOCKS = Gauge("sluice_dispatcher_cache_index_blocks", "Block hashes in the cache index")
+QUEUE_DEPTH = Gauge(
+    "sluice_dispatcher_queue_depth", "Requests queued, by model and band", ["model", "band"]
+)
+WAIT_P50 = Gauge(
+    "sluice_dispatcher_wait_p50_seconds", "Queue wait P50 over the window", ["model", "band"]
+)
+WAIT_P99 = Gauge(
+    "sluice_dispatcher_wait_p99_seconds", "Queue wait P99 over the window", ["model", "band"]
+)
+ADMIT_RATE = Gauge(
+    "sluice_dispatcher_admitted_per_second", "Admissions per second", ["model", "band"]
+)
+REJECT_RATE = Gauge(
+    "sluice_dispatcher_rejected_per_second", "Rejections per second", ["model", "band"]
+)
+EXPECTED_WAIT = Gauge(
+    "sluice_dispatcher_expected_wait_seconds",
+    "Expected wait of a request arriving now (NaN: queued, nothing admitted lately)",
+    ["model", "band"],
+)
+SCALE_SIGNAL = Gauge(
+    "sluice_dispatcher_scale_signal",
+    "1: this model and band asks for more workers, -1: it idles, 0: steady",
+    ["model", "band"],
+)
+SCALE_EVENTS = Counter(
+    "sluice_dispatcher_scale_events_total", "Scale signals published", ["direction"]
+)
 CONFIG_UPDATES = Counter(
     "sluice_dispatcher_config_updates_total",
     "Run-time admission configurations seen in the KV bucket, by outcome",

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import random
 import time
 from collections import Counter
@@ -34,6 +35,7 @@ from sluice.aio import finish_tasks, wait_event
 from sluice.dispatcher import metrics
 from sluice.dispatcher.cacheaware import CacheAware, Digest
 from sluice.dispatcher.decisions import DecisionLog, decision_record
+from sluice.dispatcher.feedback import Feedback, ScaleAdvisor, WaitFigures
 from sluice.dispatcher.leases import LeaseTable
 from sluice.dispatcher.routing import LeastLoaded, RoutingPolicy
 from sluice.dispatcher.scheduler import Booking, Dispatch, Ended, Request, Scheduler, WorkerInfo
@@ -55,7 +57,10 @@ from sluice.schemas.models import (
     Rejection,
     RejectReason,
     Result,
+    ScaleEvent,
     SubmitRequest,
+    WaitEstimate,
+    WaitQuery,
 )
 from sluice.transport import connect
 
@@ -96,6 +101,13 @@ class Dispatcher:
             else None
         )
         self._last_expire_s = 0.0
+        self._feedback = Feedback(settings.feedback_window_s)
+        self._advisor = ScaleAdvisor(
+            up_wait_s=settings.scale_up_wait_s,
+            up_sustain_s=settings.scale_up_sustain_s,
+            down_idle_s=settings.scale_down_idle_s,
+        )
+        self._last_feedback_s = 0.0
         self._hit_tokens: Counter[str] = Counter()
         self._prompt_tokens: Counter[str] = Counter()
         self._started_s = time.monotonic()
@@ -142,6 +154,7 @@ class Dispatcher:
             await self.nc.subscribe(names.HEARTBEAT_SUBJECTS, cb=self._on_heartbeat),
             await self.nc.subscribe(names.COMPLETION_SUBJECTS, cb=self._on_completion),
             await self.nc.subscribe(names.STATS_SUBJECT, cb=self._on_stats),
+            await self.nc.subscribe(names.WAIT_SUBJECT, cb=self._on_wait),
         ]
         for band in s.bands:
             self._subs.append(
@@ -337,6 +350,7 @@ class Dispatcher:
             rejection=rejection,
         )
         metrics.REJECTED.labels(rejection.reason.value).inc()
+        self._feedback.rejected(req.model, req.band, time.monotonic())
         await self._publish_result(result)
 
     async def _publish_result(self, result: Result) -> None:
@@ -438,6 +452,7 @@ class Dispatcher:
             ):
                 metrics.ADMITTED.labels(r.band).inc()
                 metrics.QUEUE_WAIT.labels(r.band).observe(max(0.0, booked_s - r.arrived_s))
+                self._feedback.admitted(r.model, r.band, booked_s - r.arrived_s, booked_s)
                 metrics.ROUTED.labels(d.choice.reason if d.choice else "").inc()
                 if self._decisions is not None:
                     self._decisions.write(decision_record(d, booked_s))
@@ -489,6 +504,64 @@ class Dispatcher:
                 await _ack(held.msg)
         self._kick.set()
 
+    def wait_figures(self, model: str, band: str, now: float) -> WaitFigures:
+        """The feedback figures of one model and band now."""
+        queued, running = self.scheduler.counts().get((model, band), (0, 0))
+        return self._feedback.figures(model, band, queued, running, now)
+
+    def _publish_feedback(self, now: float) -> None:
+        counts = self.scheduler.counts()
+        keys = set(counts) | set(self._feedback.keys())
+        for model, band in sorted(keys):
+            queued, running = counts.get((model, band), (0, 0))
+            f = self._feedback.figures(model, band, queued, running, now)
+            metrics.QUEUE_DEPTH.labels(model, band).set(queued)
+            metrics.WAIT_P50.labels(model, band).set(f.wait_p50_s)
+            metrics.WAIT_P99.labels(model, band).set(f.wait_p99_s)
+            metrics.ADMIT_RATE.labels(model, band).set(f.admitted_per_s)
+            metrics.REJECT_RATE.labels(model, band).set(f.rejected_per_s)
+            expected = math.nan if f.expected_wait_s is None else f.expected_wait_s
+            metrics.EXPECTED_WAIT.labels(model, band).set(expected)
+            signal = self._advisor.observe(f, now)
+            state = self._advisor.state(model, band)
+            metrics.SCALE_SIGNAL.labels(model, band).set(
+                1 if state == "up" else -1 if state == "down" else 0
+            )
+            if signal is not None:
+                metrics.SCALE_EVENTS.labels(signal.direction).inc()
+                log.info("scale %s for %s/%s: %s", signal.direction, model, band, signal.reason)
+                event = ScaleEvent(
+                    dispatcher_id=self.settings.dispatcher_id,
+                    model=signal.model,
+                    band=signal.band,
+                    direction=signal.direction,
+                    reason=signal.reason,
+                    expected_wait_s=signal.expected_wait_s,
+                    at_unix_ms=int(time.time() * 1000),
+                )
+                self._spawn(self.nc.publish(names.SCALE_EVENTS_SUBJECT, encode(event)))
+
+    async def _on_wait(self, msg: Msg) -> None:
+        try:
+            q = decode(msg.data, WaitQuery)
+        except DecodeError:
+            metrics.BAD_INPUT.labels("wait").inc()
+            return
+        f = self.wait_figures(q.model, q.band, time.monotonic())
+        reply = WaitEstimate(
+            model=f.model,
+            band=f.band,
+            queued=f.queued,
+            running=f.running,
+            wait_p50_s=f.wait_p50_s,
+            wait_p99_s=f.wait_p99_s,
+            admitted_per_s=f.admitted_per_s,
+            rejected_per_s=f.rejected_per_s,
+            expected_wait_s=f.expected_wait_s,
+        )
+        with contextlib.suppress(Exception):
+            await msg.respond(encode(reply))
+
     async def _config_loop(self) -> None:
         """Apply the operators' run-time admission configuration as it changes."""
         assert self._config_watch is not None
@@ -523,6 +596,9 @@ class Dispatcher:
         for snap in self.scheduler.band_snapshots(now):
             metrics.QUEUED.labels(snap.band).set(snap.queued)
             metrics.RUNNING.labels(snap.band).set(snap.running)
+        if now - self._last_feedback_s >= self.settings.feedback_every_s:
+            self._last_feedback_s = now
+            self._publish_feedback(now)
         p = self._cache_aware
         if p is not None and now - self._last_expire_s >= 10.0:
             self._last_expire_s = now

@@ -202,6 +202,15 @@ class Scheduler:
         levels = [lv for lv, _ in quotas.levels(request.model, request.band, request.tenant)]
         return levels, quotas.of(request.model).cost(request.prompt_tokens, request.max_tokens)
 
+    def counts(self) -> dict[tuple[str, str], tuple[int, int]]:
+        """(model, band) -> (queued, running), for every pair with requests."""
+        out: dict[tuple[str, str], list[int]] = {}
+        for (band, model), q in self._queues.items():
+            out.setdefault((model, band), [0, 0])[0] = len(q)
+        for b in self._running.values():
+            out.setdefault((b.request.model, b.request.band), [0, 0])[1] += 1
+        return {k: (v[0], v[1]) for k, v in out.items()}
+
     def usage(self) -> dict[Level, int]:
         """What runs at every per-model quota level now."""
         return self._usage.snapshot()

@@ -118,6 +118,22 @@ class DispatcherSettings(SluiceSettings):
     )
     metrics_host: str = Field(default="127.0.0.1", description="Bind address for metrics.")
 
+    feedback_window_s: float = Field(
+        default=60.0, gt=0, description="Window of the wait percentiles, rates and expected wait."
+    )
+    feedback_every_s: float = Field(
+        default=1.0, gt=0, description="How often feedback gauges and scale signals update."
+    )
+    scale_up_wait_s: float = Field(
+        default=5.0, gt=0, description="Expected wait above which a band asks for more workers."
+    )
+    scale_up_sustain_s: float = Field(
+        default=10.0, ge=0, description="...for this long before the scale-up signal."
+    )
+    scale_down_idle_s: float = Field(
+        default=300.0, gt=0, description="A band idle this long signals scale-down."
+    )
+
     routing_policy: Literal["cache-aware", "least-loaded"] = Field(
         default="cache-aware", description="How workers are chosen (see docs/architecture.md)."
     )

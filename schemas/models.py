@@ -245,6 +245,41 @@ class AdmissionOverrides(BaseModel):
     default_quota: QuotaSpec | None = None
 
 
+class WaitQuery(_Wire):
+    """Client → dispatcher on ``sluice.wait``: how long would a request wait now?"""
+
+    model: Name
+    band: Name
+
+
+class WaitEstimate(_Wire):
+    """Dispatcher → client: one model and band, over the dispatcher's feedback window.
+    ``expected_wait_s`` is None when requests are queued but none was admitted lately."""
+
+    model: str
+    band: str
+    queued: int = Field(ge=0)
+    running: int = Field(ge=0)
+    wait_p50_s: float = Field(ge=0)
+    wait_p99_s: float = Field(ge=0)
+    admitted_per_s: float = Field(ge=0)
+    rejected_per_s: float = Field(ge=0)
+    expected_wait_s: float | None = None
+
+
+class ScaleEvent(_Wire):
+    """Dispatcher → autoscalers on ``sluice.events.scale``: add workers (``up``) or remove
+    some (``down``) for this model; ``band`` says which traffic asked."""
+
+    dispatcher_id: Name
+    model: str
+    band: str
+    direction: Literal["up", "down"]
+    reason: str
+    expected_wait_s: float | None = None
+    at_unix_ms: int = Field(ge=0)
+
+
 class DeadLetter(_Wire):
     """What the dispatcher keeps for input it cannot answer on a result subject."""
 

@@ -147,3 +147,11 @@ STATS_SUBJECT = f"{PREFIX}.stats"
 CONFIG_BUCKET = "SLUICE_CONFIG"
 ADMISSION_KEY = "admission"
 """JSON of :class:`~sluice.schemas.models.AdmissionOverrides` (``sluice quota set`` writes it)."""
+
+
+# --- feedback (core NATS) -----------------------------------------------------------------------
+
+WAIT_SUBJECT = f"{PREFIX}.wait"
+"""Request/reply: a ``WaitQuery`` answered by a ``WaitEstimate`` (``Client.estimate_wait``)."""
+SCALE_EVENTS_SUBJECT = f"{PREFIX}.events.scale"
+"""``ScaleEvent`` messages for autoscalers: a model and band needs more or fewer workers."""

@@ -97,6 +97,10 @@ async def test_full_band_queue_raises_queue_full_at_once(nats_url: str) -> None:
         with pytest.raises(QueueFull) as info:
             await c.submit("sim", PROMPT, band="batch", request_id="q-over")
         assert info.value.band == "batch" and info.value.retry_after_s > 0
+        # The dispatcher told the client how deep the queue is; nothing was admitted lately,
+        # so the retry-after stays the configured default.
+        # (The dispatcher may not have pulled the last one yet: 1 to 4.)
+        assert info.value.queued in (1, 2, 3, 4) and "queued" in str(info.value)
         # Other bands have their own bound.
         await c.submit("sim", PROMPT, band="interactive", request_id="i-ok")
 
@@ -315,3 +319,49 @@ async def _quota_cli(nats_url: str, *args: str) -> tuple[int, str, str]:
             proc.kill()
             await proc.wait()
     return proc.returncode or 0, out.decode(), err.decode()
+
+
+async def test_wait_estimates_and_scale_signals(nats_url: str) -> None:
+    from sluice.schemas import names
+    from sluice.schemas.codec import decode
+    from sluice.schemas.models import ScaleEvent
+
+    kw = cluster_kwargs(
+        workers=1,
+        dispatcher={
+            "global_limit": 1,
+            "scale_up_wait_s": 0.2,
+            "scale_up_sustain_s": 0.3,
+            "feedback_every_s": 0.05,
+        },
+        agent={"capacity": 1, "speed": 5.0},
+    )
+    async with LocalCluster(nats_url, **kw), Client(nats_url) as c:
+        events: list[ScaleEvent] = []
+
+        async def on_event(msg: object) -> None:
+            events.append(decode(msg.data, ScaleEvent))  # type: ignore[attr-defined]
+
+        await c.nc.subscribe(names.SCALE_EVENTS_SUBJECT, cb=on_event)
+        idle = await c.estimate_wait("sim", "interactive")
+        assert (idle.queued, idle.expected_wait_s) == (0, 0.0)
+        handles = [
+            await c.submit("sim", PROMPT, max_tokens=200, band="interactive") for _ in range(8)
+        ]
+
+        async def queue_seen() -> bool:
+            est = await c.estimate_wait("sim", "interactive")
+            return est.queued >= 3 and est.admitted_per_s > 0 and (est.expected_wait_s or 0) > 0
+
+        await eventually(queue_seen)
+
+        async def scaled_up() -> bool:
+            return any(e.direction == "up" and e.band == "interactive" for e in events)
+
+        await eventually(scaled_up, timeout_s=5.0)
+        results = [await h.result(timeout_s=60) for h in handles]
+        done = await c.estimate_wait("sim", "interactive")
+    assert all(r.ok for r in results)
+    assert done.queued == 0 and done.wait_p99_s > 0 and done.admitted_per_s > 0
+    up = next(e for e in events if e.direction == "up")
+    assert up.model == "sim" and "expected wait" in up.reason
