@@ -318,8 +318,10 @@ class Client:
                     queued = est.queued
                     if est.expected_wait_s:
                         retry_after = est.expected_wait_s
+                detail = exc.description or ""
+                scope = "tenant" if "per subject" in detail else "band"
                 raise QueueFull(
-                    r.band, r.model, retry_after, exc.description or "", queued=queued
+                    r.band, r.model, retry_after, detail, queued=queued, scope=scope
                 ) from exc
             raise ServiceUnavailable(f"submit to {subject} failed: {exc}") from exc
         except NoStreamResponseError as exc:

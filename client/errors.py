@@ -17,7 +17,8 @@ class QueueFull(SluiceError):
     """The band's queue is at its bound: the publish was refused at once. Retry after
     ``retry_after_s`` seconds (the dispatcher's expected wait when it could tell, else the
     configured default), or submit to another band. ``queued`` is the queue depth the dispatcher
-    reported (None if none answered)."""
+    reported (None if none answered). ``scope`` is ``band`` (the band's queue is full) or
+    ``tenant`` (this tenant's share of it, ``tenant_queue_max_msgs``, is)."""
 
     def __init__(
         self,
@@ -26,14 +27,17 @@ class QueueFull(SluiceError):
         retry_after_s: float,
         detail: str = "",
         queued: int | None = None,
+        scope: str = "band",
     ) -> None:
         self.band = band
         self.model = model
         self.retry_after_s = retry_after_s
         self.queued = queued
+        self.scope = scope
         depth = "" if queued is None else f", {queued} queued"
+        whose = "this tenant's requests in band" if scope == "tenant" else "queue of band"
         super().__init__(
-            f"queue of band {band!r} is full (model {model!r}{depth}); "
+            f"{whose} {band!r} is full (model {model!r}{depth}); "
             f"retry after {retry_after_s:.1f}s" + (f": {detail}" if detail else "")
         )
 

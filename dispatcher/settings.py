@@ -69,6 +69,11 @@ class DispatcherSettings(SluiceSettings):
         ge=1,
         description="Queued requests per band before submit fails with QueueFull.",
     )
+    tenant_queue_max_msgs: int | None = Field(
+        default=None,
+        ge=1,
+        description="Requests per band, model and tenant (queued + running) before QueueFull.",
+    )
     max_buffered: int = Field(
         default=2_000, ge=1, description="Requests per band pulled into the dispatcher at most."
     )

@@ -365,3 +365,18 @@ async def test_wait_estimates_and_scale_signals(nats_url: str) -> None:
     assert done.queued == 0 and done.wait_p99_s > 0 and done.admitted_per_s > 0
     up = next(e for e in events if e.direction == "up")
     assert up.model == "sim" and "expected wait" in up.reason
+
+
+async def test_a_tenant_at_its_queue_bound_is_refused_at_once_others_are_not(
+    nats_url: str,
+) -> None:
+    kw = cluster_kwargs(workers=0, dispatcher={"tenant_queue_max_msgs": 2, "global_limit": 1})
+    async with LocalCluster(nats_url, **kw), Client(nats_url) as c:
+        for i in range(2):
+            await c.submit("sim", PROMPT, band="batch", tenant="greedy", request_id=f"g{i}")
+        with pytest.raises(QueueFull) as info:
+            await c.submit("sim", PROMPT, band="batch", tenant="greedy", request_id="g-over")
+        assert info.value.scope == "tenant" and "this tenant" in str(info.value)
+        # Another tenant, or the same tenant in another band, still gets in.
+        await c.submit("sim", PROMPT, band="batch", tenant="polite", request_id="p0")
+        await c.submit("sim", PROMPT, band="interactive", tenant="greedy", request_id="g-i")
