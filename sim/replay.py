@@ -46,6 +46,8 @@ class ReplayConfig:
     slow_factor: float = 1.0
     batch_share: float | None = None
     """The batch band's share of the slots while a more urgent band waits (None: no share)."""
+    batch_limit: float | None = None
+    """The batch band's hard limit, as a share of the slots (None: only the global limit)."""
     """The leading prefix that the flap rate watches."""
     heartbeat_s: float = 1.0
     """How often workers report their load to the scheduler, as the live agents do."""
@@ -197,11 +199,8 @@ def replay(
         AdmissionConfig(
             bands=bands,
             global_limit=cfg.workers * cfg.capacity,
-            band_shares=(
-                {}
-                if cfg.batch_share is None or "batch" not in bands
-                else {"batch": int(cfg.batch_share * cfg.workers * cfg.capacity)}
-            ),
+            band_shares=_batch_slots(cfg.batch_share, cfg, bands),
+            band_limits=_batch_slots(cfg.batch_limit, cfg, bands),
         ),
         policy,
         models=models,
@@ -356,6 +355,12 @@ def replay(
     step = max(1, len(series) // 400)  # at most ~400 points per chart
     result.load_series = series[::step]
     return result
+
+
+def _batch_slots(share: float | None, cfg: ReplayConfig, bands: Sequence[str]) -> dict[str, int]:
+    if share is None or "batch" not in bands:
+        return {}
+    return {"batch": int(share * cfg.workers * cfg.capacity)}
 
 
 def _summarise(

@@ -148,6 +148,12 @@ def main(
             help="Share of the slots the batch band keeps while online traffic waits.",
         ),
     ] = None,
+    batch_limit: Annotated[
+        float | None,
+        typer.Option(
+            "--batch-limit", min=0.0, max=1.0, help="Hard limit of the batch band (share of slots)."
+        ),
+    ] = None,
     decisions: Annotated[
         Path | None,
         typer.Option(
@@ -174,8 +180,8 @@ def main(
         requests = scale_to_load(requests, load, workers, cfg.profile)
     if batch_load > 0:
         requests = add_batch_load(requests, batch_load, workers, cfg.profile, seed)
-    if batch_share is not None:
-        cfg = replace(cfg, batch_share=batch_share)
+    if batch_share is not None or batch_limit is not None:
+        cfg = replace(cfg, batch_share=batch_share, batch_limit=batch_limit)
     log = None
     if decisions is not None:
         try:
