@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -548,17 +549,7 @@ class Dispatcher:
             metrics.BAD_INPUT.labels("wait").inc()
             return
         f = self.wait_figures(q.model, q.band, time.monotonic())
-        reply = WaitEstimate(
-            model=f.model,
-            band=f.band,
-            queued=f.queued,
-            running=f.running,
-            wait_p50_s=f.wait_p50_s,
-            wait_p99_s=f.wait_p99_s,
-            admitted_per_s=f.admitted_per_s,
-            rejected_per_s=f.rejected_per_s,
-            expected_wait_s=f.expected_wait_s,
-        )
+        reply = WaitEstimate(**dataclasses.asdict(f))
         with contextlib.suppress(Exception):
             await msg.respond(encode(reply))
 

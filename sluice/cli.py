@@ -17,6 +17,7 @@ import typer
 from rich.console import Console
 
 from sluice.config import ConfigError
+from sluice.console import err, fail
 
 T = TypeVar("T")
 
@@ -39,8 +40,6 @@ def _register_replay() -> None:
     app.add_typer(quota_app, name="quota")
 
 
-err = Console(stderr=True, width=None if sys.stderr.isatty() else 150)
-
 ConfigOpt = Annotated[
     Path | None,
     typer.Option("--config", "-c", help="TOML config file (else $SLUICE_CONFIG_FILE)."),
@@ -54,11 +53,6 @@ def _run(coro: Coroutine[Any, Any, T]) -> T:
         return uvloop.run(coro)
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux and macOS
         return asyncio.run(coro)
-
-
-def _fail(message: str, code: int = 2) -> typer.Exit:
-    err.print(f"[red]error:[/red] {message}")
-    return typer.Exit(code)
 
 
 @app.callback()
@@ -97,13 +91,13 @@ def demo(
     try:
         report = _run(run_demo(cfg, console))
     except NatsServerError as exc:
-        raise _fail(str(exc)) from exc
+        raise fail(str(exc)) from exc
     if report.interrupted:
         console.print("[yellow]interrupted: summary of what ran so far[/yellow]")
     for table in summary_tables(report, [f"worker-{i}" for i in range(workers)]):
         console.print(table)
     if not report.done:
-        raise _fail("no request completed")
+        raise fail("no request completed")
 
 
 @app.command()
@@ -148,7 +142,7 @@ def nats(
     try:
         server = EmbeddedNats(store_dir=str(store_dir) if store_dir else None, port=port).start()
     except NatsServerError as exc:
-        raise _fail(str(exc)) from exc
+        raise fail(str(exc)) from exc
     # Block the stop signals before announcing the server, so a signal sent as soon as the
     # announcement is seen is waited for, not fatal (the server would outlive us).
     stop_signals = {signal.SIGINT, signal.SIGTERM}
@@ -176,12 +170,12 @@ def _serve(
         try:
             start_http_server(metrics_port, addr=metrics_host)
         except OSError as exc:
-            raise _fail(f"cannot serve metrics on {metrics_host}:{metrics_port}: {exc}") from exc
+            raise fail(f"cannot serve metrics on {metrics_host}:{metrics_port}: {exc}") from exc
     err.print(banner)
     try:
         _run(_serve_until_signal(start, stop))
     except errors as exc:
-        raise _fail(str(exc)) from exc
+        raise fail(str(exc)) from exc
 
 
 async def _serve_until_signal(start: Any, stop: Any) -> None:
@@ -207,7 +201,7 @@ def dispatcher(config: ConfigOpt = None) -> None:
     try:
         settings = DispatcherSettings.load(config)
     except ConfigError as exc:
-        raise _fail(str(exc)) from exc
+        raise fail(str(exc)) from exc
     d = Dispatcher(settings)
     _serve(
         d.start,
@@ -246,7 +240,7 @@ def agent(
     try:
         settings = AgentSettings.load(config, **overrides)
     except ConfigError as exc:
-        raise _fail(str(exc)) from exc
+        raise fail(str(exc)) from exc
     a = Agent(settings)
     _serve(
         a.start,
@@ -279,7 +273,7 @@ def submit(
 
     given = [p for p in (prompt, prompt_file, tokens) if p is not None]
     if len(given) != 1:
-        raise _fail("give exactly one of --prompt, --prompt-file, --tokens")
+        raise fail("give exactly one of --prompt, --prompt-file, --tokens")
     body: str | list[int]
     if prompt is not None:
         body = prompt
@@ -287,16 +281,16 @@ def submit(
         try:
             body = prompt_file.read_text()
         except OSError as exc:
-            raise _fail(f"cannot read {prompt_file}: {exc}") from exc
+            raise fail(f"cannot read {prompt_file}: {exc}") from exc
     else:
         try:
             body = [int(t) for t in (tokens or "").split(",") if t.strip()]
         except ValueError as exc:
-            raise _fail("--tokens takes comma-separated integers") from exc
+            raise fail("--tokens takes comma-separated integers") from exc
     try:
         settings = ClientSettings.load(config)
     except ConfigError as exc:
-        raise _fail(str(exc)) from exc
+        raise fail(str(exc)) from exc
     code = _run(
         _submit(
             settings, model, body, max_tokens, band, tenant, request_id, deadline_s, timeout_s,
@@ -375,7 +369,7 @@ def stats(
     try:
         settings = ClientSettings.load(config)
     except ConfigError as exc:
-        raise _fail(str(exc)) from exc
+        raise fail(str(exc)) from exc
 
     async def go() -> Any:
         async with Client.from_settings(settings) as c:
@@ -384,7 +378,7 @@ def stats(
     try:
         s = _run(go())
     except SluiceError as exc:
-        raise _fail(str(exc)) from exc
+        raise fail(str(exc)) from exc
     if as_json:
         print(json.dumps(s.model_dump(mode="json")))
         return

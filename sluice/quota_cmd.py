@@ -4,30 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import typer
 from pydantic import ValidationError
-from rich.console import Console
 
 from sluice.config import ConfigError
+from sluice.console import err, fail
 
 app = typer.Typer(
     help="Per-model quotas at run time: dispatchers apply a change within a second.",
     no_args_is_help=True,
 )
-err = Console(stderr=True, width=None if sys.stderr.isatty() else 150)
 ConfigOpt = Annotated[
     Path | None, typer.Option("--config", help="TOML config file (the [client] table).")
 ]
-
-
-def _fail(message: str) -> typer.Exit:
-    err.print(f"[red]error:[/red] {message}")
-    return typer.Exit(2)
 
 
 def _pairs(values: list[str], what: str) -> dict[str, int]:
@@ -35,7 +28,7 @@ def _pairs(values: list[str], what: str) -> dict[str, int]:
     for v in values:
         name, sep, number = v.partition("=")
         if not sep or not name or not number.strip().isdigit():
-            raise _fail(f"{what} takes NAME=COUNT (a whole number >= 0), not {v!r}")
+            raise fail(f"{what} takes NAME=COUNT (a whole number >= 0), not {v!r}")
         out[name] = int(number)
     return out
 
@@ -47,7 +40,7 @@ def _with_nats(config: Path | None, go: Callable[[Any], Awaitable[Any]]) -> Any:
     try:
         settings = ClientSettings.load(config)
     except ConfigError as exc:
-        raise _fail(str(exc)) from exc
+        raise fail(str(exc)) from exc
 
     async def run() -> Any:
         nc = await connect(settings.nats_url, "sluice-quota")
@@ -59,7 +52,7 @@ def _with_nats(config: Path | None, go: Callable[[Any], Awaitable[Any]]) -> Any:
     try:
         return asyncio.run(run())
     except (SluiceError, TransportError) as exc:
-        raise _fail(str(exc)) from exc
+        raise fail(str(exc)) from exc
 
 
 @app.command("set")
@@ -80,24 +73,20 @@ def set_quota(
     from sluice.client.admin import set_model_quota
     from sluice.schemas.models import QuotaSpec
 
-    if unit not in ("requests", "tokens"):
-        raise _fail(f"--unit is requests or tokens, not {unit!r}")
     try:
-        spec = QuotaSpec(
-            limit=limit,
-            band_limits=_pairs(band, "--band"),
-            tenant_limits=_pairs(tenant, "--tenant"),
-            default_tenant_limit=default_tenant,
-            unit=_unit(unit),
+        spec = QuotaSpec.model_validate(
+            {
+                "limit": limit,
+                "band_limits": _pairs(band, "--band"),
+                "tenant_limits": _pairs(tenant, "--tenant"),
+                "default_tenant_limit": default_tenant,
+                "unit": unit,  # the model checks it: requests or tokens
+            }
         )
     except ValidationError as exc:
-        raise _fail(str(exc)) from exc
+        raise fail(str(exc)) from exc
     _with_nats(config, lambda nc: set_model_quota(nc, model, spec))
     err.print(f"quota of {model} set: {spec.model_dump_json(exclude_defaults=True)}")
-
-
-def _unit(unit: str) -> Literal["requests", "tokens"]:
-    return "tokens" if unit == "tokens" else "requests"
 
 
 @app.command("clear")

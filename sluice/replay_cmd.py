@@ -13,6 +13,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from sluice.console import err, fail
 from sluice.dispatcher.decisions import DecisionLog
 from sluice.sim.policies import ABLATIONS, POLICIES
 from sluice.sim.profiles import PROFILES, get_profile
@@ -32,7 +33,6 @@ app = typer.Typer(
     no_args_is_help=True,
     invoke_without_command=True,
 )
-err = Console(stderr=True, width=None if sys.stderr.isatty() else 150)
 out = Console(width=None if sys.stdout.isatty() else 150)
 
 TraceOpt = Annotated[Path, typer.Option("--trace", help="Mooncake/Sluice .jsonl or Azure .csv.")]
@@ -58,11 +58,6 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON ob
 PlotOpt = Annotated[Path | None, typer.Option("--plot", help="Write PNG charts here.")]
 
 
-def _fail(message: str) -> typer.Exit:
-    err.print(f"[red]error:[/red] {message}")
-    return typer.Exit(2)
-
-
 def _setup(
     trace: Path,
     workers: int,
@@ -77,14 +72,14 @@ def _setup(
         requests = load_trace(trace)
         prof = get_profile(profile)
     except (TraceError, KeyError) as exc:
-        raise _fail(str(exc).strip('"')) from exc
+        raise fail(str(exc).strip('"')) from exc
     names = [p.strip() for p in compare.split(",") if p.strip()]
     unknown = [p for p in names if p not in POLICIES + ABLATIONS]
     if unknown or not names:
-        raise _fail(f"unknown policies {unknown}; known: {', '.join(POLICIES + ABLATIONS)}")
+        raise fail(f"unknown policies {unknown}; known: {', '.join(POLICIES + ABLATIONS)}")
     slow_n, slow_f = slow
     if slow_n > workers:
-        raise _fail(f"--slow-workers {slow_n} exceeds --workers {workers}")
+        raise fail(f"--slow-workers {slow_n} exceeds --workers {workers}")
     cfg = ReplayConfig(
         workers=workers,
         profile=prof,
@@ -172,7 +167,7 @@ def main(
     if ctx.invoked_subcommand is not None:
         return
     if trace == Path():
-        raise _fail("--trace is required")
+        raise fail("--trace is required")
     requests, cfg, names = _setup(
         trace, workers, profile, compare, seed, slo_ttft_s, capacity, (slow_workers, slow_factor)
     )
@@ -188,7 +183,7 @@ def main(
             decisions.unlink(missing_ok=True)
             log = DecisionLog(decisions, max_bytes=1 << 40)
         except OSError as exc:
-            raise _fail(f"cannot write decisions to {decisions}: {exc}") from exc
+            raise fail(f"cannot write decisions to {decisions}: {exc}") from exc
     try:
         results = _run_all(requests, cfg, names, "", log)
     finally:
@@ -217,7 +212,7 @@ def _plot(results: dict[str, PolicyResult], where: Path, title: str) -> None:
         for p in plot_policies(results, where, title):
             err.print(f"[dim]wrote {p}[/dim]")
     except PlotError as exc:
-        raise _fail(str(exc)) from exc
+        raise fail(str(exc)) from exc
 
 
 def _fmt(v: float, unit: str = "") -> str:
@@ -273,7 +268,7 @@ def gen(
 
     make = SCENARIOS.get(scenario)
     if make is None:
-        raise _fail(f"unknown scenario {scenario!r}; known: {', '.join(SCENARIOS)}")
+        raise fail(f"unknown scenario {scenario!r}; known: {', '.join(SCENARIOS)}")
     reqs = make(Shape(requests=requests, rate=rate, seed=seed))
     write_jsonl(reqs, out_file)
     err.print(f"wrote {len(reqs):,} requests ({scenario}) to {out_file}")
@@ -299,9 +294,9 @@ def sweep(
     try:
         xs = [float(x) for x in loads.split(",") if x.strip()]
     except ValueError as exc:
-        raise _fail("--loads takes comma-separated numbers") from exc
+        raise fail("--loads takes comma-separated numbers") from exc
     if not xs or min(xs) <= 0:
-        raise _fail("--loads must be positive numbers")
+        raise fail("--loads must be positive numbers")
     series: dict[str, list[PolicyResult]] = {n: [] for n in names}
     for x in xs:
         scaled = scale_to_load(requests, x, workers, cfg.profile)
@@ -314,7 +309,7 @@ def sweep(
             for p in plot_sweep(xs, series, plot, f"{trace.name}, {workers} workers"):
                 err.print(f"[dim]wrote {p}[/dim]")
         except PlotError as exc:
-            raise _fail(str(exc)) from exc
+            raise fail(str(exc)) from exc
     if as_json:
         by_policy = {n: [r.as_json() for r in rs] for n, rs in series.items()}
         print(json.dumps({"trace": str(trace), "loads": xs, "policies": by_policy}))
@@ -339,7 +334,7 @@ def report(
             pols: dict[str, dict[str, float]] = doc["policies"]
             fl: dict[str, float] = doc["floor"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise _fail(f"{f}: not the output of `sluice replay --json` ({exc})") from exc
+            raise fail(f"{f}: not the output of `sluice replay --json` ({exc})") from exc
         print(_markdown(f, doc, pols, fl))
 
 
