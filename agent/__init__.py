@@ -1,6 +1,2 @@
-"""The Sluice agent: runs beside one GPU engine (simulated here) and speaks the protocol."""
-
-from sluice.agent.runtime import Agent
-from sluice.agent.settings import AgentSettings
-
-__all__ = ["Agent", "AgentSettings"]
+"""The Sluice agent's pure parts (what it accepts, how it reports); its live runtime is
+:mod:`sluice.agent.runtime`."""

@@ -16,7 +16,6 @@ from nats.aio.subscription import Subscription
 from nats.js.errors import APIError, NoStreamResponseError, NotFoundError
 from pydantic import ValidationError
 
-from sluice.aio import wait_at_most
 from sluice.client.errors import (
     InvalidRequest,
     QueueFull,
@@ -26,6 +25,8 @@ from sluice.client.errors import (
     rejection_error,
 )
 from sluice.client.settings import ClientSettings
+from sluice.common.aio import wait_at_most
+from sluice.common.transport import TransportError, connect
 from sluice.schemas import names
 from sluice.schemas.codec import decode, encode
 from sluice.schemas.errors import DecodeError
@@ -37,7 +38,6 @@ from sluice.schemas.models import (
     WaitEstimate,
     WaitQuery,
 )
-from sluice.transport import TransportError, connect
 
 _MAX_MSGS_EXCEEDED = 10077  # JetStream: the stream is at max_msgs with discard=new
 _RESULT_POLL_S = 2.0

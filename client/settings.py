@@ -8,7 +8,7 @@ from typing import ClassVar
 from pydantic import AliasChoices, Field
 from pydantic_settings import SettingsConfigDict
 
-from sluice.config import SluiceSettings
+from sluice.common.settings import SluiceSettings
 
 
 class ClientSettings(SluiceSettings):

@@ -17,8 +17,8 @@ import nats
 import pytest
 
 from sluice.client import Client
-from sluice.cluster import LocalCluster
-from sluice.natsserver import EmbeddedNats
+from sluice.testing.cluster import LocalCluster
+from sluice.testing.natsserver import EmbeddedNats
 
 # Fast settings for tests: short heartbeats and leases, a fast simulated clock.
 FAST_DISPATCHER: dict[str, Any] = {

@@ -290,7 +290,7 @@ def test_the_decision_log_is_bounded(tmp_path: Path) -> None:
 
 
 def test_the_core_benchmark_runs_both_policies() -> None:
-    from sluice.bench import bench_core
+    from sluice.cli.bench import bench_core
 
     for policy in ("cache-aware", "least-loaded"):
         r = bench_core(requests=2000, policy=policy)
@@ -312,8 +312,7 @@ def test_the_index_keeps_every_stride_th_block_and_counts_hits_in_tokens() -> No
 
 
 def test_agent_digests_are_numbered_deltas_with_periodic_bounded_snapshots() -> None:
-    from sluice.agent import AgentSettings
-    from sluice.agent.runtime import Agent
+    from sluice.agent.runtime import Agent, AgentSettings
 
     settings = AgentSettings(
         worker_id="w",

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from sluice.agent import AgentSettings
+from sluice.agent.runtime import AgentSettings
 from sluice.client import ClientSettings
-from sluice.dispatcher import DispatcherSettings
+from sluice.dispatcher.runtime import DispatcherSettings
 
 DOC = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text()
 

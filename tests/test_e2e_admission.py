@@ -11,10 +11,10 @@ import pytest
 
 from sluice.client import Client, DeadlineExceeded, QueueFull, Rejected, RejectReason
 from sluice.client.client import RequestHandle
-from sluice.cluster import LocalCluster
 from sluice.schemas import names
 from sluice.schemas.codec import decode, encode
 from sluice.schemas.models import DeadLetter, SubmitRequest
+from sluice.testing.cluster import LocalCluster
 
 from .conftest import cluster_kwargs, eventually
 

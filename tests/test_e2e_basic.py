@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sluice.client import Client
-from sluice.cluster import LocalCluster
+from sluice.testing.cluster import LocalCluster
 
 pytestmark = pytest.mark.e2e
 

@@ -11,13 +11,13 @@ import pytest
 from nats.js.client import JetStreamContext
 
 from sluice.client import Client, Rejected, RejectReason
-from sluice.cluster import LocalCluster
-from sluice.dispatcher import Dispatcher
-from sluice.dispatcher.streams import ensure_streams
-from sluice.natsserver import EmbeddedNats
+from sluice.dispatcher.runtime import Dispatcher
+from sluice.dispatcher.runtime.streams import ensure_streams
 from sluice.schemas import names
 from sluice.schemas.codec import decode, encode
 from sluice.schemas.models import Assignment, AssignmentReply, SubmitRequest
+from sluice.testing.cluster import LocalCluster
+from sluice.testing.natsserver import EmbeddedNats
 
 from .conftest import cluster_kwargs, eventually
 

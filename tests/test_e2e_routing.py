@@ -10,11 +10,11 @@ import pytest
 from prometheus_client import REGISTRY
 
 from sluice.client import Client
-from sluice.cluster import LocalCluster
 from sluice.dispatcher.cacheaware import CacheAware
 from sluice.dispatcher.routing import RoutingPolicy
 from sluice.schemas.models import Result
 from sluice.sim.policies import RoundRobin
+from sluice.testing.cluster import LocalCluster
 from tests.conftest import cluster_kwargs, eventually
 
 pytestmark = pytest.mark.e2e

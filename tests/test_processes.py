@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from sluice.agent import AgentSettings
-from sluice.config import ConfigError
-from sluice.dispatcher import DispatcherSettings
-from sluice.natsserver import EmbeddedNats
+from sluice.agent.runtime import AgentSettings
+from sluice.common.settings import ConfigError
+from sluice.dispatcher.runtime import DispatcherSettings
+from sluice.testing.natsserver import EmbeddedNats
 
 pytestmark = pytest.mark.e2e
 
@@ -227,7 +227,7 @@ def test_embedded_nats_dies_with_a_killed_parent(tmp_path: Path) -> None:
     script = tmp_path / "parent.py"
     script.write_text(
         "import time\n"
-        "from sluice.natsserver import EmbeddedNats\n"
+        "from sluice.testing.natsserver import EmbeddedNats\n"
         "s = EmbeddedNats().start()\n"
         "print(s.pid, flush=True)\n"
         "time.sleep(60)\n"

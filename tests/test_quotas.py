@@ -160,7 +160,7 @@ def test_no_level_is_ever_exceeded(
 def test_quotas_from_a_config_file(tmp_path: object) -> None:
     from pathlib import Path
 
-    from sluice.dispatcher import DispatcherSettings
+    from sluice.dispatcher.runtime import DispatcherSettings
 
     path = Path(str(tmp_path)) / "sluice.toml"
     path.write_text(

@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from sluice.console import err, fail
+from sluice.cli.console import err, fail
 from sluice.dispatcher.decisions import DecisionLog
 from sluice.sim.policies import ABLATIONS, POLICIES
 from sluice.sim.profiles import PROFILES, get_profile

@@ -10,7 +10,7 @@ from nats.js.errors import BadRequestError, BucketNotFoundError
 from nats.js.kv import KeyValue
 
 from sluice.dispatcher.errors import StreamSetupError
-from sluice.dispatcher.settings import DispatcherSettings
+from sluice.dispatcher.runtime.settings import DispatcherSettings
 from sluice.schemas import names
 
 _STREAM_IN_USE = 10058

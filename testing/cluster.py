@@ -10,10 +10,10 @@ import contextlib
 from typing import Any
 
 from sluice.agent.runtime import Agent, Observer
-from sluice.agent.settings import AgentSettings
+from sluice.agent.runtime.settings import AgentSettings
 from sluice.dispatcher.routing import RoutingPolicy
 from sluice.dispatcher.runtime import Dispatcher
-from sluice.dispatcher.settings import DispatcherSettings
+from sluice.dispatcher.runtime.settings import DispatcherSettings
 
 
 class LocalCluster:

@@ -10,7 +10,7 @@ from typing import ClassVar
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
-from sluice.config import SluiceSettings
+from sluice.common.settings import SluiceSettings
 from sluice.schemas.hashing import DEFAULT_INDEX_STRIDE
 from sluice.sim.profiles import PROFILES
 

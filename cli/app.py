@@ -16,8 +16,8 @@ from typing import Annotated, Any, TypeVar
 import typer
 from rich.console import Console
 
-from sluice.config import ConfigError
-from sluice.console import err, fail
+from sluice.cli.console import err, fail
+from sluice.common.settings import ConfigError
 
 T = TypeVar("T")
 
@@ -33,8 +33,8 @@ console = Console(width=None if sys.stdout.isatty() else 150)
 
 
 def _register_replay() -> None:
-    from sluice.quota_cmd import app as quota_app
-    from sluice.replay_cmd import app as replay_app
+    from sluice.cli.quota import app as quota_app
+    from sluice.cli.replay import app as replay_app
 
     app.add_typer(replay_app, name="replay")
     app.add_typer(quota_app, name="quota")
@@ -75,8 +75,8 @@ def demo(
     seed: Annotated[int, typer.Option(help="Workload seed.")] = 7,
 ) -> None:
     """Run NATS, a dispatcher and simulated workers in-process under a mixed workload."""
-    from sluice.demo import DemoConfig, run_demo, summary_tables
-    from sluice.natsserver import NatsServerError
+    from sluice.cli.demo import DemoConfig, run_demo, summary_tables
+    from sluice.testing.natsserver import NatsServerError
 
     cfg = DemoConfig(
         nats_url=os.environ.get("SLUICE_NATS_URL") or None,
@@ -107,7 +107,7 @@ def bench(
     skip_live: Annotated[bool, typer.Option(help="Only the pure-core benchmark.")] = False,
 ) -> None:
     """Measure the dispatcher's own cost against baselines measured in the same run."""
-    from sluice.bench import bench_core, bench_live
+    from sluice.cli.bench import bench_core, bench_live
 
     for policy in ("cache-aware", "least-loaded"):
         core = bench_core(requests=requests, policy=policy)
@@ -137,7 +137,7 @@ def nats(
     ] = None,
 ) -> None:
     """Run a JetStream-enabled nats-server on 127.0.0.1 in the foreground."""
-    from sluice.natsserver import EmbeddedNats, NatsServerError
+    from sluice.testing.natsserver import EmbeddedNats, NatsServerError
 
     try:
         server = EmbeddedNats(store_dir=str(store_dir) if store_dir else None, port=port).start()
@@ -194,9 +194,9 @@ async def _serve_until_signal(start: Any, stop: Any) -> None:
 @app.command()
 def dispatcher(config: ConfigOpt = None) -> None:
     """Run a dispatcher (settings: SLUICE_DISPATCHER_*, SLUICE_NATS_URL, [dispatcher])."""
-    from sluice.dispatcher import Dispatcher, DispatcherSettings
+    from sluice.common.transport import TransportError
     from sluice.dispatcher.errors import DispatcherError
-    from sluice.transport import TransportError
+    from sluice.dispatcher.runtime import Dispatcher, DispatcherSettings
 
     try:
         settings = DispatcherSettings.load(config)
@@ -224,8 +224,8 @@ def agent(
     speed: Annotated[float | None, typer.Option(help="Simulated clock speed-up.")] = None,
 ) -> None:
     """Run an agent with a simulated engine (settings: SLUICE_AGENT_*, [agent])."""
-    from sluice.agent import Agent, AgentSettings
-    from sluice.transport import TransportError
+    from sluice.agent.runtime import Agent, AgentSettings
+    from sluice.common.transport import TransportError
 
     overrides: dict[str, Any] = {
         k: v

@@ -21,11 +21,11 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from sluice.agent import metrics
 from sluice.agent.errors import AgentNotStarted
-from sluice.agent.settings import AgentSettings
-from sluice.agent.tokens import detokenize, output_token
-from sluice.aio import finish_tasks, wait_event
+from sluice.agent.runtime import metrics
+from sluice.agent.runtime.settings import AgentSettings
+from sluice.common.aio import finish_tasks, wait_event
+from sluice.common.transport import connect
 from sluice.schemas import names
 from sluice.schemas.codec import decode, encode
 from sluice.schemas.errors import DecodeError
@@ -43,7 +43,7 @@ from sluice.schemas.models import (
 )
 from sluice.sim.engine import EngineError, Finished, SimEngine, TokensOut
 from sluice.sim.profiles import get_profile
-from sluice.transport import connect
+from sluice.sim.tokens import detokenize, output_token
 
 log = logging.getLogger("sluice.agent")
 

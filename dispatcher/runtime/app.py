@@ -32,16 +32,17 @@ from nats.js.client import JetStreamContext
 from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 
-from sluice.aio import finish_tasks, wait_event
-from sluice.dispatcher import metrics
+from sluice.common.aio import finish_tasks, wait_event
+from sluice.common.transport import connect
 from sluice.dispatcher.cacheaware import CacheAware, Digest
 from sluice.dispatcher.decisions import DecisionLog, decision_record
 from sluice.dispatcher.feedback import Feedback, ScaleAdvisor, WaitFigures
 from sluice.dispatcher.leases import LeaseTable
 from sluice.dispatcher.routing import LeastLoaded, RoutingPolicy
+from sluice.dispatcher.runtime import metrics
+from sluice.dispatcher.runtime.settings import DispatcherSettings
+from sluice.dispatcher.runtime.streams import config_bucket, ensure_streams
 from sluice.dispatcher.scheduler import Booking, Dispatch, Ended, Request, Scheduler, WorkerInfo
-from sluice.dispatcher.settings import DispatcherSettings
-from sluice.dispatcher.streams import config_bucket, ensure_streams
 from sluice.schemas import names
 from sluice.schemas.codec import decode, encode
 from sluice.schemas.errors import DecodeError
@@ -63,7 +64,6 @@ from sluice.schemas.models import (
     WaitEstimate,
     WaitQuery,
 )
-from sluice.transport import connect
 
 log = logging.getLogger("sluice.dispatcher")
 

@@ -19,16 +19,16 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
-from sluice.aio import wait_event
 from sluice.client import Client, QueueFull, Rejected, SluiceError
-from sluice.cluster import LocalCluster
-from sluice.natsserver import EmbeddedNats
+from sluice.common.aio import wait_event
 from sluice.schemas import names
 from sluice.schemas.codec import decode
 from sluice.schemas.errors import DecodeError
 from sluice.schemas.models import Heartbeat, Result
 from sluice.sim.stats import percentile
 from sluice.sim.workload import DemoWorkload
+from sluice.testing.cluster import LocalCluster
+from sluice.testing.natsserver import EmbeddedNats
 
 MODEL = "demo-8b"
 

@@ -11,7 +11,7 @@ from typing import ClassVar, Literal
 from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from sluice.config import SluiceSettings
+from sluice.common.settings import SluiceSettings
 from sluice.dispatcher.admission import DEFAULT_BAND_DELAY_S, AdmissionConfig
 from sluice.dispatcher.cacheaware import CacheAwareConfig
 from sluice.dispatcher.quotas import ModelQuota, Quotas

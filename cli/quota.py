@@ -11,8 +11,8 @@ from typing import Annotated, Any
 import typer
 from pydantic import ValidationError
 
-from sluice.config import ConfigError
-from sluice.console import err, fail
+from sluice.cli.console import err, fail
+from sluice.common.settings import ConfigError
 
 app = typer.Typer(
     help="Per-model quotas at run time: dispatchers apply a change within a second.",
@@ -35,7 +35,7 @@ def _pairs(values: list[str], what: str) -> dict[str, int]:
 
 def _with_nats(config: Path | None, go: Callable[[Any], Awaitable[Any]]) -> Any:
     from sluice.client import ClientSettings, SluiceError
-    from sluice.transport import TransportError, connect
+    from sluice.common.transport import TransportError, connect
 
     try:
         settings = ClientSettings.load(config)

@@ -148,8 +148,8 @@ async def bench_live(requests: int = 300, nats_url: str | None = None) -> LiveRe
     import nats
 
     from sluice.client import Client
-    from sluice.cluster import LocalCluster
-    from sluice.natsserver import EmbeddedNats
+    from sluice.testing.cluster import LocalCluster
+    from sluice.testing.natsserver import EmbeddedNats
 
     server = None if nats_url else EmbeddedNats().start()
     url = nats_url or (server.url if server else "")
