@@ -26,7 +26,8 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not fault"
 
-## lint: ruff and mypy (mypy sees the sluice.* package through a symlink tree in .lint/)
+## lint: ruff (with the complexity rule), the formatter, mypy and the import contracts (mypy
+## and lint-imports see the sluice.* package through a symlink tree in .lint/)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -34,6 +35,7 @@ lint: $(STAMP)
 	for d in schemas common client dispatcher agent sim testing cli; do ln -s ../../$$d .lint/sluice/$$d; done
 	for f in sluice/*.py sluice/py.typed; do ln -s ../../$$f .lint/sluice/; done
 	cd .lint && ../$(BIN)/mypy --config-file ../pyproject.toml -p sluice
+	cd .lint && PYTHONPATH=. ../$(BIN)/lint-imports ../pyproject.toml
 
 clean:
 	rm -rf $(VENV) .lint build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -9,3 +9,11 @@ class AgentError(Exception):
 
 class AgentNotStarted(AgentError):
     """The agent was used before ``start()``."""
+
+
+class AgentBrokerUnreachable(AgentError):
+    """The agent could not connect to NATS at start."""
+
+
+class EngineError(AgentError):
+    """The engine cannot run a request (for example one larger than its whole KV cache)."""

@@ -224,8 +224,8 @@ def agent(
     speed: Annotated[float | None, typer.Option(help="Simulated clock speed-up.")] = None,
 ) -> None:
     """Run an agent with a simulated engine (settings: SLUICE_AGENT_*, [agent])."""
+    from sluice.agent.errors import AgentBrokerUnreachable
     from sluice.agent.runtime import Agent, AgentSettings
-    from sluice.common.transport import TransportError
 
     overrides: dict[str, Any] = {
         k: v
@@ -241,14 +241,19 @@ def agent(
         settings = AgentSettings.load(config, **overrides)
     except ConfigError as exc:
         raise fail(str(exc)) from exc
-    a = Agent(settings)
+    from sluice.testing.engines import simulated_engine
+
+    try:
+        a = Agent(settings, simulated_engine(settings))
+    except ConfigError as exc:
+        raise fail(str(exc)) from exc
     _serve(
         a.start,
         a.stop,
         settings.metrics_host,
         settings.metrics_port,
         f"agent {settings.worker_id} serving {settings.models}; Ctrl-C drains and stops",
-        (TransportError,),
+        (AgentBrokerUnreachable,),
     )
 
 

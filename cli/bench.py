@@ -20,11 +20,11 @@ from collections import deque
 from dataclasses import dataclass
 
 from sluice.dispatcher.admission import AdmissionConfig
-from sluice.dispatcher.cacheaware import CacheAware
-from sluice.dispatcher.routing import LeastLoaded, RoutingPolicy
+from sluice.dispatcher.cacheaware import CacheAwareConfig
+from sluice.dispatcher.policies import build_policy
 from sluice.dispatcher.scheduler import Request, Scheduler, WorkerInfo
+from sluice.dispatcher.stats import percentile
 from sluice.schemas.names import DEFAULT_BANDS
-from sluice.sim.stats import percentile
 
 
 @dataclass(frozen=True)
@@ -65,14 +65,7 @@ def bench_core(
     limit = workers * capacity
 
     # --- sluice
-    chooser: RoutingPolicy
-    if policy == "cache-aware":
-        cache_aware = CacheAware()
-        chooser = cache_aware
-    elif policy == "least-loaded":
-        chooser = LeastLoaded(random.Random(seed))
-    else:
-        raise ValueError(f"unknown policy {policy!r}")
+    chooser = build_policy(policy, CacheAwareConfig(), seed)
     sched = Scheduler(
         AdmissionConfig(global_limit=limit, band_limits={"batch": limit // 2}),
         chooser,
@@ -80,8 +73,7 @@ def bench_core(
     )
     for w in range(workers):
         sched.update_worker(WorkerInfo(f"w{w}", frozenset({"m"}), capacity))
-        if policy == "cache-aware":
-            cache_aware.heartbeat(f"w{w}", None, 0.0)
+        chooser.heartbeat(f"w{w}", None, 0.0)
     rng = random.Random(seed + 1)
     running: list[str] = []
     decisions = 0

@@ -21,11 +21,11 @@ from rich.table import Table
 
 from sluice.client import Client, QueueFull, Rejected, SluiceError
 from sluice.common.aio import wait_event
+from sluice.dispatcher.stats import percentile
 from sluice.schemas import names
 from sluice.schemas.codec import decode
 from sluice.schemas.errors import DecodeError
 from sluice.schemas.models import Heartbeat, Result
-from sluice.sim.stats import percentile
 from sluice.sim.workload import DemoWorkload
 from sluice.testing.cluster import LocalCluster
 from sluice.testing.natsserver import EmbeddedNats

@@ -39,7 +39,6 @@ from sluice.schemas.models import (
     WaitQuery,
 )
 
-_MAX_MSGS_EXCEEDED = 10077  # JetStream: the stream is at max_msgs with discard=new
 _RESULT_POLL_S = 2.0
 
 
@@ -307,11 +306,11 @@ class Client:
             await self.nc.jetstream().publish(
                 subject,
                 encode(r),
-                headers={"Nats-Msg-Id": r.request_id},
+                headers={names.MSG_ID_HEADER: r.request_id},
                 timeout=self.publish_timeout_s,
             )
         except APIError as exc:
-            if exc.err_code == _MAX_MSGS_EXCEEDED:
+            if exc.err_code == names.JS_ERR_MAX_MSGS:
                 retry_after, queued = self.queue_full_retry_after_s, None
                 with contextlib.suppress(ServiceUnavailable):
                     est = await self.estimate_wait(r.model, r.band, timeout_s=0.5)

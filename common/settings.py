@@ -15,11 +15,11 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from sluice.common.errors import ConfigError
+
+__all__ = ["ConfigError", "SluiceSettings"]
+
 S = TypeVar("S", bound="SluiceSettings")
-
-
-class ConfigError(Exception):
-    """Settings that do not validate, or a config file that cannot be read."""
 
 
 class SluiceSettings(BaseSettings):

@@ -5,11 +5,12 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 import nats
+import nats.errors
 from nats.aio.client import Client as NATS
 
+from sluice.common.errors import TransportError
 
-class TransportError(Exception):
-    """NATS could not be reached."""
+__all__ = ["TransportError", "connect"]
 
 
 async def connect(
@@ -32,7 +33,7 @@ async def connect(
             error_cb=_ignore_error,
             **({"reconnected_cb": reconnected_cb} if reconnected_cb else {}),
         )
-    except Exception as exc:  # nats-py raises several types (OSError, NoServersError, ...)
+    except (OSError, TimeoutError, ValueError, nats.errors.Error) as exc:
         raise TransportError(f"cannot connect to NATS at {url}: {exc}") from exc
     return nc
 

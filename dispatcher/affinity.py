@@ -22,6 +22,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from sluice.dispatcher.defaults import HOT_TAU_S, MAX_REPLICAS, REPLICA_HEADROOM, STICKY_WINDOW_S
+
 
 def prefix_key(block_hashes: Sequence[int], key_blocks: int) -> int | None:
     """The key of a request's leading prefix, or None if it has no full block."""
@@ -44,10 +46,10 @@ class Affinity:
     def __init__(
         self,
         *,
-        window_s: float = 30.0,
-        tau_s: float = 60.0,
-        headroom: float = 1.5,
-        max_replicas: int = 64,
+        window_s: float = STICKY_WINDOW_S,
+        tau_s: float = HOT_TAU_S,
+        headroom: float = REPLICA_HEADROOM,
+        max_replicas: int = MAX_REPLICAS,
         max_keys: int = 200_000,
     ) -> None:
         if window_s <= 0 or tau_s <= 0 or headroom <= 0 or max_replicas < 1 or max_keys < 1:

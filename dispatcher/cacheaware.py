@@ -34,7 +34,6 @@ the speeds from the runtime (or the simulator).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -43,17 +42,29 @@ import xxhash
 from sluice.dispatcher.affinity import Affinity, prefix_key
 from sluice.dispatcher.cacheindex import CacheIndex
 from sluice.dispatcher.calibration import Calibration
-from sluice.dispatcher.routing import Candidate, Choice, RouteRequest
-from sluice.schemas.hashing import DEFAULT_BLOCK_TOKENS, DEFAULT_INDEX_STRIDE
+from sluice.dispatcher.defaults import (
+    GUESS_TTL_S,
+    HOT_TAU_S,
+    INDEX_MAX_BLOCKS,
+    KEY_TOKENS,
+    MAX_REPLICAS,
+    REPLICA_HEADROOM,
+    STICKY_WINDOW_S,
+    key_blocks,
+)
+from sluice.dispatcher.routing import (
+    Candidate,
+    Choice,
+    Digest,
+    Outcome,
+    PolicyStats,
+    RouteRequest,
+    request_hash,
+    tie_rank,
+)
+from sluice.schemas.hashing import DEFAULT_BLOCK_TOKENS, DEFAULT_INDEX_TOKENS, index_stride
 
 _U64 = float(2**64)
-_MASK = 2**64 - 1
-_MIX = 0x9E3779B97F4A7C15  # odd: multiplying by it mixes the bits of request x worker
-
-
-@functools.lru_cache(maxsize=65536)
-def _worker_hash(worker_id: str) -> int:
-    return xxhash.xxh64_intdigest(worker_id.encode())
 
 
 @dataclass(frozen=True)
@@ -61,37 +72,47 @@ class CacheAwareConfig:
     """The policy's settings (the dispatcher's ``routing_*`` settings map onto these)."""
 
     block_tokens: int = DEFAULT_BLOCK_TOKENS
-    index_stride: int = DEFAULT_INDEX_STRIDE
-    """The index keeps every this-many-th block hash of a prompt (a chained hash names its
-    whole prefix, so the blocks in between add only resolution): ``block_tokens x
-    index_stride`` tokens per index entry, which is what agents' digests must report."""
+    """The engines' KV block size: the granularity of prompt block hashes."""
+    index_tokens: int = DEFAULT_INDEX_TOKENS
+    """Prompt tokens per index entry: the index keeps every :attr:`index_stride`-th block hash
+    of a prompt, which is what agents' digests must report."""
     w_load: float = 1.2
     w_cache: float = 0.7
     w_stable: float = 0.3
     ttft_scale_s: float = 1.0
     w_busy: float = 4.0
     min_hit_fraction: float = 0.3
-    key_tokens: int = 1024
-    sticky_window_s: float = 30.0
+    key_tokens: int = KEY_TOKENS
+    sticky_window_s: float = STICKY_WINDOW_S
     hard_load_fraction: float = 0.9
     hard_ttft_s: float = 3.0
-    replica_headroom: float = 1.5
-    max_replicas: int = 64
-    hot_tau_s: float = 60.0
+    replica_headroom: float = REPLICA_HEADROOM
+    max_replicas: int = MAX_REPLICAS
+    hot_tau_s: float = HOT_TAU_S
     explore_share: float = 0.05
     explore_window_s: float = 60.0
     prefill_tokens_per_s: float = 8000.0
     decode_step_s: float = 0.03
-    guess_ttl_s: float = 120.0
-    index_max_blocks: int = 1_000_000
+    guess_ttl_s: float = GUESS_TTL_S
+    index_max_blocks: int = INDEX_MAX_BLOCKS
     explain: bool = False
     sticky_cached: bool = True
     calibrate: bool = True
     """Learn each worker's speeds from completions (False: always the prior)."""
 
+    @property
+    def index_stride(self) -> int:
+        """Every this-many-th block hash of a prompt is indexed."""
+        return index_stride(self.block_tokens, self.index_tokens)
+
+    @property
+    def key_blocks(self) -> int:
+        """Leading blocks that name a prefix."""
+        return key_blocks(self.block_tokens, self.key_tokens)
+
     def __post_init__(self) -> None:
-        if min(self.block_tokens, self.key_tokens, self.index_stride) < 1:
-            raise ValueError("block_tokens, key_tokens and index_stride must be >= 1")
+        if min(self.block_tokens, self.key_tokens, self.index_tokens) < 1:
+            raise ValueError("block_tokens, key_tokens and index_tokens must be >= 1")
         if min(self.w_load, self.w_cache, self.w_stable) < 0 or self.ttft_scale_s <= 0:
             raise ValueError("weights must be >= 0 and ttft_scale_s > 0")
         if not 0 <= self.min_hit_fraction <= 1 or not 0 <= self.explore_share <= 1:
@@ -117,20 +138,11 @@ class Scored:
     tie: float
 
 
-@dataclass(frozen=True)
-class Digest:
-    """A worker's cache report: a numbered delta or a full snapshot."""
-
-    seq: int
-    snapshot: bool
-    stored: tuple[int, ...] = ()
-    evicted: tuple[int, ...] = ()
-
-
 class CacheAware:
     """The ``sluice`` routing policy (see the module docstring)."""
 
     name = "sluice"
+    uses_digests = True
 
     def __init__(self, config: CacheAwareConfig | None = None) -> None:
         self.config = c = config or CacheAwareConfig()
@@ -144,13 +156,11 @@ class CacheAware:
             headroom=c.replica_headroom,
             max_replicas=c.max_replicas,
         )
-        self._key_blocks = max(1, -(-c.key_tokens // c.block_tokens))
+        self._key_blocks = c.key_blocks
         self._stride = c.index_stride
         self.index_block_tokens = c.block_tokens * c.index_stride
         """Tokens per index entry: what a digest's ``block_tokens`` must say."""
         self._fleet: set[str] = set()
-        self.decisions = 0
-        self.flaps = 0
         self.stale_reports = 0
 
     # ------------------------------------------------------------------ selection (pure)
@@ -173,7 +183,7 @@ class CacheAware:
             reps += sorted(w for w, b in matches.items() if b >= need and w not in reps)
         budget = self.affinity.budget(key, fleet, now_s) if key is not None else 1
         rep_set = set(reps)
-        rh = xxhash.xxh64_intdigest(request.request_id.encode())
+        rh = request_hash(request.request_id)
         # The loop below runs for every candidate of every decision: constants hoisted.
         n_indexed = len(indexed)
         prompt = request.prompt_tokens
@@ -202,7 +212,7 @@ class CacheAware:
             queue = ahead * per_token / scale + busy
             s = w_load * load + w_cache * miss + w_stable * moved
             over = cand.booked >= hard_fraction * cand.capacity or ttft > hard_ttft
-            tie = (((rh ^ _worker_hash(w)) * _MIX) & _MASK) / _U64
+            tie = tie_rank(rh, w)
             out.append(Scored(cand, hit, ttft, load, queue, miss, moved, s, over, tie))
         return out, reps, budget
 
@@ -248,7 +258,6 @@ class CacheAware:
 
     def observe(self, request: RouteRequest, worker_id: str, now_s: float) -> None:
         """The worker accepted the request: record the placement."""
-        self.decisions += 1
         hashes = request.block_hashes
         indexed = self._indexed(hashes)
         if indexed:
@@ -256,9 +265,6 @@ class CacheAware:
         key = prefix_key(hashes, self._key_blocks)
         if key is None:
             return
-        reps = self.affinity.replicas(key, now_s)
-        if reps and worker_id not in reps:
-            self.flaps += 1
         fleet = max(len(self._fleet), 1)
         self.affinity.used(key, worker_id, self.affinity.budget(key, fleet, now_s), now_s)
 
@@ -276,28 +282,18 @@ class CacheAware:
             self.stale_reports += 1
         return ok
 
-    def completed(
-        self,
-        worker_id: str,
-        request: RouteRequest,
-        *,
-        cached_tokens: int,
-        prefill_s: float,
-        output_tokens: int,
-        decode_s: float,
-        now_s: float,
-    ) -> None:
+    def completed(self, worker_id: str, request: RouteRequest, outcome: Outcome) -> None:
         """A request finished on ``worker_id``: it holds the prefix now, and its timings
         teach the worker's speeds."""
         indexed = self._indexed(request.block_hashes)
         if indexed:
-            self.index.completed(worker_id, indexed, now_s)
+            self.index.completed(worker_id, indexed, outcome.now_s)
         self.calibration.observe(
             worker_id,
-            uncached_tokens=max(0, request.prompt_tokens - cached_tokens),
-            prefill_s=prefill_s,
-            output_tokens=output_tokens,
-            decode_s=decode_s,
+            uncached_tokens=max(0, request.prompt_tokens - outcome.cached_tokens),
+            prefill_s=outcome.prefill_s,
+            output_tokens=outcome.output_tokens,
+            decode_s=outcome.decode_s,
         )
 
     def remove_worker(self, worker_id: str) -> None:
@@ -311,6 +307,10 @@ class CacheAware:
         """Drop expired guesses from the index (call now and then; ``max_blocks`` bounds the
         work of one call, oldest blocks first)."""
         return self.index.expire(now_s, max_blocks)
+
+    def stats(self, now_s: float) -> PolicyStats:
+        counts = [n for n in self.affinity.replica_counts(now_s) if n]
+        return PolicyStats(len(self.index), len(counts), max(counts, default=0))
 
 
 def _terms(s: Scored, allowed: bool) -> dict[str, float | str]:

@@ -22,6 +22,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from sluice.dispatcher.defaults import GUESS_TTL_S, INDEX_MAX_BLOCKS
+
 
 @dataclass(slots=True)
 class _Hold:
@@ -35,7 +37,9 @@ class _Hold:
 class CacheIndex:
     """Chained block hash -> workers holding it, from reports, guesses and corrections."""
 
-    def __init__(self, *, max_blocks: int = 1_000_000, guess_ttl_s: float = 60.0) -> None:
+    def __init__(
+        self, *, max_blocks: int = INDEX_MAX_BLOCKS, guess_ttl_s: float = GUESS_TTL_S
+    ) -> None:
         if max_blocks < 1 or guess_ttl_s <= 0:
             raise ValueError("max_blocks must be >= 1 and guess_ttl_s > 0")
         self.max_blocks = max_blocks

@@ -9,3 +9,11 @@ class DispatcherError(Exception):
 
 class StreamSetupError(DispatcherError):
     """A JetStream stream or consumer could not be created or updated."""
+
+
+class DigestMismatch(DispatcherError):
+    """A worker's cache digest reports blocks of another size than the dispatcher indexes."""
+
+
+class BrokerUnreachable(DispatcherError):
+    """The dispatcher could not connect to NATS at start."""

@@ -18,6 +18,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
+from sluice.dispatcher.defaults import (
+    FEEDBACK_WINDOW_S,
+    SCALE_DOWN_IDLE_S,
+    SCALE_UP_SUSTAIN_S,
+    SCALE_UP_WAIT_S,
+)
+from sluice.dispatcher.stats import percentile
+
 Key = tuple[str, str]
 """(model, band)"""
 
@@ -47,7 +55,7 @@ class _Series:
 class Feedback:
     """Sliding-window waits and rates per (model, band)."""
 
-    def __init__(self, window_s: float = 60.0, max_samples: int = 4096) -> None:
+    def __init__(self, window_s: float = FEEDBACK_WINDOW_S, max_samples: int = 4096) -> None:
         if window_s <= 0 or max_samples < 1:
             raise ValueError("window_s must be > 0 and max_samples >= 1")
         self.window_s = window_s
@@ -90,7 +98,7 @@ class Feedback:
         self._trim(s, now_s)
         first = now_s if s.first_s is None else s.first_s
         span = min(self.window_s, max(now_s - first, 1e-9))
-        waits = sorted(w for _, w in s.waits)
+        waits = [w for _, w in s.waits]
         admitted_rate = len(s.waits) / span if s.waits else 0.0
         expected: float | None
         if queued == 0:
@@ -104,18 +112,12 @@ class Feedback:
             band=band,
             queued=queued,
             running=running,
-            wait_p50_s=_quantile(waits, 0.50),
-            wait_p99_s=_quantile(waits, 0.99),
+            wait_p50_s=percentile(waits, 50) if waits else 0.0,
+            wait_p99_s=percentile(waits, 99) if waits else 0.0,
             admitted_per_s=admitted_rate,
             rejected_per_s=len(s.rejected) / span if s.rejected else 0.0,
             expected_wait_s=expected,
         )
-
-
-def _quantile(sorted_values: list[float], q: float) -> float:
-    if not sorted_values:
-        return 0.0
-    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
 
 
 Direction = Literal["up", "down"]
@@ -144,7 +146,11 @@ class ScaleAdvisor:
     sustained idle band; a signal is repeated only after the condition cleared."""
 
     def __init__(
-        self, *, up_wait_s: float = 5.0, up_sustain_s: float = 10.0, down_idle_s: float = 60.0
+        self,
+        *,
+        up_wait_s: float = SCALE_UP_WAIT_S,
+        up_sustain_s: float = SCALE_UP_SUSTAIN_S,
+        down_idle_s: float = SCALE_DOWN_IDLE_S,
     ) -> None:
         if up_wait_s <= 0 or up_sustain_s < 0 or down_idle_s <= 0:
             raise ValueError("up_wait_s and down_idle_s must be > 0, up_sustain_s >= 0")

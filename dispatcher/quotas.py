@@ -76,6 +76,13 @@ class Quotas:
             (("model-tenant", model, tenant), q.tenant_limit(tenant)),
         ]
 
+    def use(
+        self, model: str, band: str, tenant: str, prompt_tokens: int, max_tokens: int
+    ) -> tuple[list[Level], int]:
+        """The levels a request uses and how much of each (in its model's unit)."""
+        levels = [lv for lv, _ in self.levels(model, band, tenant)]
+        return levels, self.of(model).cost(prompt_tokens, max_tokens)
+
 
 class Usage:
     """What is running at every quota level (in each model's unit)."""

@@ -3,14 +3,22 @@
 A policy *selects*; it never books. The scheduler hands it the candidates that can take the
 request now (live, not draining, with free capacity) with the load the scheduler has already
 planned onto them, and books the choice only after the worker accepted.
+
+Every policy has the same hooks (:class:`RoutingPolicy`), so the runtime and the replay feed
+any policy the same way: ``observe`` after a booking, ``heartbeat`` with a worker's cache
+digest, ``completed`` with a completion's figures, ``remove_worker`` when a lease ends and
+``expire`` now and then. :class:`StatelessPolicy` gives a policy that learns nothing the no-op
+hooks.
 """
 
 from __future__ import annotations
 
-import random
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
+
+import xxhash
 
 
 class Candidate(NamedTuple):
@@ -35,6 +43,12 @@ class Candidate(NamedTuple):
     """How old the last heartbeat is."""
     joined_s: float = float("-inf")
     """When the worker first heartbeated (cold-start exploration)."""
+    planned: int = 0
+    """Requests planned onto it earlier in the same plan (counted in ``booked`` too)."""
+    planned_tokens: int = 0
+    """Their prompt plus maximum output tokens (counted in ``booked_tokens`` too)."""
+    planned_prefill_tokens: int = 0
+    """Their expected prefill (counted in ``unreported_prefill_tokens`` too)."""
 
 
 @dataclass(frozen=True)
@@ -61,19 +75,106 @@ class Choice:
     """Per candidate: its score terms (filled only when the policy explains itself)."""
 
 
+@dataclass(frozen=True)
+class Digest:
+    """A worker's cache report, as a policy takes it: a numbered delta or a full snapshot of
+    the block hashes it holds (see :class:`~sluice.schemas.models.CacheDigest`)."""
+
+    seq: int
+    snapshot: bool
+    stored: tuple[int, ...] = ()
+    evicted: tuple[int, ...] = ()
+
+
 class RoutingPolicy(Protocol):
-    """Chooses one of the candidates for a request. ``choose`` must not change any state
-    (a choice may be discarded if the worker refuses): a policy that learns from its
-    decisions does it in an optional ``observe(request, worker_id, now_s)``, which the
-    scheduler calls once the worker accepted."""
+    """Chooses one of the candidates for a request, and learns from what happens.
+
+    ``choose`` must not change any state: a choice may be discarded if the worker refuses,
+    and a plan asks for several choices before any is booked. Learning happens in the hooks.
+    """
 
     name: str
+    uses_digests: bool
+    """Whether ``heartbeat`` wants workers' cache digests (the replay builds them only then)."""
 
     def choose(
         self, request: RouteRequest, candidates: Sequence[Candidate], now_s: float
     ) -> str | Choice:
         """Return one of ``candidates`` (never empty), by ``worker_id`` or as a ``Choice``."""
         ...
+
+    def observe(self, request: RouteRequest, worker_id: str, now_s: float) -> None:
+        """The worker accepted ``request``: it was booked there."""
+        ...
+
+    def heartbeat(self, worker_id: str, digest: Digest | None, now_s: float) -> bool:
+        """A worker's heartbeat with its cache digest; False if the digest was not usable
+        (a delta after a gap)."""
+        ...
+
+    def completed(self, worker_id: str, request: RouteRequest, outcome: Outcome) -> None:
+        """``request`` finished on ``worker_id``."""
+        ...
+
+    def remove_worker(self, worker_id: str) -> None:
+        """The worker's lease ended or it left."""
+        ...
+
+    def expire(self, now_s: float, max_blocks: int | None = None) -> int:
+        """Forget what has expired (bounded by ``max_blocks``); returns how much was dropped."""
+        ...
+
+    def stats(self, now_s: float) -> PolicyStats:
+        """Figures for the dispatcher's gauges."""
+        ...
+
+
+@dataclass(frozen=True)
+class PolicyStats:
+    """What a policy knows about the fleet's cache, for gauges."""
+
+    index_blocks: int = 0
+    """Block hashes in its cache index."""
+    replicated_prefixes: int = 0
+    """Prefixes with a live replica set."""
+    max_replicas: int = 0
+    """The largest replica set."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a completion tells a policy: the hit the engine found and the timings."""
+
+    cached_tokens: int
+    prefill_s: float
+    output_tokens: int
+    decode_s: float
+    now_s: float
+
+
+class StatelessPolicy:
+    """The hooks of a policy that learns nothing from bookings, heartbeats or completions."""
+
+    name = "stateless"
+    uses_digests = False
+
+    def observe(self, request: RouteRequest, worker_id: str, now_s: float) -> None:
+        return None
+
+    def heartbeat(self, worker_id: str, digest: Digest | None, now_s: float) -> bool:
+        return True
+
+    def completed(self, worker_id: str, request: RouteRequest, outcome: Outcome) -> None:
+        return None
+
+    def remove_worker(self, worker_id: str) -> None:
+        return None
+
+    def expire(self, now_s: float, max_blocks: int | None = None) -> int:
+        return 0
+
+    def stats(self, now_s: float) -> PolicyStats:
+        return PolicyStats()
 
 
 def load_of(c: Candidate) -> float:
@@ -82,13 +183,45 @@ def load_of(c: Candidate) -> float:
     return float(max(c.booked_tokens, c.reported_pending_tokens))
 
 
-class LeastLoaded:
-    """The worker with the least work in tokens; ties broken at random, not by position."""
+_U64 = float(2**64)
+_MASK = 2**64 - 1
+_MIX = 0x9E3779B97F4A7C15  # odd: multiplying by it mixes the bits of request x worker
+
+
+@functools.lru_cache(maxsize=65536)
+def worker_hash(worker_id: str) -> int:
+    """A worker id's 64-bit hash (cached: a fleet has few workers, each seen at every decision)."""
+    return xxhash.xxh64_intdigest(worker_id.encode())
+
+
+def request_hash(request_id: str, seed: int = 0) -> int:
+    """A request id's 64-bit hash, salted by ``seed``: the input of :func:`tie_rank`."""
+    return xxhash.xxh64_intdigest(request_id.encode()) ^ (seed * _MIX & _MASK)
+
+
+def tie_rank(request_hash: int, worker_id: str) -> float:
+    """A pseudo-random rank in [0, 1) of ``worker_id`` for a request (by its
+    :func:`request_hash`). Ties broken by it spread evenly over workers (never by position),
+    deterministically, and without side effects: no random generator advances."""
+    return (((request_hash ^ worker_hash(worker_id)) * _MIX) & _MASK) / _U64
+
+
+def pick_tied(request_id: str, tied: Sequence[Candidate], seed: int = 0) -> str:
+    """One of ``tied`` (never empty) by :func:`tie_rank`."""
+    if len(tied) == 1:
+        return tied[0].worker_id
+    rh = request_hash(request_id, seed)
+    return min(tied, key=lambda c: tie_rank(rh, c.worker_id)).worker_id
+
+
+class LeastLoaded(StatelessPolicy):
+    """The worker with the least work in tokens; ties broken by :func:`tie_rank`, not by
+    position."""
 
     name = "least-loaded"
 
-    def __init__(self, rng: random.Random | None = None) -> None:
-        self._rng = rng or random.Random(0)
+    def __init__(self, seed: int = 0) -> None:
+        self._seed = seed
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate], now_s: float) -> str:
         if not candidates:
@@ -102,4 +235,4 @@ class LeastLoaded:
                 best, tied = key, [c]
             elif key == best:
                 tied.append(c)
-        return tied[0].worker_id if len(tied) == 1 else self._rng.choice(tied).worker_id
+        return pick_tied(request.request_id, tied, self._seed)

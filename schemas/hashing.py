@@ -20,14 +20,24 @@ from collections.abc import Sequence
 import xxhash
 
 DEFAULT_BLOCK_TOKENS = 16
-DEFAULT_INDEX_STRIDE = 8
-"""The dispatcher's cache index keeps every 8th block hash (128 tokens with 16-token blocks):
-a chained hash names its whole prefix, so the blocks in between only add resolution, and
-indexing them all would cost eight times the CPU and memory. Agents report the same blocks."""
+DEFAULT_INDEX_TOKENS = 128
+"""The dispatcher's cache index, and the agents' cache digests, keep one block hash per 128
+prompt tokens (every 8th of 16-token blocks): a chained hash names its whole prefix, so the
+blocks in between only add resolution, and indexing them all would cost eight times the CPU
+and memory (see :func:`index_stride`)."""
 TEXT_BYTES_PER_TOKEN = 4
 _TOKEN_SEED = 0x5A1C_E000
 _TEXT_SEED = 0x5A1C_E001
 _PREV = struct.Struct("<Q")
+
+
+def index_stride(block_tokens: int, index_tokens: int = DEFAULT_INDEX_TOKENS) -> int:
+    """Index (and report) every this-many-th block hash of a prompt: one per ``index_tokens``,
+    at least every block. 8 for 16-token engine blocks; 1 for the 512-token blocks of the
+    Mooncake traces. The one definition the dispatcher, the agents and the replay use."""
+    if block_tokens < 1 or index_tokens < 1:
+        raise ValueError("block_tokens and index_tokens must be >= 1")
+    return max(1, index_tokens // block_tokens)
 
 
 def block_hashes(tokens: Sequence[int], block_tokens: int = DEFAULT_BLOCK_TOKENS) -> list[int]:

@@ -1,4 +1,5 @@
-"""Every subject, stream, consumer and bucket name Sluice uses, defined once.
+"""Every subject, stream, consumer, bucket and header name Sluice uses, and the JetStream error
+codes it acts on, defined once.
 
 Subject tokens may not contain ``.``, ``*``, ``>`` or whitespace, but model names often do
 (``qwen2.5-7b``). :func:`subject_token` encodes any string into a safe, reversible token; the
@@ -10,6 +11,16 @@ from __future__ import annotations
 import re
 
 PREFIX = "sluice"
+
+#: The header JetStream deduplicates a publish by (within the stream's duplicate window):
+#: Sluice sets it to the request id on submits and on results.
+MSG_ID_HEADER = "Nats-Msg-Id"
+
+#: JetStream API error: the stream is at ``max_msgs`` (or the subject at its per-subject limit)
+#: with ``discard: new``, so the publish was refused: a full queue.
+JS_ERR_MAX_MSGS = 10077
+#: JetStream API error: a stream by that name exists already (with another configuration).
+JS_ERR_STREAM_NAME_IN_USE = 10058
 
 #: The default priority bands, most urgent first.
 DEFAULT_BANDS: tuple[str, ...] = ("interactive", "standard", "batch")

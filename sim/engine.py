@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from sluice.agent.engine import EngineError, EngineLoad, Finished, Step, TokensOut
 from sluice.sim.kvcache import KVCache
 from sluice.sim.profiles import EngineProfile
+from sluice.sim.tokens import detokenize, output_token
 
-
-class EngineError(Exception):
-    """A request the engine can never run (e.g. larger than its whole KV cache)."""
+__all__ = ["EngineError", "Finished", "SimEngine", "Step", "TokensOut"]
 
 
 @dataclass
@@ -36,33 +36,9 @@ class _Seq:
     decode_s: float = 0.0
 
 
-@dataclass(frozen=True)
-class TokensOut:
-    """``count`` new tokens of ``request_id`` at the end of the step (``first`` on the first)."""
-
-    request_id: str
-    count: int
-    first: bool
-
-
-@dataclass(frozen=True)
-class Finished:
-    request_id: str
-    prompt_tokens: int
-    cached_tokens: int
-    output_tokens: int
-    prefill_s: float
-    decode_s: float
-
-
-@dataclass(frozen=True)
-class Step:
-    duration_s: float
-    events: list[TokensOut | Finished] = field(default_factory=list)
-
-
 class SimEngine:
-    """One simulated GPU engine running a single model."""
+    """One simulated GPU engine running a single model (it implements the agent's
+    :class:`~sluice.agent.engine.Engine` protocol)."""
 
     def __init__(
         self,
@@ -91,6 +67,10 @@ class SimEngine:
         self.cached_tokens_total = 0
 
     # ------------------------------------------------------------------ state
+
+    @property
+    def block_tokens(self) -> int:
+        return self.profile.block_tokens
 
     @property
     def has_work(self) -> bool:
@@ -127,6 +107,31 @@ class SimEngine:
 
     def active_decode_tokens(self) -> int:
         return sum(s.prompt_tokens + s.generated for s in self._running if s.prefill_left == 0)
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(
+            running=len(self._running),
+            waiting=len(self._waiting),
+            pending_prefill_tokens=self.pending_prefill_tokens(),
+            active_decode_tokens=self.active_decode_tokens(),
+            kv_blocks_used=self.cache.used_blocks,
+            kv_blocks_total=self.cache.capacity_blocks,
+            busy_s=self.busy_s,
+        )
+
+    def cache_changes(self) -> tuple[list[int], list[int]]:
+        return self.cache.drain_digest()
+
+    def cached_blocks(self) -> list[int]:
+        return self.cache.reported_blocks()
+
+    def output_tokens(self, request_id: str, start: int, count: int) -> list[int]:
+        """Pseudo tokens: the same request always yields the same ones (a retried attempt
+        streams what the first one did)."""
+        return [output_token(request_id, start + i) for i in range(count)]
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return detokenize(tokens)
 
     # ------------------------------------------------------------------ input
 
@@ -192,22 +197,25 @@ class SimEngine:
             if s.generated >= s.output_tokens:
                 done.append(s)
         if done:
-            for s in done:
-                self.cache.release(s.hashes, s.reserve_blocks)
-                events.append(
-                    Finished(
-                        s.request_id,
-                        s.prompt_tokens,
-                        s.cached_tokens,
-                        s.generated,
-                        s.prefill_s,
-                        s.decode_s,
-                    )
-                )
-            finished = {id(s) for s in done}
-            self._running = [s for s in self._running if id(s) not in finished]
+            self._finish(done, events)
         self.busy_s += duration
         return Step(duration, events)
+
+    def _finish(self, done: list[_Seq], events: list[TokensOut | Finished]) -> None:
+        for s in done:
+            self.cache.release(s.hashes, s.reserve_blocks)
+            events.append(
+                Finished(
+                    s.request_id,
+                    s.prompt_tokens,
+                    s.cached_tokens,
+                    s.generated,
+                    s.prefill_s,
+                    s.decode_s,
+                )
+            )
+        finished = {id(s) for s in done}
+        self._running = [s for s in self._running if id(s) not in finished]
 
     def _admit(self) -> None:
         p = self.profile

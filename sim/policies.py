@@ -1,24 +1,33 @@
 """Baseline routing policies for the replay, behind the dispatcher's ``RoutingPolicy``
 interface, and the factory that names them (pure, seeded).
 
-Policies that need to see the fleet (cache contents, engine load) get a :class:`FleetView`;
-policies that learn from their own decisions get ``observe(request, worker_id, now_s)`` after
-each booking.
+``sluice`` and ``least-loaded`` are the live dispatcher's policies, built by the same function
+(:func:`sluice.dispatcher.policies.build_policy`). Baselines that need to see the fleet (cache
+contents, engine load) get a :class:`FleetView`; those that learn from their own decisions do
+it in ``observe``, after each booking. Every ``choose`` is free of side effects: ties and
+random picks are broken by hashes (:func:`~sluice.dispatcher.routing.tie_rank`), and a plan's
+earlier decisions are seen through the candidates' ``planned*`` fields.
 """
 
 from __future__ import annotations
 
 import bisect
-import random
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Protocol
 
 import xxhash
 
-from sluice.dispatcher.cacheaware import CacheAware, CacheAwareConfig
-from sluice.dispatcher.routing import Candidate, RouteRequest, RoutingPolicy
-from sluice.sim.profiles import REFERENCE, EngineProfile
+from sluice.dispatcher.cacheaware import CacheAwareConfig
+from sluice.dispatcher.policies import build_policy
+from sluice.dispatcher.routing import (
+    Candidate,
+    RouteRequest,
+    RoutingPolicy,
+    StatelessPolicy,
+    pick_tied,
+)
 
 
 class FleetView(Protocol):
@@ -31,52 +40,61 @@ class FleetView(Protocol):
     def pending_tokens(self, worker_id: str) -> int: ...
 
 
-class RandomPolicy:
+class RandomPolicy(StatelessPolicy):
+    """A uniformly random worker per request (by hash: the same seed, the same choices)."""
+
     name = "random"
 
-    def __init__(self, rng: random.Random) -> None:
-        self._rng = rng
+    def __init__(self, seed: int) -> None:
+        self._seed = seed
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate], now_s: float) -> str:
-        return self._rng.choice(candidates).worker_id
+        return pick_tied(request.request_id, candidates, self._seed)
 
 
-class RoundRobin:
-    """Workers in a fixed cycle; a worker without room is skipped."""
+class RoundRobin(StatelessPolicy):
+    """Workers in a fixed cycle; a worker without room is skipped (the worker with the fewest
+    requests sent so far, counting this plan's, first in the cycle among equals)."""
 
     name = "round-robin"
 
     def __init__(self, workers: Sequence[str]) -> None:
-        self._order = list(workers)
-        self._next = 0
+        self._position = {w: i for i, w in enumerate(workers)}
+        self._sent: Counter[str] = Counter()
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate], now_s: float) -> str:
-        eligible = {c.worker_id for c in candidates}
-        for step in range(len(self._order)):
-            w = self._order[(self._next + step) % len(self._order)]
-            if w in eligible:
-                self._next = (self._next + step + 1) % len(self._order)
-                return w
-        return candidates[0].worker_id
+        last = len(self._position)
+        return min(
+            candidates,
+            key=lambda c: (
+                self._sent[c.worker_id] + c.planned,
+                self._position.get(c.worker_id, last),
+            ),
+        ).worker_id
+
+    def observe(self, request: RouteRequest, worker_id: str, now_s: float) -> None:
+        self._sent[worker_id] += 1
 
 
-class LeastPending:
-    """``least-loaded``: the fewest pending tokens, the work left on the engine (prompt
-    tokens still to prefill plus output tokens still to generate); random among ties."""
+class LeastPending(StatelessPolicy):
+    """``least-pending``: the fewest pending tokens on the engine (prompt tokens still to
+    prefill plus output tokens still to generate, as the engine knows them, plus this plan's
+    decisions); ties by hash. The live ``least-loaded`` counts what the dispatcher booked and
+    what heartbeats report instead."""
 
-    name = "least-loaded"
+    name = "least-pending"
 
-    def __init__(self, view: FleetView, rng: random.Random) -> None:
+    def __init__(self, view: FleetView, seed: int) -> None:
         self._view = view
-        self._rng = rng
+        self._seed = seed
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate], now_s: float) -> str:
-        loads = [(self._view.pending_tokens(c.worker_id), c.worker_id) for c in candidates]
+        loads = [(self._view.pending_tokens(c.worker_id) + c.planned_tokens, c) for c in candidates]
         best = min(load for load, _ in loads)
-        return self._rng.choice([w for load, w in loads if load == best])
+        return pick_tied(request.request_id, [c for load, c in loads if load == best], self._seed)
 
 
-class ConsistentHash:
+class ConsistentHash(StatelessPolicy):
     """Hash the request's leading prefix onto a ring of workers (100 virtual nodes each);
     bounded load: skip a worker already over ``bound`` x the mean booked requests."""
 
@@ -113,7 +131,7 @@ class ConsistentHash:
         return fallback or candidates[0].worker_id
 
 
-class SglangCacheAware:
+class SglangCacheAware(StatelessPolicy):
     """The SGLang gateway's ``cache_aware`` policy (REFERENCES.md): per worker, a prefix tree
     of what *it routed there* (chained block hashes: a radix tree over blocks), LRU-bounded;
     a fleet-wide imbalance gate on in-flight requests (max - min > 64 and max > 1.5 x min →
@@ -123,14 +141,14 @@ class SglangCacheAware:
 
     def __init__(
         self,
-        rng: random.Random,
+        seed: int,
         *,
         cache_threshold: float = 0.3,
         balance_abs: int = 64,
         balance_rel: float = 1.5,
         tree_blocks: int = 1 << 20,
     ) -> None:
-        self._rng = rng
+        self._seed = seed
         self.cache_threshold = cache_threshold
         self.balance_abs = balance_abs
         self.balance_rel = balance_rel
@@ -141,13 +159,14 @@ class SglangCacheAware:
         hi, lo = max(loads), min(loads)
         return hi - lo > self.balance_abs and hi > lo * self.balance_rel
 
-    def _least_loaded(self, candidates: Sequence[Candidate]) -> str:
+    def _least_loaded(self, request: RouteRequest, candidates: Sequence[Candidate]) -> str:
         lo = min(c.booked for c in candidates)
-        return self._rng.choice([c.worker_id for c in candidates if c.booked == lo])
+        tied = [c for c in candidates if c.booked == lo]
+        return pick_tied(request.request_id, tied, self._seed)
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate], now_s: float) -> str:
         if self.imbalanced([c.booked for c in candidates]) or not request.block_hashes:
-            return self._least_loaded(candidates)
+            return self._least_loaded(request, candidates)
         best_w, best_n = "", 0
         for c in candidates:
             tree = self._trees.get(c.worker_id)
@@ -161,7 +180,7 @@ class SglangCacheAware:
                 best_w, best_n = c.worker_id, n
         if best_n / len(request.block_hashes) > self.cache_threshold:
             return best_w
-        return self._least_loaded(candidates)
+        return self._least_loaded(request, candidates)
 
     def observe(self, request: RouteRequest, worker_id: str, now_s: float) -> None:
         tree = self._trees.setdefault(worker_id, OrderedDict())
@@ -172,7 +191,7 @@ class SglangCacheAware:
             tree.popitem(last=False)
 
 
-class DynamoCost:
+class DynamoCost(StatelessPolicy):
     """NVIDIA Dynamo's KV router cost, ``overlap_weight x prefill blocks + active blocks``,
     argmin with random tie-breaks. As in Dynamo's scheduler, the prefill term is the worker's
     outstanding prefill plus this request's blocks not cached there (exact overlap, as KV
@@ -180,28 +199,35 @@ class DynamoCost:
 
     name = "dynamo-cost"
 
-    def __init__(self, view: FleetView, rng: random.Random, overlap_weight: float = 1.0):
+    def __init__(
+        self, view: FleetView, seed: int, block_tokens: int, overlap_weight: float = 1.0
+    ) -> None:
         self._view = view
-        self._rng = rng
+        self._seed = seed
+        self._block_tokens = block_tokens
         self.overlap_weight = overlap_weight
 
-    def cost(self, request: RouteRequest, worker_id: str) -> float:
-        v = self._view
+    def cost(self, request: RouteRequest, c: Candidate) -> float:
+        """The worker's cost; this plan's earlier decisions add their prefill to the worker's
+        pending prefill and to its active blocks, as Dynamo's router books them."""
+        v, w = self._view, c.worker_id
         blocks = len(request.block_hashes) or 1
-        new = blocks - v.cached_blocks(worker_id, request.block_hashes)
-        prefill = v.pending_prefill_blocks(worker_id) + new
-        return self.overlap_weight * prefill + v.active_blocks(worker_id)
+        new = blocks - v.cached_blocks(w, request.block_hashes)
+        planned = c.planned_prefill_tokens // self._block_tokens
+        prefill = v.pending_prefill_blocks(w) + planned + new
+        return self.overlap_weight * prefill + v.active_blocks(w) + planned
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate], now_s: float) -> str:
-        costs = [(self.cost(request, c.worker_id), c.worker_id) for c in candidates]
+        costs = [(self.cost(request, c), c) for c in candidates]
         best = min(cost for cost, _ in costs)
-        return self._rng.choice([w for cost, w in costs if cost == best])
+        return pick_tied(request.request_id, [c for cost, c in costs if cost == best], self._seed)
 
 
 BASELINES = (
     "random",
     "round-robin",
     "least-loaded",
+    "least-pending",
     "consistent-hash",
     "sglang-cache-aware",
     "dynamo-cost",
@@ -212,40 +238,27 @@ ABLATIONS = ("sluice-uncalibrated",)
 
 
 def make_policy(
-    name: str,
-    view: FleetView,
-    workers: Sequence[str],
-    seed: int,
-    *,
-    profile: EngineProfile = REFERENCE,
-    key_tokens: int = 1024,
-    explain: bool = False,
+    name: str, view: FleetView, workers: Sequence[str], seed: int, routing: CacheAwareConfig
 ) -> RoutingPolicy:
-    """A policy by its name in :data:`POLICIES`; ``sluice`` is the live dispatcher's default,
-    with its prior speeds taken from ``profile``."""
-    rng = random.Random(seed)
-    if name in ("sluice", "sluice-uncalibrated"):
-        return CacheAware(
-            CacheAwareConfig(
-                block_tokens=profile.block_tokens,
-                index_stride=1,  # trace blocks are already coarse (128-512 tokens)
-                key_tokens=key_tokens,
-                prefill_tokens_per_s=profile.prefill_tokens_per_s,
-                decode_step_s=profile.decode_base_s + 16 * profile.decode_per_seq_s,
-                explain=explain,
-                calibrate=name == "sluice",
-            )
-        )
+    """A policy by its name in :data:`POLICIES` or :data:`ABLATIONS`. ``routing`` is the live
+    dispatcher's routing configuration for this fleet: ``sluice`` is exactly the policy a live
+    dispatcher builds from it, and ``least-loaded`` the live least-loaded policy."""
+    if name == "sluice":
+        return build_policy("cache-aware", routing, seed)
+    if name == "sluice-uncalibrated":
+        return build_policy("cache-aware", replace(routing, calibrate=False), seed)
+    if name == "least-loaded":
+        return build_policy("least-loaded", routing, seed)
     if name == "random":
-        return RandomPolicy(rng)
+        return RandomPolicy(seed)
     if name == "round-robin":
         return RoundRobin(workers)
-    if name == "least-loaded":
-        return LeastPending(view, rng)
+    if name == "least-pending":
+        return LeastPending(view, seed)
     if name == "consistent-hash":
         return ConsistentHash(workers)
     if name == "sglang-cache-aware":
-        return SglangCacheAware(rng)
+        return SglangCacheAware(seed)
     if name == "dynamo-cost":
-        return DynamoCost(view, rng)
+        return DynamoCost(view, seed, routing.block_tokens)
     raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES + ABLATIONS)}")

@@ -2,9 +2,10 @@
 simulated engines on a virtual clock (pure and deterministic for a given seed).
 
 Every arrival is enqueued in the same :class:`~sluice.dispatcher.scheduler.Scheduler` the live
-dispatcher runs; every planning pass books what the policy chose (a simulated worker always
-accepts: it only gets work when it has room); every engine runs the same cost model as the
-agent's. Requests' times are measured on the virtual clock.
+dispatcher runs, with the policy a live dispatcher with default settings builds; the workers
+report through the agent's own builders and the same glue (:mod:`sluice.dispatcher.feed`);
+every engine runs the same cost model as the agent's. Requests' times are measured on the
+virtual clock.
 """
 
 from __future__ import annotations
@@ -16,15 +17,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from sluice.agent import reports
+from sluice.agent.engine import Finished, TokensOut
+from sluice.agent.reports import DEFAULT_DIGEST_MIN_TOKENS, DEFAULT_HEARTBEAT_S, DigestBuilder
+from sluice.dispatcher import feed
 from sluice.dispatcher.admission import AdmissionConfig
-from sluice.dispatcher.cacheaware import CacheAware, Digest
+from sluice.dispatcher.cacheaware import CacheAwareConfig
 from sluice.dispatcher.decisions import DecisionLog, decision_record
-from sluice.dispatcher.scheduler import Request, Scheduler, WorkerInfo
+from sluice.dispatcher.policies import flap_meter
+from sluice.dispatcher.scheduler import Request, Scheduler
+from sluice.dispatcher.stats import percentile, stdev
 from sluice.schemas.names import DEFAULT_BANDS
-from sluice.sim.engine import Finished, SimEngine, TokensOut
+from sluice.sim.engine import SimEngine
 from sluice.sim.policies import make_policy
 from sluice.sim.profiles import EngineProfile
-from sluice.sim.stats import percentile, stdev
 from sluice.sim.traces import TraceRequest, upper_bound_hits
 
 DECODE_BATCH_REF = 64
@@ -40,7 +46,6 @@ class ReplayConfig:
     """Requests each worker takes at once (the scheduler holds the rest)."""
     seed: int = 0
     slo_ttft_s: float = 2.0
-    min_prefix_tokens: int = 1024
     slow_workers: int = 0
     """The first this many workers run ``slow_factor`` times slower (a mixed fleet)."""
     slow_factor: float = 1.0
@@ -48,13 +53,8 @@ class ReplayConfig:
     """The batch band's share of the slots while a more urgent band waits (None: no share)."""
     batch_limit: float | None = None
     """The batch band's hard limit, as a share of the slots (None: only the global limit)."""
-    """The leading prefix that the flap rate watches."""
-    heartbeat_s: float = 1.0
+    heartbeat_s: float = DEFAULT_HEARTBEAT_S
     """How often workers report their load to the scheduler, as the live agents do."""
-    digest_min_tokens: int = 256
-    """Engines report (in their heartbeat digests) the blocks of prompts this long or longer."""
-    snapshot_every: int = 30
-    """Every this many heartbeats a digest is a full snapshot rather than a delta."""
 
 
 @dataclass
@@ -161,200 +161,191 @@ def replay(
     """Run ``trace`` through the scheduler with ``policy_name`` on ``cfg.workers`` engines.
     ``decisions``: write every routing decision, and every request's outcome, there (each
     line names the policy; ``request_id`` joins a decision with its outcome)."""
-    block_tokens = trace[0].block_tokens
-    profile = replace(cfg.profile, block_tokens=block_tokens)
-    ids = [f"w{i:02d}" for i in range(cfg.workers)]
-    fleet = _Fleet({})
-    policy = make_policy(
-        policy_name,
-        fleet,
-        ids,
-        cfg.seed,
-        profile=profile,
-        key_tokens=cfg.min_prefix_tokens,
-        explain=decisions is not None,
-    )
-    # Sluice's policy sees the fleet as the live dispatcher does: heartbeats with digests and
-    # load every heartbeat_s, its own placements, and completions. Baselines read the engines.
-    live = policy if isinstance(policy, CacheAware) else None
-    digest_min = cfg.digest_min_tokens if live is not None else None
-    slow = replace(
-        profile,
-        prefill_tokens_per_s=profile.prefill_tokens_per_s / cfg.slow_factor,
-        decode_base_s=profile.decode_base_s * cfg.slow_factor,
-        decode_per_seq_s=profile.decode_per_seq_s * cfg.slow_factor,
-    )
-    engines = {
-        w: SimEngine(
-            slow if i < cfg.slow_workers else profile,
-            every_token=False,
-            digest_min_tokens=digest_min,
+    return _Replay(trace, policy_name, cfg, decisions).run()
+
+
+class _Replay:
+    """One replay. The glue is the live dispatcher's: workers report through the agent's own
+    heartbeat, digest and completion builders (:mod:`sluice.agent.reports`), and the reports
+    reach the scheduler and the policy through :mod:`sluice.dispatcher.feed`. Every planning
+    pass plans as the live dispatcher does (a whole plan at once); a simulated worker always
+    accepts, since it only gets work when it has room."""
+
+    def __init__(
+        self,
+        trace: Sequence[TraceRequest],
+        policy_name: str,
+        cfg: ReplayConfig,
+        decisions: DecisionLog | None,
+    ) -> None:
+        self.trace, self.cfg, self.policy_name, self.log = trace, cfg, policy_name, decisions
+        block_tokens = trace[0].block_tokens
+        profile = replace(cfg.profile, block_tokens=block_tokens)
+        # What a live dispatcher with default settings runs, for engines with these blocks.
+        self.routing = CacheAwareConfig(block_tokens=block_tokens, explain=decisions is not None)
+        self.ids = [f"w{i:02d}" for i in range(cfg.workers)]
+        self.fleet = _Fleet({})
+        self.policy = make_policy(policy_name, self.fleet, self.ids, cfg.seed, self.routing)
+        digests = self.policy.uses_digests
+        slow = replace(
+            profile,
+            prefill_tokens_per_s=profile.prefill_tokens_per_s / cfg.slow_factor,
+            decode_base_s=profile.decode_base_s * cfg.slow_factor,
+            decode_per_seq_s=profile.decode_per_seq_s * cfg.slow_factor,
         )
-        for i, w in enumerate(ids)
-    }
-    fleet.engines = engines
-    bands = tuple(dict.fromkeys([*DEFAULT_BANDS, *(r.band for r in trace)]))
-    models = sorted({r.model for r in trace})
-    sched = Scheduler(
-        AdmissionConfig(
-            bands=bands,
-            global_limit=cfg.workers * cfg.capacity,
-            band_shares=_batch_slots(cfg.batch_share, cfg, bands),
-            band_limits=_batch_slots(cfg.batch_limit, cfg, bands),
-        ),
-        policy,
-        models=models,
-    )
-    for w in ids:
-        sched.update_worker(WorkerInfo(w, frozenset(models), cfg.capacity))
+        self.engines = {
+            w: SimEngine(
+                slow if i < cfg.slow_workers else profile,
+                every_token=False,
+                digest_min_tokens=DEFAULT_DIGEST_MIN_TOKENS if digests else None,
+                digest_stride=self.routing.index_stride,
+            )
+            for i, w in enumerate(self.ids)
+        }
+        self.fleet.engines = self.engines
+        self.index_block_tokens = block_tokens * self.routing.index_stride
+        self.digests = (
+            {w: DigestBuilder(self.index_block_tokens) for w in self.ids} if digests else {}
+        )
+        bands = tuple(dict.fromkeys([*DEFAULT_BANDS, *(r.band for r in trace)]))
+        self.models = sorted({r.model for r in trace})
+        self.sched = Scheduler(
+            AdmissionConfig(
+                bands=bands,
+                global_limit=cfg.workers * cfg.capacity,
+                band_shares=_batch_slots(cfg.batch_share, cfg, bands),
+                band_limits=_batch_slots(cfg.batch_limit, cfg, bands),
+            ),
+            self.policy,
+            models=self.models,
+            flaps=flap_meter(self.routing),
+        )
+        self.records = [_Record(r.arrival_s, r.input_tokens, r.band) for r in trace]
+        self.busy_until = dict.fromkeys(self.ids, -1.0)
+        self.events: list[tuple[float, int, str]] = []  # (time, seq, worker): a step ends
+        self.step_events: dict[str, list[TokensOut | Finished]] = {}
+        self.seq = 0
+        self.now = 0.0
+        self.last_report = -math.inf
+        self.beats = 0
+        self.series: list[tuple[float, list[int]]] = []
 
-    records = [_Record(r.arrival_s, r.input_tokens, r.band) for r in trace]
-    flap_blocks = max(1, -(-cfg.min_prefix_tokens // block_tokens))
-    flaps = 0
-    busy_until = dict.fromkeys(ids, -1.0)
-    events: list[tuple[float, int, str]] = []  # (time, seq, worker): a step ends
-    seq = 0
-    now = 0.0
+    def run(self) -> PolicyResult:
+        trace, n, i_next = self.trace, len(self.trace), 0
+        while i_next < n or self.events:
+            t_arrival = trace[i_next].arrival_s if i_next < n else math.inf
+            t_event = self.events[0][0] if self.events else math.inf
+            if t_arrival <= t_event:
+                i_next = self._arrive(i_next, t_arrival)
+            else:
+                self.now, _, w = heapq.heappop(self.events)
+                self._step_ended(w)
+            if self.sched.queued:  # nothing to sweep or plan otherwise (most events: saves time)
+                for ended in self.sched.sweep(self.now):
+                    self.records[int(ended.request.request_id)].rejected = True
+            self._heartbeats()
+            self._dispatch()
+        result = _summarise(self.records, self.engines, self.sched.flaps.rate, self.cfg)
+        step = max(1, len(self.series) // 400)  # at most ~400 points per chart
+        result.load_series = self.series[::step]
+        return result
 
-    def start_step(w: str) -> None:
-        nonlocal seq
-        step = engines[w].step()
+    def _arrive(self, i_next: int, now: float) -> int:
+        self.now = now
+        trace = self.trace
+        while i_next < len(trace) and trace[i_next].arrival_s == now:
+            r = trace[i_next]
+            self.sched.enqueue(
+                Request(
+                    request_id=str(i_next),
+                    band=r.band,
+                    model=r.model,
+                    tenant=r.tenant,
+                    prompt_tokens=r.input_tokens,
+                    max_tokens=r.output_tokens,
+                    arrived_s=now,
+                    deadline_s=None if r.deadline_ms is None else now + r.deadline_ms / 1000,
+                    block_hashes=r.block_ids,
+                ),
+                now,
+            )
+            i_next += 1
+        return i_next
+
+    def _start_step(self, w: str) -> None:
+        step = self.engines[w].step()
         if step.duration_s <= 0:
-            busy_until[w] = -1.0
+            self.busy_until[w] = -1.0
             return
-        busy_until[w] = now + step.duration_s
-        pending_events[w] = step.events
-        seq += 1
-        heapq.heappush(events, (now + step.duration_s, seq, w))
+        self.busy_until[w] = self.now + step.duration_s
+        self.step_events[w] = step.events
+        self.seq += 1
+        heapq.heappush(self.events, (self.now + step.duration_s, self.seq, w))
 
-    pending_events: dict[str, list[TokensOut | Finished]] = {}
+    def _step_ended(self, w: str) -> None:
+        now = self.now
+        for ev in self.step_events.pop(w, []):
+            rec = self.records[int(ev.request_id)]
+            if isinstance(ev, TokensOut):
+                rec.first_s = now
+                continue
+            rec.finish_s = now
+            rec.cached = ev.cached_tokens
+            feed.apply_completion(self.sched, reports.completion(w, ev.request_id, 1, ev), now)
+            if self.log is not None:
+                self.log.write(
+                    {
+                        "policy": self.policy_name,
+                        "type": "outcome",
+                        "request_id": ev.request_id,
+                        "worker": w,
+                        "cached_tokens": ev.cached_tokens,
+                        "ttft_s": round((rec.first_s or now) - rec.arrival_s, 6),
+                        "t_s": round(now, 6),
+                    }
+                )
+        self._start_step(w)
 
-    def dispatch() -> None:
-        nonlocal flaps
-        # One decision per pass: the next one must see this one's load on the engines.
-        while sched.queued and (planned := sched.plan(now, max_decisions=1)):
-            d = planned[0]
-            r = d.request
-            sched.book(d, now)
-            i = int(r.request_id)
-            records[i].dispatch_s = now
-            head = r.block_hashes[:flap_blocks]
-            if len(head) == flap_blocks:
-                held = [w for w in ids if engines[w].cache.match(head) == flap_blocks]
-                if held and d.worker_id not in held:
-                    flaps += 1
-            if decisions is not None:
-                decisions.write({"policy": policy_name, **decision_record(d, now)})
-            engines[d.worker_id].add(
-                r.request_id, r.prompt_tokens, r.max_tokens, r.block_hashes, now
-            )
-            if busy_until[d.worker_id] < 0:
-                start_step(d.worker_id)
+    def _dispatch(self) -> None:
+        sched, now = self.sched, self.now
+        while sched.queued and (planned := sched.plan(now)):
+            for d in planned:
+                r = d.request
+                sched.book(d, now)
+                self.records[int(r.request_id)].dispatch_s = now
+                if self.log is not None:
+                    self.log.write({"policy": self.policy_name, **decision_record(d, now)})
+                self.engines[d.worker_id].add(
+                    r.request_id, r.prompt_tokens, r.max_tokens, r.block_hashes, now
+                )
+                if self.busy_until[d.worker_id] < 0:
+                    self._start_step(d.worker_id)
 
-    last_report = -math.inf
-    beats = 0
-    series: list[tuple[float, list[int]]] = []
-
-    def heartbeats() -> None:
-        # What the live agents put in their heartbeats, every heartbeat_s of virtual time.
-        nonlocal last_report, beats
-        if now - last_report < cfg.heartbeat_s:
+    def _heartbeats(self) -> None:
+        """What the live agents send, every ``heartbeat_s`` of virtual time."""
+        now = self.now
+        if now - self.last_report < self.cfg.heartbeat_s:
             return
-        last_report = now
-        series.append((now, [engines[w].running + engines[w].waiting for w in ids]))
-        for w in ids:
+        self.last_report = now
+        engines = self.engines
+        self.series.append((now, [engines[w].running + engines[w].waiting for w in self.ids]))
+        for w in self.ids:
             e = engines[w]
-            pending = e.pending_prefill_tokens()
-            sched.update_worker(
-                WorkerInfo(
-                    w,
-                    frozenset(models),
-                    cfg.capacity,
-                    reported_pending_tokens=pending + e.active_decode_tokens(),
-                    reported_in_flight=frozenset(e.in_flight()),
-                    reported_prefill_tokens=pending,
-                    reported_s=now,
-                )
+            builder = self.digests.get(w)
+            hb = reports.heartbeat(
+                worker_id=w,
+                models=self.models,
+                seq=self.beats,
+                sent_unix_ms=0,
+                capacity=self.cfg.capacity,
+                in_flight=e.in_flight(),
+                load=reports.worker_load(e.load()),
+                cache=None if builder is None else builder.next(e),
             )
-            if live is not None:
-                if beats % cfg.snapshot_every == 0:
-                    e.cache.drain_digest()
-                    digest = Digest(beats, True, tuple(e.cache.reported_blocks()))
-                else:
-                    stored, evicted = e.cache.drain_digest()
-                    digest = Digest(beats, False, tuple(stored), tuple(evicted))
-                live.heartbeat(w, digest, now)
-        if live is not None and beats % 60 == 0:
-            live.expire(now)
-        beats += 1
-
-    i_next = 0
-    n = len(trace)
-    while i_next < n or events:
-        t_arrival = trace[i_next].arrival_s if i_next < n else math.inf
-        t_event = events[0][0] if events else math.inf
-        if t_arrival <= t_event:
-            now = t_arrival
-            while i_next < n and trace[i_next].arrival_s == now:
-                r = trace[i_next]
-                sched.enqueue(
-                    Request(
-                        request_id=str(i_next),
-                        band=r.band,
-                        model=r.model,
-                        tenant=r.tenant,
-                        prompt_tokens=r.input_tokens,
-                        max_tokens=r.output_tokens,
-                        arrived_s=now,
-                        deadline_s=None if r.deadline_ms is None else now + r.deadline_ms / 1000,
-                        block_hashes=r.block_ids,
-                    ),
-                    now,
-                )
-                i_next += 1
-        else:
-            now, _, w = heapq.heappop(events)
-            for ev in pending_events.pop(w, []):
-                rec = records[int(ev.request_id)]
-                if isinstance(ev, TokensOut):
-                    rec.first_s = now
-                    continue
-                rec.finish_s = now
-                rec.cached = ev.cached_tokens
-                done = sched.complete(ev.request_id)
-                if live is not None and done is not None:
-                    live.completed(
-                        w,
-                        done.route_view(),
-                        cached_tokens=ev.cached_tokens,
-                        prefill_s=ev.prefill_s,
-                        output_tokens=ev.output_tokens,
-                        decode_s=ev.decode_s,
-                        now_s=now,
-                    )
-                if decisions is not None:
-                    decisions.write(
-                        {
-                            "policy": policy_name,
-                            "type": "outcome",
-                            "request_id": ev.request_id,
-                            "worker": w,
-                            "cached_tokens": ev.cached_tokens,
-                            "ttft_s": round((rec.first_s or now) - rec.arrival_s, 6),
-                            "t_s": round(now, 6),
-                        }
-                    )
-            start_step(w)
-        if sched.queued:  # nothing to sweep or plan otherwise (most events: saves time)
-            for ended in sched.sweep(now):
-                records[int(ended.request.request_id)].rejected = True
-        heartbeats()
-        dispatch()
-
-    result = _summarise(records, engines, flaps, cfg)
-    step = max(1, len(series) // 400)  # at most ~400 points per chart
-    result.load_series = series[::step]
-    return result
+            feed.apply_heartbeat(self.sched, hb, now, index_block_tokens=self.index_block_tokens)
+        if self.beats % 60 == 0:
+            self.policy.expire(now)
+        self.beats += 1
 
 
 def _batch_slots(share: float | None, cfg: ReplayConfig, bands: Sequence[str]) -> dict[str, int]:
@@ -364,7 +355,7 @@ def _batch_slots(share: float | None, cfg: ReplayConfig, bands: Sequence[str]) -
 
 
 def _summarise(
-    records: list[_Record], engines: dict[str, SimEngine], flaps: int, cfg: ReplayConfig
+    records: list[_Record], engines: dict[str, SimEngine], flap_rate: float, cfg: ReplayConfig
 ) -> PolicyResult:
     done = [r for r in records if r.finish_s is not None]
     ttft = [r.first_s - r.arrival_s for r in done if r.first_s is not None]
@@ -407,7 +398,7 @@ def _summarise(
         throughput_rps=len(done) / span,
         goodput_rps=sum(1 for t in ttft if t <= cfg.slo_ttft_s) / span,
         util_std=stdev(busy),
-        flap_rate=flaps / len(records),
+        flap_rate=flap_rate,
         rejected=sum(1 for r in records if r.rejected),
         busy=busy,
         ttfts=ttft,

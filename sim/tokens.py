@@ -3,6 +3,8 @@ same tokens, so a retried attempt streams what the first one did."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import xxhash
 
 _WORDS = (  # noqa: SIM905 - one readable string, not 60 quoted words
@@ -18,6 +20,6 @@ def output_token(request_id: str, index: int) -> int:
     return xxhash.xxh32_intdigest(f"{request_id}:{index}".encode()) % VOCAB
 
 
-def detokenize(tokens: list[int]) -> str:
+def detokenize(tokens: Sequence[int]) -> str:
     """Readable text for pseudo tokens (one word each)."""
     return "".join(" " + _WORDS[t % len(_WORDS)] for t in tokens)

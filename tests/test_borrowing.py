@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import random
-
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -16,7 +14,7 @@ BANDS = ("interactive", "standard", "batch")
 
 def _sched(global_limit: int, shares: dict[str, int]) -> Scheduler:
     cfg = AdmissionConfig(global_limit=global_limit, band_shares=shares)
-    s = Scheduler(cfg, LeastLoaded(random.Random(0)), models=["m"])
+    s = Scheduler(cfg, LeastLoaded(0), models=["m"])
     s.update_worker(WorkerInfo("w", frozenset({"m"}), capacity=1000))
     return s
 

@@ -12,13 +12,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sluice.agent.reports import DigestBuilder
 from sluice.dispatcher.admission import AdmissionConfig
 from sluice.dispatcher.affinity import Affinity, prefix_key
-from sluice.dispatcher.cacheaware import CacheAware, CacheAwareConfig, Digest
+from sluice.dispatcher.cacheaware import CacheAware, CacheAwareConfig
 from sluice.dispatcher.calibration import Calibration
 from sluice.dispatcher.decisions import DecisionLog
-from sluice.dispatcher.routing import Candidate, RouteRequest
+from sluice.dispatcher.routing import Candidate, Digest, Outcome, RouteRequest
 from sluice.dispatcher.scheduler import Request, Scheduler, WorkerInfo
+from sluice.sim.engine import SimEngine
+from sluice.sim.profiles import REFERENCE
 
 BT = 16
 PREFIX = tuple(range(1000, 1080))  # 80 blocks = 1280 tokens: one prefix key
@@ -42,7 +45,7 @@ def _cand(
 
 
 def _policy(**kw: object) -> CacheAware:
-    cfg = CacheAwareConfig(block_tokens=BT, index_stride=1, explore_share=0.0, **kw)  # type: ignore[arg-type]
+    cfg = CacheAwareConfig(block_tokens=BT, index_tokens=BT, explore_share=0.0, **kw)  # type: ignore[arg-type]
     return CacheAware(cfg)
 
 
@@ -60,12 +63,12 @@ def test_the_choice_is_always_one_of_the_candidates_and_choose_changes_nothing(
     cands = [_cand(f"w{i}", b, pre) for i, (b, pre) in enumerate(state)]
     if held_by < len(cands):
         p.heartbeat(cands[held_by].worker_id, Digest(0, True, PREFIX), 0.0)
-    before = (len(p.index), len(p.affinity), p.decisions)
+    before = (len(p.index), len(p.affinity), p.stats(1.0))
     first = p.choose(_req(1), cands, 1.0)
     again = p.choose(_req(1), cands, 1.0)
     assert first == again  # no side effect: the same question gets the same answer
     assert first.worker_id in {c.worker_id for c in cands}
-    assert (len(p.index), len(p.affinity), p.decisions) == before
+    assert (len(p.index), len(p.affinity), p.stats(1.0)) == before
     assert len(first.terms) == (len(cands) if explain else 0)
 
 
@@ -176,7 +179,7 @@ def test_a_hot_prefix_spreads_over_its_replicas_and_balances_among_them() -> Non
 
 def test_the_exploration_share_converges_to_its_setting() -> None:
     p = CacheAware(
-        CacheAwareConfig(block_tokens=BT, index_stride=1, explore_share=0.1, explore_window_s=60)
+        CacheAwareConfig(block_tokens=BT, index_tokens=BT, explore_share=0.1, explore_window_s=60)
     )
     # The old workers hold the prefix and are idle; the new one would never win on score.
     for w in ("a", "b", "c"):
@@ -219,11 +222,13 @@ def test_completions_correct_the_index_and_teach_speeds() -> None:
         p.completed(
             "w",
             _req(0),
-            cached_tokens=0,
-            prefill_s=1288 / 2000.0,  # four times slower than the prior says
-            output_tokens=33,
-            decode_s=32 * 0.05,
-            now_s=1.0,
+            Outcome(
+                cached_tokens=0,
+                prefill_s=1288 / 2000.0,  # four times slower than the prior says
+                output_tokens=33,
+                decode_s=32 * 0.05,
+                now_s=1.0,
+            ),
         )
     assert p.index.match(PREFIX, 2.0) == {"w": len(PREFIX)}
     sp = p.calibration.speeds("w")
@@ -301,7 +306,7 @@ def test_the_core_benchmark_runs_both_policies() -> None:
 
 
 def test_the_index_keeps_every_stride_th_block_and_counts_hits_in_tokens() -> None:
-    p = CacheAware(CacheAwareConfig(block_tokens=BT, index_stride=8, explore_share=0.0))
+    p = CacheAware(CacheAwareConfig(block_tokens=BT, index_tokens=8 * BT, explore_share=0.0))
     assert p.index_block_tokens == 128
     p.observe(_req(0), "w", 0.0)
     assert len(p.index) == len(PREFIX) // 8  # 10 index entries for 80 blocks
@@ -312,29 +317,20 @@ def test_the_index_keeps_every_stride_th_block_and_counts_hits_in_tokens() -> No
 
 
 def test_agent_digests_are_numbered_deltas_with_periodic_bounded_snapshots() -> None:
-    from sluice.agent.runtime import Agent, AgentSettings
-
-    settings = AgentSettings(
-        worker_id="w",
-        digest_min_prefix_tokens=16,
-        digest_stride_blocks=1,
-        digest_snapshot_every=3,
-        digest_max_blocks=4,
-    )
-    agent = Agent(settings)  # not started: only its engine and digests are used
-    e = agent.engine
-    first = agent._digest()
+    e = SimEngine(REFERENCE, digest_min_tokens=16, digest_stride=1)
+    digests = DigestBuilder(REFERENCE.block_tokens, snapshot_every=3, max_blocks=4)
+    first = digests.next(e)
     assert (first.seq, first.snapshot, first.stored) == (0, True, [])
     e.add("a", 48, 2, [1, 2, 3], 0.0)
     e.step()
-    d1 = agent._digest()
+    d1 = digests.next(e)
     assert (d1.seq, d1.snapshot, sorted(d1.stored)) == (1, False, [1, 2, 3])
     assert d1.block_tokens == e.profile.block_tokens
     e.add("b", 96, 2, [11, 12, 13, 14, 15, 16], 0.0)
     e.step()
-    d2 = agent._digest()  # 6 new blocks > digest_max_blocks: a bounded snapshot instead
+    d2 = digests.next(e)  # 6 new blocks > digest_max_blocks: a bounded snapshot instead
     assert d2.seq == 2 and d2.snapshot and len(d2.stored) == 4
-    d3 = agent._digest()
+    d3 = digests.next(e)
     assert d3.seq == 3 and d3.snapshot  # every third digest is a snapshot anyway
-    d4 = agent._digest()
+    d4 = digests.next(e)
     assert d4.seq == 4 and not d4.snapshot and d4.stored == [] and d4.evicted == []

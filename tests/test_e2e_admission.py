@@ -146,7 +146,7 @@ async def _raw_publish(nats_url: str, payload: bytes, headers: dict[str, str] | 
 async def test_bad_input_gets_typed_answers_and_dispatcher_keeps_serving(nats_url: str) -> None:
     async with LocalCluster(nats_url, **cluster_kwargs()), Client(nats_url) as c:
         # Undecodable bytes that carry a request id: a typed rejection on its result subject.
-        await _raw_publish(nats_url, b"\xc1\x00garbage", {"Nats-Msg-Id": "bad-1"})
+        await _raw_publish(nats_url, b"\xc1\x00garbage", {names.MSG_ID_HEADER: "bad-1"})
         # Undecodable bytes without any id: kept in the dead-letter stream.
         await _raw_publish(nats_url, b"\x93\x01\x02", None)
         # Valid msgpack, wrong shape, id only in the body.
@@ -155,7 +155,7 @@ async def test_bad_input_gets_typed_answers_and_dispatcher_keeps_serving(nats_ur
         wrong = SubmitRequest(
             request_id="bad-3", model="other", prompt_text="x", submitted_unix_ms=1
         )
-        await _raw_publish(nats_url, encode(wrong), {"Nats-Msg-Id": "bad-3"})
+        await _raw_publish(nats_url, encode(wrong), {names.MSG_ID_HEADER: "bad-3"})
 
         async def answered() -> bool:
             return all([await c.fetch_result(rid) for rid in ("bad-1", "bad-2", "bad-3")])
@@ -399,7 +399,7 @@ async def test_a_burst_of_ten_times_capacity_ends_exactly_and_stays_bounded(
         async def watch() -> None:
             nonlocal peak_held
             while not stop.is_set():
-                peak_held = max(peak_held, len(d._held))
+                peak_held = max(peak_held, d.held)
                 await asyncio.sleep(0.002)
 
         watcher = asyncio.create_task(watch())

@@ -41,7 +41,7 @@ async def _submit_unwatched(
     await js.publish(
         names.request_subject("standard", "sim", "default"),
         encode(request),
-        headers={"Nats-Msg-Id": request_id},
+        headers={names.MSG_ID_HEADER: request_id},
     )
     return request
 

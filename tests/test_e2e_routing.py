@@ -103,7 +103,7 @@ async def test_digests_fill_the_index_and_a_lost_worker_leaves_it(nats_url: str)
         LocalCluster(nats_url, **cluster_kwargs(2)) as cluster,
         Client(nats_url) as c,
     ):
-        policy = cluster.dispatcher._policy
+        policy = cluster.dispatcher.policy
         assert isinstance(policy, CacheAware), "cache-aware routing is the default"
         result = await (await c.submit("sim", _prompt(0, 0), max_tokens=4)).result(timeout_s=30)
         worker = result.worker_id

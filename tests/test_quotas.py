@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 from collections import Counter
 
 import pytest
@@ -19,7 +18,7 @@ BANDS = ("interactive", "standard", "batch")
 
 def _sched(quotas: Quotas, global_limit: int = 100, **kw: object) -> Scheduler:
     cfg = AdmissionConfig(global_limit=global_limit, quotas=quotas, **kw)  # type: ignore[arg-type]
-    s = Scheduler(cfg, LeastLoaded(random.Random(0)), models=["a", "b"])
+    s = Scheduler(cfg, LeastLoaded(0), models=["a", "b"])
     s.update_worker(WorkerInfo("w", frozenset({"a", "b"}), capacity=1000))
     return s
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -149,7 +148,7 @@ def _cands(booked: list[int]) -> list[Candidate]:
 
 
 def test_sglang_gate_flips_exactly_at_its_thresholds() -> None:
-    p = SglangCacheAware(random.Random(0))
+    p = SglangCacheAware(0)
     assert not p.imbalanced([100, 36])  # max - min = 64: not above the absolute threshold
     assert p.imbalanced([101, 36])  # 65 > 64 and 101 > 1.5 x 36
     assert not p.imbalanced([300, 200])  # 100 > 64 but 300 = 1.5 x 200: not above
@@ -157,11 +156,11 @@ def test_sglang_gate_flips_exactly_at_its_thresholds() -> None:
 
 
 def test_sglang_follows_its_routing_history_above_the_cache_threshold() -> None:
-    p = SglangCacheAware(random.Random(0))
+    p = SglangCacheAware(0)
     req = RouteRequest("r", "m", 4 * 512, 10, (1, 2, 3, 4))
     p.observe(RouteRequest("x", "m", 2 * 512, 10, (1, 2)), "w2", 0.0)
     assert p.choose(req, _cands([0, 0, 5]), 0.0) == "w2"  # 2/4 = 0.5 > 0.3
-    small = SglangCacheAware(random.Random(0))
+    small = SglangCacheAware(0)
     small.observe(RouteRequest("x", "m", 512, 10, (1,)), "w2", 0.0)
     assert small.choose(req, _cands([3, 1, 0]), 0.0) == "w2"  # 1/4 < 0.3: least loaded
     assert small.choose(req, _cands([0, 1, 3]), 0.0) == "w0"
@@ -194,18 +193,22 @@ def test_dynamo_cost_picks_the_argmin() -> None:
         active={"w0": 10, "w1": 1, "w2": 0},
         prefill={"w0": 0, "w1": 3, "w2": 0},
     )
-    p = DynamoCost(view, random.Random(0))
+    p = DynamoCost(view, 0, 512)
     req = RouteRequest("r", "m", 10 * 512, 10, tuple(range(10)))
     # cost = (pending prefill + uncached blocks) + active blocks:
     # w0 = (0 + 2) + 10 = 12, w1 = (3 + 8) + 1 = 12, w2 = (0 + 10) + 0 = 10
-    assert [p.cost(req, w) for w in ("w0", "w1", "w2")] == [12, 12, 10]
+    assert [p.cost(req, c) for c in _cands([0, 0, 0])] == [12, 12, 10]
     assert p.choose(req, _cands([0, 0, 0]), 0.0) == "w2"
 
 
 def test_round_robin_cycles_and_skips_full_workers() -> None:
     p = RoundRobin(["w0", "w1", "w2"])
     req = RouteRequest("r", "m", 10, 10)
-    picks = [p.choose(req, _cands([0, 0, 0]), 0.0) for _ in range(4)]
+    assert {p.choose(req, _cands([0, 0, 0]), 0.0) for _ in range(3)} == {"w0"}  # no side effect
+    picks = []
+    for _ in range(4):
+        picks.append(p.choose(req, _cands([0, 0, 0]), 0.0))
+        p.observe(req, picks[-1], 0.0)  # the scheduler books the choice
     assert picks == ["w0", "w1", "w2", "w0"]
     only = [c for c in _cands([0, 0, 0]) if c.worker_id != "w1"]
     assert p.choose(req, only, 0.0) == "w2"  # w1 is next but full

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 from collections import Counter
 
 import pytest
@@ -26,7 +25,7 @@ def _sched(
         band_delay_s=delays or {"interactive": 0.0, "standard": 2.0, "batch": 10.0},
         **kw,  # type: ignore[arg-type]
     )
-    return Scheduler(cfg, LeastLoaded(random.Random(1)), models=["m"])
+    return Scheduler(cfg, LeastLoaded(1), models=["m"])
 
 
 def _req(rid: str, band: str = "interactive", t: float = 0.0, **kw: object) -> Request:
@@ -147,41 +146,43 @@ def test_limits_and_capacity_are_never_exceeded(
     ops: list[tuple[str, str, int]], global_limit: int, band_limit: int, capacities: list[int]
 ) -> None:
     cfg = AdmissionConfig(global_limit=global_limit, band_limits={"batch": band_limit})
-    s = Scheduler(cfg, LeastLoaded(random.Random(0)), models=["m"])
+    s = Scheduler(cfg, LeastLoaded(0), models=["m"])
     for i, c in enumerate(capacities):
         s.update_worker(_worker(f"w{i}", capacity=c))
-    n = 0
-    now = 0.0
-    for op, band, k in ops:
-        now += 0.1
-        if op == "enqueue":
-            n += 1
-            s.enqueue(_req(f"r{n}", band, t=now), now)
-        elif op == "plan":
-            for d in s.plan(now):
-                info = s.workers()[d.worker_id]
-                assert len(s.booked_on(d.worker_id)) < info.capacity, "chosen worker is full"
-                if k % 3 == 0:
-                    s.refused(d)
-                else:
-                    s.book(d, now)
-        elif op == "complete":
-            running = sorted(rid for w in s.workers() for rid in s.booked_on(w))
-            if running:
-                s.complete(running[k % len(running)])
-        elif op == "lose" and s.workers():
-            wid = sorted(s.workers())[k % len(s.workers())]
-            s.remove_worker(wid)
-            if k % 2:
-                s.update_worker(_worker(wid, capacity=2))  # it comes back
-        elif op == "refuse":
-            for w in s.workers():
-                s.update_worker(s.workers()[w])  # a heartbeat clears refusals
+    for step, (op, band, k) in enumerate(ops, start=1):
+        now = step * 0.1
+        _apply(s, op, band, k, now, f"r{step}")
         assert s.running <= global_limit
         by_band = Counter(b.band for b in s.band_snapshots(now) for _ in range(b.running))
         assert by_band["batch"] <= band_limit
         for w, info in s.workers().items():
             assert len(s.booked_on(w)) <= info.capacity
+
+
+def _apply(s: Scheduler, op: str, band: str, k: int, now: float, rid: str) -> None:
+    """One random operation of the property test above."""
+    if op == "enqueue":
+        s.enqueue(_req(rid, band, t=now), now)
+    elif op == "plan":
+        for d in s.plan(now):
+            info = s.workers()[d.worker_id]
+            assert len(s.booked_on(d.worker_id)) < info.capacity, "chosen worker is full"
+            if k % 3 == 0:
+                s.refused(d)
+            else:
+                s.book(d, now)
+    elif op == "complete":
+        running = sorted(rid for w in s.workers() for rid in s.booked_on(w))
+        if running:
+            s.complete(running[k % len(running)])
+    elif op == "lose" and s.workers():
+        wid = sorted(s.workers())[k % len(s.workers())]
+        s.remove_worker(wid)
+        if k % 2:
+            s.update_worker(_worker(wid, capacity=2))  # it comes back
+    elif op == "refuse":
+        for w in s.workers():
+            s.update_worker(s.workers()[w])  # a heartbeat clears refusals
 
 
 def test_band_limit_holds_while_global_has_room() -> None:
@@ -214,15 +215,17 @@ def test_least_loaded_picks_a_minimum(loads: list[tuple[int, int]]) -> None:
         Candidate(f"w{i}", capacity=8, booked=0, booked_tokens=a, reported_pending_tokens=b)
         for i, (a, b) in enumerate(loads)
     ]
-    chosen = LeastLoaded(random.Random(0)).choose(RouteRequest("r", "m", 10, 10), cands, 0.0)
+    chosen = LeastLoaded(0).choose(RouteRequest("r", "m", 10, 10), cands, 0.0)
     best = min(load_of(c) for c in cands)
     assert load_of(next(c for c in cands if c.worker_id == chosen)) == best
 
 
 def test_least_loaded_spreads_ties() -> None:
     cands = [Candidate(f"w{i}", 8, 0, 0) for i in range(4)]
-    policy = LeastLoaded(random.Random(3))
-    picks = Counter(policy.choose(RouteRequest("r", "m", 1, 1), cands, 0.0) for _ in range(400))
+    policy = LeastLoaded(3)
+    picks = Counter(policy.choose(RouteRequest(f"r{i}", "m", 1, 1), cands, 0.0) for i in range(400))
+    # Side-effect free: the same request gets the same pick every time.
+    assert len({policy.choose(RouteRequest("r", "m", 1, 1), cands, 0.0) for _ in range(20)}) == 1
     assert set(picks) == {"w0", "w1", "w2", "w3"}
     assert min(picks.values()) > 60
 
@@ -375,5 +378,5 @@ def test_deadline_bookkeeping_stays_bounded_and_still_ends_the_queued() -> None:
         _run_all(s, 0.0)
     s.enqueue(_req("late", t=0.0, deadline_s=1.0), 0.0)
     s.update_worker(_worker("w", capacity=0))  # no room: it stays queued
-    assert len(s._deadlines) <= 2 * s.queued + 1024
+    assert len(s._queues._deadlines) <= 2 * s.queued + 1024
     assert [e.request.request_id for e in s.sweep(2.0)] == ["late"]

@@ -23,3 +23,9 @@ TTFT = Histogram(
     ["worker"],
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
 )
+TOKEN_CHUNKS_LOST = Counter(
+    "sluice_agent_token_chunks_lost_total",
+    "Live token chunks that could not be published (the stored result has every token)",
+    ["worker"],
+)
+OUTBOX = Gauge("sluice_agent_outbox_reports", "Finished requests not yet reported", ["worker"])

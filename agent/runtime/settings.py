@@ -10,9 +10,15 @@ from typing import ClassVar
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
+from sluice.agent.outbox import DEFAULT_MAX_REPORTS
+from sluice.agent.reports import (
+    DEFAULT_DIGEST_MAX_BLOCKS,
+    DEFAULT_DIGEST_MIN_TOKENS,
+    DEFAULT_HEARTBEAT_S,
+    DEFAULT_SNAPSHOT_EVERY,
+)
 from sluice.common.settings import SluiceSettings
-from sluice.schemas.hashing import DEFAULT_INDEX_STRIDE
-from sluice.sim.profiles import PROFILES
+from sluice.schemas.hashing import DEFAULT_INDEX_TOKENS
 
 
 def _default_worker_id() -> str:
@@ -40,11 +46,15 @@ class AgentSettings(SluiceSettings):
     )
     models: list[str] = Field(default=["sim"], min_length=1, description="Models it serves.")
     capacity: int = Field(default=32, ge=1, description="Requests it takes at once.")
-    profile: str = Field(default="reference", description="Simulated engine profile.")
+    profile: str = Field(
+        default="reference", min_length=1, description="Profile of the simulated engine."
+    )
     speed: float = Field(
         default=1.0, gt=0, description="Simulated time runs this many times faster than real."
     )
-    heartbeat_s: float = Field(default=1.0, gt=0, description="Seconds between heartbeats.")
+    heartbeat_s: float = Field(
+        default=DEFAULT_HEARTBEAT_S, gt=0, description="Seconds between heartbeats."
+    )
     token_flush_ms: float = Field(
         default=15.0, ge=0, description="Coalesce streamed tokens for up to this long."
     )
@@ -52,18 +62,29 @@ class AgentSettings(SluiceSettings):
         default=16, ge=1, description="...or until this many tokens are buffered."
     )
     digest_min_prefix_tokens: int = Field(
-        default=256, ge=1, description="Report cached prompts at least this long in digests."
+        default=DEFAULT_DIGEST_MIN_TOKENS,
+        ge=1,
+        description="Report cached prompts at least this long in digests.",
     )
     digest_snapshot_every: int = Field(
-        default=30, ge=1, description="Every this many heartbeats, send a full cache snapshot."
-    )
-    digest_stride_blocks: int = Field(
-        default=DEFAULT_INDEX_STRIDE,
+        default=DEFAULT_SNAPSHOT_EVERY,
         ge=1,
-        description="Report every Nth prompt block (the dispatcher's index stride).",
+        description="Every this many heartbeats, send a full cache snapshot.",
+    )
+    digest_index_tokens: int = Field(
+        default=DEFAULT_INDEX_TOKENS,
+        ge=1,
+        description="Prompt tokens per reported block (the dispatcher's routing_index_tokens).",
     )
     digest_max_blocks: int = Field(
-        default=50_000, ge=1, description="Block hashes per cache digest at most."
+        default=DEFAULT_DIGEST_MAX_BLOCKS,
+        ge=1,
+        description="Block hashes per cache digest at most.",
+    )
+    outbox_max_reports: int = Field(
+        default=DEFAULT_MAX_REPORTS,
+        ge=1,
+        description="Undelivered reports before the agent refuses new work (none is dropped).",
     )
     drain_timeout_s: float = Field(
         default=30.0, ge=0, description="On shutdown, wait this long for running requests."
@@ -72,13 +93,6 @@ class AgentSettings(SluiceSettings):
         default=0, ge=0, le=65535, description="Serve Prometheus metrics here (0: off)."
     )
     metrics_host: str = Field(default="127.0.0.1", description="Bind address for metrics.")
-
-    @field_validator("profile")
-    @classmethod
-    def _known_profile(cls, v: str) -> str:
-        if v not in PROFILES:
-            raise ValueError(f"unknown profile {v!r}; known: {sorted(PROFILES)}")
-        return v
 
     @field_validator("worker_id")
     @classmethod

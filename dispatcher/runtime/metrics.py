@@ -40,11 +40,11 @@ ROUTED = Counter(
     "Routing decisions booked, by the rule that decided",
     ["reason"],
 )
-FLAPS = Counter(
-    "sluice_dispatcher_flaps_total",
-    "Requests whose prefix had replicas but went to another worker",
+FLAP_RATE = Gauge(
+    "sluice_dispatcher_flap_rate",
+    "Flaps per booked decision since start (a prefix booked on a worker that has not served it "
+    "within the stickiness window: sluice.dispatcher.flaps)",
 )
-FLAP_RATE = Gauge("sluice_dispatcher_flap_rate", "Flaps per routing decision since start")
 REPLICAS = Gauge(
     "sluice_dispatcher_prefix_replicas",
     "Live replica sets of prefixes: how many prefixes, and the largest set",
@@ -101,4 +101,12 @@ CONFIG_UPDATES = Counter(
 STALE_DIGESTS = Counter(
     "sluice_dispatcher_stale_digests_total",
     "Cache digests ignored after a missed delta (until the worker's next snapshot)",
+)
+ACK_FAILURES = Counter(
+    "sluice_dispatcher_ack_failures_total",
+    "Request acks the broker did not take (the request is delivered again and recognised)",
+)
+ANSWER_FAILURES = Counter(
+    "sluice_dispatcher_answer_failures_total",
+    "Answers or dead letters that could not be stored (their request stays un-acked)",
 )

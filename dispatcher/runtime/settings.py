@@ -14,10 +14,20 @@ from pydantic_settings import SettingsConfigDict
 from sluice.common.settings import SluiceSettings
 from sluice.dispatcher.admission import DEFAULT_BAND_DELAY_S, AdmissionConfig
 from sluice.dispatcher.cacheaware import CacheAwareConfig
+from sluice.dispatcher.defaults import (
+    FEEDBACK_WINDOW_S,
+    SCALE_DOWN_IDLE_S,
+    SCALE_UP_SUSTAIN_S,
+    SCALE_UP_WAIT_S,
+)
 from sluice.dispatcher.quotas import ModelQuota, Quotas
-from sluice.schemas.hashing import DEFAULT_BLOCK_TOKENS, DEFAULT_INDEX_STRIDE
+from sluice.schemas.hashing import DEFAULT_BLOCK_TOKENS
 from sluice.schemas.models import AdmissionOverrides, QuotaSpec
 from sluice.schemas.names import DEFAULT_BANDS
+
+_A = AdmissionConfig()
+_R = CacheAwareConfig()
+"""The core's defaults: every setting below that maps onto them takes its default from them."""
 
 
 def model_quota(spec: QuotaSpec) -> ModelQuota:
@@ -52,7 +62,9 @@ class DispatcherSettings(SluiceSettings):
     bands: list[str] = Field(
         default=list(DEFAULT_BANDS), min_length=1, description="Priority bands, most urgent first."
     )
-    global_limit: int = Field(default=64, ge=1, description="Requests running at once, fleet-wide.")
+    global_limit: int = Field(
+        default=_A.global_limit, ge=1, description="Requests running at once, fleet-wide."
+    )
     band_limits: dict[str, int] = Field(
         default_factory=dict, description="Per-band concurrency caps (default: the global limit)."
     )
@@ -91,8 +103,12 @@ class DispatcherSettings(SluiceSettings):
     default_quota: QuotaSpec = Field(
         default_factory=QuotaSpec, description="The quota of models not in quotas."
     )
-    max_prompt_tokens: int = Field(default=1_000_000, ge=1, description="Longest prompt accepted.")
-    max_attempts: int = Field(default=3, ge=1, description="Runs of a request before giving up.")
+    max_prompt_tokens: int = Field(
+        default=_A.max_prompt_tokens, ge=1, description="Longest prompt accepted."
+    )
+    max_attempts: int = Field(
+        default=_A.max_attempts, ge=1, description="Runs of a request before giving up."
+    )
     lease_s: float = Field(
         default=4.0, gt=0, description="A worker silent this long is dead (3-5 heartbeats)."
     )
@@ -124,79 +140,106 @@ class DispatcherSettings(SluiceSettings):
     metrics_host: str = Field(default="127.0.0.1", description="Bind address for metrics.")
 
     feedback_window_s: float = Field(
-        default=60.0, gt=0, description="Window of the wait percentiles, rates and expected wait."
+        default=FEEDBACK_WINDOW_S,
+        gt=0,
+        description="Window of the wait percentiles, rates and expected wait.",
     )
     feedback_every_s: float = Field(
         default=1.0, gt=0, description="How often feedback gauges and scale signals update."
     )
     scale_up_wait_s: float = Field(
-        default=5.0, gt=0, description="Expected wait above which a band asks for more workers."
+        default=SCALE_UP_WAIT_S,
+        gt=0,
+        description="Expected wait above which a band asks for more workers.",
     )
     scale_up_sustain_s: float = Field(
-        default=10.0, ge=0, description="...for this long before the scale-up signal."
+        default=SCALE_UP_SUSTAIN_S, ge=0, description="...for this long before the scale-up signal."
     )
     scale_down_idle_s: float = Field(
-        default=300.0, gt=0, description="A band idle this long signals scale-down."
+        default=SCALE_DOWN_IDLE_S, gt=0, description="A band idle this long signals scale-down."
     )
 
     routing_policy: Literal["cache-aware", "least-loaded"] = Field(
         default="cache-aware", description="How workers are chosen (see docs/architecture.md)."
     )
-    routing_w_load: float = Field(default=1.2, ge=0, description="Weight of the load term.")
-    routing_w_cache: float = Field(default=0.7, ge=0, description="Weight of the cache-miss term.")
+    routing_w_load: float = Field(default=_R.w_load, ge=0, description="Weight of the load term.")
+    routing_w_cache: float = Field(
+        default=_R.w_cache, ge=0, description="Weight of the cache-miss term."
+    )
     routing_w_stable: float = Field(
-        default=0.3, ge=0, description="Weight of moving a prefix off its replicas."
+        default=_R.w_stable, ge=0, description="Weight of moving a prefix off its replicas."
     )
     routing_w_busy: float = Field(
-        default=4.0, ge=0, description="Weight of booked/capacity inside the load term."
+        default=_R.w_busy, ge=0, description="Weight of booked/capacity inside the load term."
     )
     routing_ttft_scale_s: float = Field(
-        default=1.0, gt=0, description="Predicted TTFT that counts as load 1."
+        default=_R.ttft_scale_s, gt=0, description="Predicted TTFT that counts as load 1."
     )
     routing_min_hit_fraction: float = Field(
-        default=0.3, ge=0, le=1, description="Cache hits below this share of the prefix count 0."
+        default=_R.min_hit_fraction,
+        ge=0,
+        le=1,
+        description="Cache hits below this share of the prefix count 0.",
     )
     routing_key_tokens: int = Field(
-        default=1024, ge=1, description="Leading tokens that name a prefix for stickiness."
+        default=_R.key_tokens, ge=1, description="Leading tokens that name a prefix for stickiness."
     )
     routing_sticky_window_s: float = Field(
-        default=30.0, gt=0, description="A prefix sticks to its replicas this long after use."
+        default=_R.sticky_window_s,
+        gt=0,
+        description="A prefix sticks to its replicas this long after use.",
     )
     routing_hard_load_fraction: float = Field(
-        default=0.9, gt=0, le=1, description="Booked share of capacity that breaks stickiness."
+        default=_R.hard_load_fraction,
+        gt=0,
+        le=1,
+        description="Booked share of capacity that breaks stickiness.",
     )
     routing_hard_ttft_s: float = Field(
-        default=3.0, gt=0, description="Predicted TTFT that breaks stickiness."
+        default=_R.hard_ttft_s, gt=0, description="Predicted TTFT that breaks stickiness."
     )
     routing_replica_headroom: float = Field(
-        default=1.5, gt=0, description="Replica budget = ceil(traffic share x workers x this)."
+        default=_R.replica_headroom,
+        gt=0,
+        description="Replica budget = ceil(traffic share x workers x this).",
     )
-    routing_max_replicas: int = Field(default=64, ge=1, description="Replicas of a prefix at most.")
+    routing_max_replicas: int = Field(
+        default=_R.max_replicas, ge=1, description="Replicas of a prefix at most."
+    )
     routing_hot_tau_s: float = Field(
-        default=60.0, gt=0, description="Time constant of a prefix's traffic share."
+        default=_R.hot_tau_s, gt=0, description="Time constant of a prefix's traffic share."
     )
     routing_explore_share: float = Field(
-        default=0.05, ge=0, le=1, description="Share of requests sent to newly joined workers."
+        default=_R.explore_share,
+        ge=0,
+        le=1,
+        description="Share of requests sent to newly joined workers.",
     )
     routing_explore_window_s: float = Field(
-        default=60.0, ge=0, description="How long a joined worker counts as new."
+        default=_R.explore_window_s, ge=0, description="How long a joined worker counts as new."
     )
     routing_prefill_tokens_per_s: float = Field(
-        default=8000.0, gt=0, description="Prior prefill speed until completions teach it."
+        default=_R.prefill_tokens_per_s,
+        gt=0,
+        description="Prior prefill speed until completions teach it.",
     )
     routing_decode_step_s: float = Field(
-        default=0.03, gt=0, description="Prior decode time per token until completions teach it."
+        default=_R.decode_step_s,
+        gt=0,
+        description="Prior decode time per token until completions teach it.",
     )
     routing_guess_ttl_s: float = Field(
-        default=120.0, gt=0, description="How long a routed prefix counts as cached unreported."
+        default=_R.guess_ttl_s,
+        gt=0,
+        description="How long a routed prefix counts as cached unreported.",
     )
-    routing_index_stride_blocks: int = Field(
-        default=DEFAULT_INDEX_STRIDE,
+    routing_index_tokens: int = Field(
+        default=_R.index_tokens,
         ge=1,
-        description="Index every Nth prompt block (agents' digest_stride_blocks must match).",
+        description="Prompt tokens per cache-index entry (agents' digest_index_tokens must match).",
     )
     routing_index_max_blocks: int = Field(
-        default=1_000_000, ge=1, description="Block hashes the cache index keeps at most."
+        default=_R.index_max_blocks, ge=1, description="Block hashes the cache index keeps at most."
     )
     decision_log: Path | None = Field(
         default=None, description="Write one JSON line per routing decision here (off: unset)."
@@ -254,7 +297,7 @@ class DispatcherSettings(SluiceSettings):
             decode_step_s=self.routing_decode_step_s,
             guess_ttl_s=self.routing_guess_ttl_s,
             index_max_blocks=self.routing_index_max_blocks,
-            index_stride=self.routing_index_stride_blocks,
+            index_tokens=self.routing_index_tokens,
             explain=self.decision_log is not None,
         )
 

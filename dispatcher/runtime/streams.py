@@ -13,8 +13,6 @@ from sluice.dispatcher.errors import StreamSetupError
 from sluice.dispatcher.runtime.settings import DispatcherSettings
 from sluice.schemas import names
 
-_STREAM_IN_USE = 10058
-
 
 def band_stream(s: DispatcherSettings, band: str) -> api.StreamConfig:
     """A band's queue. Held (un-acked) requests still count against ``max_msgs``, so the bound
@@ -79,7 +77,7 @@ async def ensure_streams(js: JetStreamContext, s: DispatcherSettings) -> None:
             try:
                 await js.add_stream(cfg)
             except BadRequestError as exc:
-                if exc.err_code != _STREAM_IN_USE:
+                if exc.err_code != names.JS_ERR_STREAM_NAME_IN_USE:
                     raise
                 await js.update_stream(cfg)
         except Exception as exc:

@@ -1,4 +1,5 @@
-"""Small statistics helpers shared by the demo and the simulator (pure)."""
+"""Statistics helpers (pure): the one percentile function of Sluice, used by the dispatcher's
+feedback, the simulator, the demo and the benchmarks."""
 
 from __future__ import annotations
 

@@ -1,0 +1,112 @@
+"""The engine protocol: what the agent needs of the engine it drives (pure).
+
+The agent steps its engine and paces it in real time: ``step()`` runs one iteration and says
+how long it took on the engine's hardware and what happened by its end (first tokens, more
+tokens, finished requests). The simulated engine (:class:`sluice.sim.engine.SimEngine`)
+implements this protocol; the command line wires it in, so the agent never imports the
+simulator. Everything here is plain data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from sluice.agent.errors import EngineError
+
+__all__ = ["Engine", "EngineError", "EngineLoad", "Finished", "Step", "TokensOut"]
+
+
+@dataclass(frozen=True)
+class TokensOut:
+    """``count`` new tokens of ``request_id`` at the end of the step (``first`` on the first)."""
+
+    request_id: str
+    count: int
+    first: bool
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A request finished: its prompt, the part of it found cached, its output, and the
+    engine time it spent in prefill and in decode (on the engine's own clock)."""
+
+    request_id: str
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    prefill_s: float
+    decode_s: float
+
+
+@dataclass(frozen=True)
+class Step:
+    """One engine iteration: how long it took, and what happened by its end."""
+
+    duration_s: float
+    events: list[TokensOut | Finished] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """The engine's load, as a heartbeat reports it."""
+
+    running: int
+    waiting: int
+    pending_prefill_tokens: int
+    active_decode_tokens: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    busy_s: float
+    """Engine time spent working since start (on the engine's own clock)."""
+
+
+class Engine(Protocol):
+    """A stepped engine running one model."""
+
+    @property
+    def block_tokens(self) -> int:
+        """Its KV block size in tokens."""
+        ...
+
+    @property
+    def has_work(self) -> bool:
+        """Whether anything is running or waiting."""
+        ...
+
+    def add(
+        self,
+        request_id: str,
+        prompt_tokens: int,
+        output_tokens: int,
+        hashes: Sequence[int],
+        now_s: float,
+    ) -> None:
+        """Queue a request (``hashes``: its full prompt blocks' chained hashes). Raises
+        :class:`EngineError` for a request it can never run."""
+        ...
+
+    def step(self) -> Step:
+        """Run one iteration (a zero duration: nothing could run)."""
+        ...
+
+    def load(self) -> EngineLoad: ...
+
+    def in_flight(self) -> list[str]:
+        """Ids of the requests on the engine (running or waiting)."""
+        ...
+
+    def cache_changes(self) -> tuple[list[int], list[int]]:
+        """Reported prompt blocks stored and evicted since the last call (digest deltas)."""
+        ...
+
+    def cached_blocks(self) -> list[int]:
+        """Every reported prompt block it holds now (a digest snapshot)."""
+        ...
+
+    def output_tokens(self, request_id: str, start: int, count: int) -> list[int]:
+        """The ids of tokens ``start`` .. ``start + count - 1`` of a request's output."""
+        ...
+
+    def detokenize(self, tokens: Sequence[int]) -> str: ...

@@ -1,0 +1,62 @@
+"""The outbox (pure): finished requests whose reports are not delivered yet.
+
+A report is the request's result (stored in JetStream first) and its completion (then sent
+to the dispatcher, which acks the request on it). Reports wait here while the broker or the
+dispatcher is unreachable and are retried with every heartbeat.
+
+Overflow policy: the outbox never drops a report. At ``max_reports`` it is *full*: the agent
+refuses new assignments (reason ``outbox``) until reports get through, so only requests
+already running can add to it, and it never holds more than ``max_reports`` plus the agent's
+capacity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from sluice.schemas.models import Completion, Result
+
+DEFAULT_MAX_REPORTS = 1024
+
+
+@dataclass
+class Report:
+    """A finished request still to be reported: its result (None once stored, or for a
+    failure) and its completion."""
+
+    result: Result | None
+    completion: Completion
+
+
+class Outbox:
+    """Undelivered reports by request id, bounded as the module docstring says."""
+
+    def __init__(self, max_reports: int = DEFAULT_MAX_REPORTS) -> None:
+        if max_reports < 1:
+            raise ValueError("max_reports must be >= 1")
+        self.max_reports = max_reports
+        self._reports: dict[str, Report] = {}
+
+    def __len__(self) -> int:
+        return len(self._reports)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._reports
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._reports))
+
+    @property
+    def full(self) -> bool:
+        return len(self._reports) >= self.max_reports
+
+    def put(self, report: Report) -> None:
+        self._reports[report.completion.request_id] = report
+
+    def get(self, request_id: str) -> Report | None:
+        return self._reports.get(request_id)
+
+    def done(self, request_id: str) -> None:
+        """The report was delivered."""
+        self._reports.pop(request_id, None)

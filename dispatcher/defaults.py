@@ -1,0 +1,31 @@
+"""The core's defaults that more than one type uses, named once.
+
+Each setting has one default: the core's config types (``CacheAwareConfig``,
+``AdmissionConfig``, ...) take theirs from here or define it themselves, the components they
+build take it from the config, and the runtime's settings take theirs from the config types.
+"""
+
+from __future__ import annotations
+
+GUESS_TTL_S = 120.0
+"""How long a routed prefix counts as cached on its worker without a report."""
+INDEX_MAX_BLOCKS = 1_000_000
+"""Block hashes the cache index keeps at most."""
+STICKY_WINDOW_S = 30.0
+"""A prefix sticks to its replicas this long after it was last routed there; flaps are
+counted over the same window."""
+HOT_TAU_S = 60.0
+"""Time constant of a prefix's decayed traffic share."""
+REPLICA_HEADROOM = 1.5
+MAX_REPLICAS = 64
+KEY_TOKENS = 1024
+"""Leading prompt tokens that name a prefix (stickiness, replica budgets, flaps)."""
+FEEDBACK_WINDOW_S = 60.0
+SCALE_UP_WAIT_S = 5.0
+SCALE_UP_SUSTAIN_S = 10.0
+SCALE_DOWN_IDLE_S = 300.0
+
+
+def key_blocks(block_tokens: int, key_tokens: int = KEY_TOKENS) -> int:
+    """Leading blocks that name a prefix: ``key_tokens`` rounded up to whole blocks."""
+    return max(1, -(-key_tokens // block_tokens))

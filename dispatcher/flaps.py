@@ -1,0 +1,62 @@
+"""Routing flaps (pure): how often a prefix moves to a worker that has not served it lately.
+
+The one definition, used by the live dispatcher (the ``sluice_dispatcher_flap_rate`` gauge)
+and by the replay (``flap_rate``) alike, for every policy: a booked decision **flaps** when
+its prefix (the leading ``key_blocks`` blocks of its prompt, named as
+:func:`~sluice.dispatcher.affinity.prefix_key` names it) was booked within the last
+``window_s`` and the worker it goes to is none of the workers it was booked on in that window.
+A prefix spreading over new replicas therefore counts one flap per new replica; a request
+without a full block, or whose prefix nobody served lately, never flaps. The flap rate is
+flaps per booked decision. Memory is bounded by ``max_keys`` (least recently used first).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from sluice.dispatcher.affinity import prefix_key
+
+DEFAULT_FLAP_WINDOW_S = 30.0
+
+
+class FlapMeter:
+    """Counts decisions and flaps (see the module docstring)."""
+
+    def __init__(
+        self, key_blocks: int, window_s: float = DEFAULT_FLAP_WINDOW_S, max_keys: int = 100_000
+    ) -> None:
+        if key_blocks < 1 or window_s <= 0 or max_keys < 1:
+            raise ValueError("key_blocks, window_s and max_keys must be positive")
+        self.key_blocks = key_blocks
+        self.window_s = window_s
+        self.max_keys = max_keys
+        self.decisions = 0
+        self.flaps = 0
+        self._served: OrderedDict[int, dict[str, float]] = OrderedDict()
+
+    @property
+    def rate(self) -> float:
+        return self.flaps / self.decisions if self.decisions else 0.0
+
+    def booked(self, block_hashes: Sequence[int], worker_id: str, now_s: float) -> bool:
+        """Count a booked decision; returns whether it flapped."""
+        self.decisions += 1
+        key = prefix_key(block_hashes, self.key_blocks)
+        if key is None:
+            return False
+        served = self._served.get(key)
+        if served is None:
+            served = self._served[key] = {}
+            if len(self._served) > self.max_keys:
+                self._served.popitem(last=False)
+        else:
+            self._served.move_to_end(key)
+        recent = [w for w, t in served.items() if now_s - t <= self.window_s]
+        flapped = bool(recent) and worker_id not in recent
+        for w in [w for w in served if w not in recent]:
+            del served[w]
+        served[worker_id] = now_s
+        if flapped:
+            self.flaps += 1
+        return flapped

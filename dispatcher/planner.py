@@ -1,0 +1,210 @@
+"""Planning (pure): which queued requests go to which workers now, within every limit.
+
+:func:`plan` walks the heads of the (band, model) queues in priority order (earliest virtual
+deadline first, see :mod:`sluice.dispatcher.admission`) and asks the routing policy to choose
+among the workers that can take each request. It changes nothing: it counts what it has
+planned (room, quota, load) only in its own scratch state, so the candidates of each decision
+already carry the load of the decisions before it in the same plan.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from sluice.dispatcher.admission import AdmissionConfig
+from sluice.dispatcher.books import Books
+from sluice.dispatcher.queues import Queues
+from sluice.dispatcher.quotas import Level
+from sluice.dispatcher.routing import Candidate, Choice, RoutingPolicy
+from sluice.dispatcher.work import Dispatch, Request, WorkerInfo
+
+SCAN_LIMIT = 256
+"""Queued requests of one (band, model) queue that one plan looks past when quotas block them."""
+
+_Head = tuple[float, int, str, str, int]
+"""(priority key, seq, band, model, index in its queue)"""
+
+
+@dataclass
+class _Scratch:
+    """What this plan has taken so far, per worker, band and quota level."""
+
+    free: dict[str, int] = field(default_factory=dict)
+    tokens: dict[str, int] = field(default_factory=dict)
+    unreported: dict[str, int] = field(default_factory=dict)
+    by_model: dict[str, list[str]] = field(default_factory=dict)
+    planned: Counter[str] = field(default_factory=Counter)
+    planned_tokens: Counter[str] = field(default_factory=Counter)
+    planned_prefill: Counter[str] = field(default_factory=Counter)
+    band_room: dict[str, int] = field(default_factory=dict)
+    running_in: Counter[str] = field(default_factory=Counter)
+    levels: Counter[Level] = field(default_factory=Counter)
+
+
+@dataclass(frozen=True)
+class PlanInput:
+    """Everything a plan reads (the scheduler's state, by reference; nothing is changed)."""
+
+    config: AdmissionConfig
+    policy: RoutingPolicy
+    queues: Queues
+    books: Books
+    workers: Mapping[str, WorkerInfo]
+    refused: frozenset[str] | set[str]
+    joined_s: Mapping[str, float]
+
+
+def plan(state: PlanInput, now_s: float, max_decisions: int | None = None) -> list[Dispatch]:
+    """Propose dispatches for now, in priority order, within every limit (see the module
+    docstring). ``max_decisions`` stops after that many."""
+    cfg = state.config
+    global_room = cfg.global_limit - len(state.books)
+    if global_room <= 0 or not len(state.queues):
+        return []
+    scratch = _scratch(state)
+    pressed = _pressed_bands(state)
+    heads = _heads(state, scratch)
+    decisions: list[Dispatch] = []
+    skipped: Counter[tuple[str, str]] = Counter()
+    limit = global_room if max_decisions is None else min(max_decisions, global_room)
+    while heads and len(decisions) < limit:
+        _, _, band, model, idx = heapq.heappop(heads)
+        if scratch.band_room[band] <= 0:
+            continue
+        if band in pressed and scratch.running_in[band] >= cfg.band_shares[band]:
+            continue  # a more urgent band waits: this one gets no more than its share
+        q = state.queues.queue(band, model)
+        request = state.queues.get(q[idx][2])
+        assert request is not None
+        blocked = _blocked_level(state, scratch, request)
+        if blocked is not None:
+            # A full tenant must not hold up other tenants behind it. A full model or
+            # model-band holds up its whole queue, also with token quotas (where a smaller
+            # request might fit): letting it pass could starve the big one.
+            skipped[(band, model)] += 1
+            if blocked[0] == "model-tenant" and skipped[(band, model)] < SCAN_LIMIT:
+                _push_next(heads, q, band, model, idx)
+            continue
+        candidates = _candidates(state, scratch, model, now_s)
+        if not candidates:
+            continue  # every worker of this model is full: drop its queues from this plan
+        if request.deadline_s is None or request.deadline_s > now_s:  # never run an expired one
+            d = _decide(state.policy, request, candidates, now_s)
+            decisions.append(d)
+            _take(state, scratch, d)
+        _push_next(heads, q, band, model, idx)
+    return decisions
+
+
+def _scratch(state: PlanInput) -> _Scratch:
+    s = _Scratch()
+    cfg = state.config
+    s.band_room = {b: cfg.band_limit(b) - state.books.by_band[b] for b in cfg.bands}
+    s.running_in = Counter(state.books.by_band)
+    for wid, info in state.workers.items():
+        if info.draining or wid in state.refused:
+            continue
+        room = info.capacity - len(state.books.on(wid))
+        if room <= 0:
+            continue
+        s.free[wid] = room
+        s.tokens[wid] = state.books.tokens_on(wid)
+        s.unreported[wid] = state.books.unreported_prefill(wid)
+        for m in info.models:
+            s.by_model.setdefault(m, []).append(wid)
+    return s
+
+
+def _pressed_bands(state: PlanInput) -> set[str]:
+    """Bands held to their shares: a more urgent band has requests waiting that a live worker
+    of their model could serve (see ``AdmissionConfig.band_shares``)."""
+    cfg = state.config
+    served = {m for i in state.workers.values() if not i.draining for m in i.models}
+    waiting = {band for (band, model), _ in state.queues.queues() if model in served}
+    return {
+        b
+        for i, b in enumerate(cfg.bands)
+        if b in cfg.band_shares and any(u in waiting for u in cfg.bands[:i])
+    }
+
+
+def _heads(state: PlanInput, scratch: _Scratch) -> list[_Head]:
+    heads = [
+        (q[0][0], q[0][1], band, model, 0)
+        for (band, model), q in state.queues.queues()
+        if scratch.band_room.get(band, 0) > 0 and model in scratch.by_model
+    ]
+    heapq.heapify(heads)
+    return heads
+
+
+def _push_next(
+    heads: list[_Head], q: Sequence[tuple[float, int, str]], band: str, model: str, idx: int
+) -> None:
+    if idx + 1 < len(q):
+        key, seq, _ = q[idx + 1]
+        heapq.heappush(heads, (key, seq, band, model, idx + 1))
+
+
+def _quota_levels(state: PlanInput, r: Request) -> tuple[list[Level], int]:
+    return state.config.quotas.use(r.model, r.band, r.tenant, r.prompt_tokens, r.max_tokens)
+
+
+def _blocked_level(state: PlanInput, scratch: _Scratch, request: Request) -> Level | None:
+    _, amount = _quota_levels(state, request)
+    return state.books.usage.blocked_by(
+        state.config.quotas, request.model, request.band, request.tenant, amount, scratch.levels
+    )
+
+
+def _candidates(state: PlanInput, s: _Scratch, model: str, now_s: float) -> list[Candidate]:
+    out: list[Candidate] = []
+    for w in s.by_model[model]:
+        free = s.free[w]
+        if free <= 0:
+            continue
+        info = state.workers[w]
+        out.append(
+            Candidate(
+                worker_id=w,
+                capacity=info.capacity,
+                booked=info.capacity - free,
+                booked_tokens=s.tokens[w],
+                reported_pending_tokens=info.reported_pending_tokens,
+                reported_prefill_tokens=info.reported_prefill_tokens,
+                unreported_prefill_tokens=s.unreported[w],
+                report_age_s=max(0.0, now_s - info.reported_s),
+                joined_s=state.joined_s.get(w, float("-inf")),
+                planned=s.planned[w],
+                planned_tokens=s.planned_tokens[w],
+                planned_prefill_tokens=s.planned_prefill[w],
+            )
+        )
+    return out
+
+
+def _decide(
+    policy: RoutingPolicy, request: Request, candidates: Sequence[Candidate], now_s: float
+) -> Dispatch:
+    picked = policy.choose(request.route_view(), candidates, now_s)
+    choice = picked if isinstance(picked, Choice) else Choice(picked)
+    return Dispatch(request, choice.worker_id, choice)
+
+
+def _take(state: PlanInput, s: _Scratch, d: Dispatch) -> None:
+    r, w = d.request, d.worker_id
+    prefill = d.expected_prefill_tokens
+    s.free[w] -= 1
+    s.tokens[w] += r.work_tokens
+    s.unreported[w] += prefill
+    s.planned[w] += 1
+    s.planned_tokens[w] += r.work_tokens
+    s.planned_prefill[w] += prefill
+    s.band_room[r.band] -= 1
+    s.running_in[r.band] += 1
+    levels, amount = _quota_levels(state, r)
+    for level in levels:
+        s.levels[level] += amount

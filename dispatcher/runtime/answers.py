@@ -1,0 +1,184 @@
+"""Answers and dead letters: every request that ends without running gets a typed answer on
+its result subject, and input that cannot be answered there is kept as a dead letter. A
+request message is acked only after its answer or its dead letter was stored; if neither can
+be stored it stays un-acked, is delivered again, and after ``max_deliver`` deliveries reaches
+:meth:`Answers.on_max_deliveries`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+from nats.aio.msg import Msg
+
+from sluice.common.errors import internal_error
+from sluice.dispatcher.runtime import metrics
+from sluice.dispatcher.runtime.state import BROKER_ERRORS, State
+from sluice.dispatcher.scheduler import Ended
+from sluice.schemas import names
+from sluice.schemas.codec import decode, encode
+from sluice.schemas.errors import DecodeError
+from sluice.schemas.models import DeadLetter, Rejection, RejectReason, Result, SubmitRequest
+
+log = logging.getLogger("sluice.dispatcher")
+
+_REQUEST_ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.:-")
+_PUBLISH_ATTEMPTS = 5
+
+
+async def ack(msg: Msg) -> None:
+    """Ack a request message. A lost ack only means a redelivery, which the dispatcher
+    recognises (the request is held, or its result exists)."""
+    try:
+        await msg.ack()
+    except BROKER_ERRORS:
+        metrics.ACK_FAILURES.inc()
+
+
+async def respond(msg: Msg, data: bytes = b"") -> None:
+    """Answer a core-NATS request (a lost answer makes the requester retry)."""
+    if not msg.reply:
+        return
+    try:
+        await msg.respond(data)
+    except BROKER_ERRORS:
+        log.debug("could not respond on %s", msg.reply)
+
+
+class Answers:
+    """Publishes results of requests that did not run, and dead letters."""
+
+    def __init__(self, state: State) -> None:
+        self.state = state
+
+    async def publish_result(self, result: Result) -> bool:
+        """Store a result (deduplicated by request id); False if the broker did not take it."""
+        subject = names.result_subject(result.tenant, result.request_id)
+        for attempt in range(_PUBLISH_ATTEMPTS):
+            try:
+                await self.state.js.publish(
+                    subject, encode(result), headers={names.MSG_ID_HEADER: result.request_id}
+                )
+                return True
+            except BROKER_ERRORS:
+                await asyncio.sleep(0.2 * (attempt + 1))
+        log.error("could not publish the result of %s", result.request_id)
+        metrics.ANSWER_FAILURES.inc()
+        return False
+
+    async def publish_rejection(self, req: SubmitRequest, rejection: Rejection) -> bool:
+        metrics.REJECTED.labels(rejection.reason.value).inc()
+        self.state.feedback.rejected(req.model, req.band, time.monotonic())
+        return await self.publish_result(
+            Result(
+                request_id=req.request_id,
+                ok=False,
+                model=req.model,
+                tenant=req.tenant,
+                band=req.band,
+                rejection=rejection,
+            )
+        )
+
+    async def dead_letter(self, letter: DeadLetter) -> bool:
+        try:
+            await self.state.js.publish(
+                names.dead_letter_subject(letter.reason.value), encode(letter)
+            )
+        except BROKER_ERRORS:
+            log.error("could not store a dead letter (%s)", letter.reason.value)
+            metrics.ANSWER_FAILURES.inc()
+            return False
+        return True
+
+    async def reject_raw(
+        self, msg: Msg, tenant: str, request_id: str, reason: RejectReason, message: str
+    ) -> None:
+        """Answer input that is not a valid request: on its result subject when it names a
+        usable request id, else into the dead-letter stream. Then ack it (it will never run);
+        if the answer could not be stored, leave it for redelivery."""
+        metrics.REJECTED.labels(reason.value).inc()
+        if request_id and len(request_id) <= 128 and set(request_id) <= _REQUEST_ID_CHARS:
+            stored = await self.publish_result(
+                Result(
+                    request_id=request_id,
+                    ok=False,
+                    tenant=tenant,
+                    rejection=Rejection(reason=reason, message=message),
+                )
+            )
+        else:
+            stored = await self.dead_letter(
+                DeadLetter(
+                    reason=reason,
+                    message=message,
+                    subject=msg.subject,
+                    payload=msg.data,
+                    received_unix_ms=int(time.time() * 1000),
+                )
+            )
+        if stored:
+            await ack(msg)
+
+    async def end(self, ended: Ended) -> None:
+        """A held request ends without running: answer its producer, then ack it."""
+        held = self.state.release_held(ended.request.request_id)
+        if held is None:
+            return
+        if await self.publish_rejection(held.request, ended.rejection):
+            await ack(held.msg)
+        # Not stored: un-acked, it comes back after ack_wait and is rejected again.
+
+    async def on_max_deliveries(self, msg: Msg) -> None:
+        """A request exhausted ``max_deliver``: the broker will not deliver it again, but it
+        still sits in its work-queue stream. Keep a dead letter, remove it from the queue,
+        then answer its producer."""
+        try:
+            advisory = json.loads(msg.data)
+            stream, seq = str(advisory["stream"]), int(advisory["stream_seq"])
+            deliveries = int(advisory.get("deliveries", 0))
+        except (ValueError, KeyError, TypeError):
+            internal_error(log, "dispatcher.advisory", "malformed max-deliveries advisory")
+            return
+        try:
+            raw = await self.state.js.get_msg(stream, seq=seq)
+        except BROKER_ERRORS:
+            log.warning(
+                "request at %s #%d is gone or unreachable; nothing to dead-letter", stream, seq
+            )
+            return
+        message = f"delivered {deliveries} times without finishing; moved to the dead-letter stream"
+        data = raw.data or b""
+        if self.state.held.get(_request_id_of(data)) is not None:
+            return  # we hold it now (a delivery raced the advisory): it is being served
+        letter = DeadLetter(
+            reason=RejectReason.UNDELIVERABLE,
+            message=message,
+            subject=raw.subject or "",
+            payload=data,
+            received_unix_ms=int(time.time() * 1000),
+        )
+        if not await self.dead_letter(letter):
+            return
+        try:
+            await self.state.js.delete_msg(stream, seq)
+        except BROKER_ERRORS:
+            log.error("dead-lettered %s #%d but could not remove it from its queue", stream, seq)
+            return
+        log.warning("request at %s #%d was undeliverable; dead-lettered", stream, seq)
+        try:
+            req = decode(data, SubmitRequest)
+        except DecodeError:
+            return  # no producer to answer: the dead letter keeps the bytes
+        await self.publish_rejection(
+            req, Rejection(reason=RejectReason.UNDELIVERABLE, message=message)
+        )
+
+
+def _request_id_of(data: bytes) -> str:
+    try:
+        return decode(data, SubmitRequest).request_id
+    except DecodeError:
+        return ""

@@ -1,0 +1,130 @@
+"""Feedback out: the gauges (queue depths, waits, rates, expected waits, scale signals,
+routing figures), scale events, and the answers to stats and wait queries."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+
+from nats.aio.msg import Msg
+
+from sluice.dispatcher.feedback import WaitFigures
+from sluice.dispatcher.runtime import metrics
+from sluice.dispatcher.runtime.answers import respond
+from sluice.dispatcher.runtime.state import State
+from sluice.schemas import names
+from sluice.schemas.codec import decode, encode
+from sluice.schemas.errors import DecodeError
+from sluice.schemas.models import (
+    BandStats,
+    DispatcherStats,
+    ScaleEvent,
+    WaitEstimate,
+    WaitQuery,
+)
+
+log = logging.getLogger("sluice.dispatcher")
+
+_EXPIRE_EVERY_S = 10.0
+_EXPIRE_MAX_BLOCKS = 20_000
+"""One expiry pass drops at most this many index blocks: the event loop must not stall."""
+
+
+class Gauges:
+    """Keeps the metrics current and answers stats and wait queries."""
+
+    def __init__(self, state: State) -> None:
+        self.state = state
+        self._last_feedback_s = 0.0
+        self._last_expire_s = 0.0
+
+    def update(self, now: float) -> None:
+        st = self.state
+        metrics.WORKERS.set(len(st.leases))
+        for snap in st.scheduler.band_snapshots(now):
+            metrics.QUEUED.labels(snap.band).set(snap.queued)
+            metrics.RUNNING.labels(snap.band).set(snap.running)
+        if now - self._last_feedback_s >= st.settings.feedback_every_s:
+            self._last_feedback_s = now
+            self._publish_feedback(now)
+        if now - self._last_expire_s >= _EXPIRE_EVERY_S:
+            self._last_expire_s = now
+            st.policy.expire(now, max_blocks=_EXPIRE_MAX_BLOCKS)
+            stats = st.policy.stats(now)
+            metrics.INDEX_BLOCKS.set(stats.index_blocks)
+            metrics.REPLICAS.labels("prefixes").set(stats.replicated_prefixes)
+            metrics.REPLICAS.labels("max").set(stats.max_replicas)
+            metrics.FLAP_RATE.set(st.scheduler.flaps.rate)
+            if st.decisions is not None:
+                st.decisions.flush()
+
+    def wait_figures(self, model: str, band: str, now: float) -> WaitFigures:
+        """The feedback figures of one model and band now."""
+        st = self.state
+        queued, running = st.scheduler.counts().get((model, band), (0, 0))
+        return st.feedback.figures(model, band, queued, running, now)
+
+    def _publish_feedback(self, now: float) -> None:
+        st = self.state
+        counts = st.scheduler.counts()
+        for model, band in sorted(set(counts) | set(st.feedback.keys())):
+            queued, running = counts.get((model, band), (0, 0))
+            f = st.feedback.figures(model, band, queued, running, now)
+            metrics.QUEUE_DEPTH.labels(model, band).set(queued)
+            metrics.WAIT_P50.labels(model, band).set(f.wait_p50_s)
+            metrics.WAIT_P99.labels(model, band).set(f.wait_p99_s)
+            metrics.ADMIT_RATE.labels(model, band).set(f.admitted_per_s)
+            metrics.REJECT_RATE.labels(model, band).set(f.rejected_per_s)
+            expected = math.nan if f.expected_wait_s is None else f.expected_wait_s
+            metrics.EXPECTED_WAIT.labels(model, band).set(expected)
+            signal = st.advisor.observe(f, now)
+            state = st.advisor.state(model, band)
+            metrics.SCALE_SIGNAL.labels(model, band).set(
+                1 if state == "up" else -1 if state == "down" else 0
+            )
+            if signal is None:
+                continue
+            metrics.SCALE_EVENTS.labels(signal.direction).inc()
+            log.info("scale %s for %s/%s: %s", signal.direction, model, band, signal.reason)
+            event = ScaleEvent(
+                dispatcher_id=st.settings.dispatcher_id,
+                model=signal.model,
+                band=signal.band,
+                direction=signal.direction,
+                reason=signal.reason,
+                expected_wait_s=signal.expected_wait_s,
+                at_unix_ms=int(time.time() * 1000),
+            )
+            st.spawn(st.nc.publish(names.SCALE_EVENTS_SUBJECT, encode(event)), "scale-event")
+
+    async def on_wait(self, msg: Msg) -> None:
+        try:
+            q = decode(msg.data, WaitQuery)
+        except DecodeError:
+            metrics.BAD_INPUT.labels("wait").inc()
+            return
+        f = self.wait_figures(q.model, q.band, time.monotonic())
+        await respond(msg, encode(WaitEstimate(**dataclasses.asdict(f))))
+
+    async def on_stats(self, msg: Msg) -> None:
+        st = self.state
+        now = time.monotonic()
+        stats = DispatcherStats(
+            dispatcher_id=st.settings.dispatcher_id,
+            running=st.scheduler.running,
+            global_limit=st.settings.global_limit,
+            workers=len(st.leases),
+            bands=[
+                BandStats(
+                    band=b.band,
+                    queued=b.queued,
+                    running=b.running,
+                    limit=b.limit,
+                    oldest_wait_s=b.oldest_wait_s,
+                )
+                for b in st.scheduler.band_snapshots(now)
+            ],
+        )
+        await respond(msg, encode(stats))

@@ -1,0 +1,124 @@
+"""The hand-off loop: expire leases and deadlines, plan, offer every decision to its worker
+at once (request/reply on its work subject), and book what the workers accepted."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import nats.errors
+
+from sluice.common.aio import wait_event
+from sluice.common.errors import internal_error
+from sluice.dispatcher.decisions import decision_record
+from sluice.dispatcher.runtime import metrics
+from sluice.dispatcher.runtime.answers import Answers
+from sluice.dispatcher.runtime.gauges import Gauges
+from sluice.dispatcher.runtime.state import BROKER_ERRORS, State
+from sluice.dispatcher.runtime.workers import WorkerTraffic
+from sluice.dispatcher.scheduler import Dispatch
+from sluice.schemas import names
+from sluice.schemas.codec import decode, encode
+from sluice.schemas.errors import DecodeError
+from sluice.schemas.models import Assignment, AssignmentReply
+
+log = logging.getLogger("sluice.dispatcher")
+
+
+class HandOff:
+    """The scheduling loop."""
+
+    def __init__(
+        self, state: State, answers: Answers, workers: WorkerTraffic, gauges: Gauges
+    ) -> None:
+        self.state = state
+        self.answers = answers
+        self.workers = workers
+        self.gauges = gauges
+
+    async def loop(self) -> None:
+        st = self.state
+        while st.running:
+            await wait_event(st.kick, st.settings.tick_s)
+            st.kick.clear()
+            try:
+                await self.once()
+            except Exception:  # the loop must go on: log and count it
+                internal_error(log, "dispatcher.schedule", "scheduling pass failed")
+                await asyncio.sleep(st.settings.tick_s)
+
+    async def once(self) -> None:
+        st = self.state
+        now = time.monotonic()
+        if not st.nc.is_connected:
+            return  # cut off: no heartbeats reach us, so no lease may expire; nothing to send
+        for worker_id in st.leases.expired(now):
+            metrics.LEASES_EXPIRED.inc()
+            log.warning("worker %s lost its lease; re-queueing its requests", worker_id)
+            await self.workers.lose_worker(worker_id)
+        for ended in st.scheduler.sweep(now):
+            await self.answers.end(ended)
+        self.gauges.update(now)
+        if now - st.started_s < st.settings.effective_learn_s:
+            return  # learning mode: only listen to heartbeats
+        decisions = st.scheduler.plan(now)
+        if not decisions:
+            return
+        accepted = await asyncio.gather(*(self.offer(d) for d in decisions))
+        booked_s = time.monotonic()
+        for d, ok in zip(decisions, accepted, strict=True):
+            if ok:
+                self._book(d, booked_s)
+            else:
+                metrics.HANDOFF_REFUSED.inc()
+                st.scheduler.refused(d)
+        st.kick.set()  # room may remain: plan again at once
+
+    def _book(self, d: Dispatch, booked_s: float) -> None:
+        st = self.state
+        r = d.request
+        booked = st.scheduler.book(d, booked_s)
+        # The worker's heartbeat may have listed it first (adopted): still this decision.
+        b = st.scheduler.booking(r.request_id)
+        if not booked and (
+            b is None or b.worker_id != d.worker_id or b.request.attempt != r.attempt
+        ):
+            return
+        metrics.ADMITTED.labels(r.band).inc()
+        metrics.QUEUE_WAIT.labels(r.band).observe(max(0.0, booked_s - r.arrived_s))
+        st.feedback.admitted(r.model, r.band, booked_s - r.arrived_s, booked_s)
+        metrics.ROUTED.labels(d.choice.reason if d.choice else "").inc()
+        if st.decisions is not None:
+            st.decisions.write(decision_record(d, booked_s))
+
+    async def offer(self, d: Dispatch) -> bool:
+        """Offer a decision to its worker; True if it accepted."""
+        st = self.state
+        held = st.held.get(d.request.request_id)
+        if held is None:
+            return False
+        assignment = Assignment(
+            request=held.request,
+            attempt=d.request.attempt,
+            dispatcher_id=st.settings.dispatcher_id,
+            queued_s=max(0.0, time.time() - held.request.submitted_unix_ms / 1000),
+        )
+        t0 = time.perf_counter()
+        try:
+            reply = await st.nc.request(
+                names.work_subject(d.worker_id),
+                encode(assignment),
+                timeout=st.settings.handoff_timeout_s,
+            )
+            answer = decode(reply.data, AssignmentReply)
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
+            return False
+        except DecodeError:
+            metrics.BAD_INPUT.labels("assignment-reply").inc()
+            return False
+        except BROKER_ERRORS:
+            log.warning("hand-off of %s to %s failed", d.request.request_id, d.worker_id)
+            return False
+        metrics.HANDOFF.observe(time.perf_counter() - t0)
+        return answer.accepted

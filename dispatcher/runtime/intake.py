@@ -1,0 +1,148 @@
+"""Intake: one long-poll pull task per band feeds the scheduler. A request's message stays
+un-acked (held) until the request ends; a redelivered one whose result exists already is
+acked at once; invalid input is answered (:mod:`sluice.dispatcher.runtime.answers`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import nats.errors
+from nats.aio.msg import Msg
+from nats.js.client import JetStreamContext
+from nats.js.errors import NotFoundError
+
+from sluice.common.errors import internal_error
+from sluice.dispatcher.runtime import metrics
+from sluice.dispatcher.runtime.answers import Answers, ack
+from sluice.dispatcher.runtime.state import BROKER_ERRORS, Held, State
+from sluice.dispatcher.scheduler import Request
+from sluice.schemas import names
+from sluice.schemas.codec import decode
+from sluice.schemas.errors import DecodeError
+from sluice.schemas.hashing import prompt_hashes, prompt_length
+from sluice.schemas.models import RejectReason, SubmitRequest
+
+log = logging.getLogger("sluice.dispatcher")
+
+
+class Intake:
+    """Pulls requests from the band streams into the scheduler."""
+
+    def __init__(self, state: State, answers: Answers) -> None:
+        self.state = state
+        self.answers = answers
+
+    async def pull_loop(self, band: str, psub: JetStreamContext.PullSubscription) -> None:
+        st = self.state
+        room = st.room[band]
+        while st.running:
+            free = st.settings.max_buffered - st.held_by_band[band]
+            if free <= 0:
+                room.clear()
+                await room.wait()
+                continue
+            try:
+                msgs = await psub.fetch(batch=min(free, 128), timeout=st.settings.fetch_timeout_s)
+            except (TimeoutError, nats.errors.TimeoutError):
+                continue
+            except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError):
+                await asyncio.sleep(0.2)
+                continue
+            except BROKER_ERRORS:
+                log.warning("fetch on band %s failed; retrying", band, exc_info=True)
+                await asyncio.sleep(0.5)
+                continue
+            for msg in msgs:
+                try:
+                    await self.on_request(band, msg)
+                except Exception:  # one message must never stop its band: log and count it
+                    internal_error(log, "dispatcher.intake", "a request of band %s failed", band)
+            st.kick.set()
+
+    async def on_request(self, band: str, msg: Msg) -> None:
+        st = self.state
+        now = time.monotonic()
+        meta = msg.metadata
+        try:
+            s_band, s_model, s_tenant = names.parse_request_subject(msg.subject)
+        except ValueError:
+            s_band, s_model, s_tenant = band, "", "default"
+        header_id = (msg.headers or {}).get(names.MSG_ID_HEADER, "")
+        try:
+            req = decode(msg.data, SubmitRequest)
+        except DecodeError as exc:
+            partial = exc.partial if isinstance(exc.partial, dict) else {}
+            rid = header_id or str(partial.get("request_id", ""))
+            await self.answers.reject_raw(msg, s_tenant, rid, RejectReason.MALFORMED, str(exc))
+            return
+        if (req.band, req.model, req.tenant) != (s_band, s_model, s_tenant):
+            await self.answers.reject_raw(
+                msg,
+                s_tenant,
+                req.request_id,
+                RejectReason.MALFORMED,
+                f"body says band/model/tenant {req.band}/{req.model}/{req.tenant} but it was "
+                f"published on {msg.subject}",
+            )
+            return
+        rid = req.request_id
+        held = st.held.get(rid)
+        if held is not None:
+            if held.stream_seq == meta.sequence.stream:
+                held.msg = msg  # a redelivery of the message we hold: keep the newest handle
+            else:
+                metrics.DUPLICATES.inc()
+                await ack(msg)
+            return
+        if meta.num_delivered > 1 and await self.result_exists(req.tenant, rid):
+            metrics.DUPLICATES.inc()
+            await ack(msg)
+            return
+        outcome = st.scheduler.enqueue(_request(req, msg, now), now)
+        if outcome.status == "queued":
+            st.hold(Held(msg, req, meta.sequence.stream))
+        elif outcome.status == "duplicate":
+            metrics.DUPLICATES.inc()
+            await ack(msg)
+        else:
+            assert outcome.rejection is not None
+            if await self.answers.publish_rejection(req, outcome.rejection):
+                await ack(msg)
+
+    async def result_exists(self, tenant: str, request_id: str) -> bool:
+        """Whether a result of ``request_id`` is stored (unsure counts as no: running it again
+        is safe, the client deduplicates results)."""
+        try:
+            await self.state.js.get_last_msg(
+                names.RESULT_STREAM, names.result_subject(tenant, request_id), direct=True
+            )
+        except NotFoundError:
+            return False
+        except BROKER_ERRORS:
+            log.debug("could not look up the result of %s; running it", request_id)
+            return False
+        return True
+
+
+def _request(req: SubmitRequest, msg: Msg, now: float) -> Request:
+    """The scheduler's view of a submitted request, on the monotonic clock: it arrived when
+    the broker stored it, and its deadline is the producer's wall-clock deadline."""
+    wall = time.time()
+    stamp = msg.metadata.timestamp
+    stored_s = stamp.timestamp() if stamp else wall
+    deadline_s = None
+    if req.deadline_unix_ms is not None:
+        deadline_s = now + (req.deadline_unix_ms / 1000 - wall)
+    return Request(
+        request_id=req.request_id,
+        band=req.band,
+        model=req.model,
+        tenant=req.tenant,
+        prompt_tokens=prompt_length(req.prompt_tokens, req.prompt_text),
+        max_tokens=req.max_tokens,
+        arrived_s=now - max(0.0, wall - stored_s),
+        deadline_s=deadline_s,
+        block_hashes=tuple(prompt_hashes(req.prompt_tokens, req.prompt_text)),
+    )

@@ -1,0 +1,129 @@
+"""What the dispatcher runtime's rooms share: the core, the held request messages and the
+events that wake the loops."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+import nats.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js.client import JetStreamContext
+
+from sluice.common.errors import internal_error
+from sluice.dispatcher.decisions import DecisionLog
+from sluice.dispatcher.feedback import Feedback, ScaleAdvisor
+from sluice.dispatcher.leases import LeaseTable
+from sluice.dispatcher.policies import build_policy, flap_meter
+from sluice.dispatcher.routing import RoutingPolicy
+from sluice.dispatcher.runtime.settings import DispatcherSettings
+from sluice.dispatcher.scheduler import Scheduler
+from sluice.schemas.models import SubmitRequest
+
+log = logging.getLogger("sluice.dispatcher")
+
+BROKER_ERRORS = (nats.errors.Error, OSError, TimeoutError)
+"""What a publish, request, ack or fetch may raise while the broker is away (nats-py's
+JetStream errors derive from ``nats.errors.Error``): expected, handled where they happen."""
+
+
+@dataclass
+class Held:
+    """A request message the dispatcher holds un-acked until the request ends."""
+
+    msg: Msg
+    request: SubmitRequest
+    stream_seq: int
+
+
+class State:
+    """The dispatcher's shared state (one per dispatcher)."""
+
+    def __init__(
+        self, settings: DispatcherSettings, policy: RoutingPolicy | None, started_s: float
+    ) -> None:
+        self.settings = s = settings
+        routing = s.routing()
+        self.policy = policy or build_policy(s.routing_policy, routing, s.seed)
+        self.index_block_tokens = routing.block_tokens * routing.index_stride
+        self.decisions = (
+            DecisionLog(s.decision_log, s.decision_log_max_bytes)
+            if s.decision_log is not None
+            else None
+        )
+        self.feedback = Feedback(s.feedback_window_s)
+        self.advisor = ScaleAdvisor(
+            up_wait_s=s.scale_up_wait_s,
+            up_sustain_s=s.scale_up_sustain_s,
+            down_idle_s=s.scale_down_idle_s,
+        )
+        self.started_s = started_s
+        self.scheduler = Scheduler(
+            s.admission(),
+            self.policy,
+            models=s.models,
+            model_grace_s=s.effective_model_grace_s,
+            started_s=started_s,
+            flaps=flap_meter(routing),
+        )
+        self.leases = LeaseTable(s.lease_s)
+        self.held: dict[str, Held] = {}
+        self.held_by_band: Counter[str] = Counter()
+        self.room = {b: asyncio.Event() for b in s.bands}
+        """Set when a band's buffer has room again (its pull task waits on it)."""
+        self.kick = asyncio.Event()
+        """Set when something changed that may let the scheduler plan."""
+        self.stopping = asyncio.Event()
+        self.running = False
+        self.nc_or_none: NATS | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+
+    @property
+    def nc(self) -> NATS:
+        assert self.nc_or_none is not None, "dispatcher not started"
+        return self.nc_or_none
+
+    @property
+    def js(self) -> JetStreamContext:
+        return self.nc.jetstream()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], site: str) -> None:
+        """Run ``coro`` in the background; an error it ends with is logged and counted."""
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(lambda t: self._done(t, site))
+
+    def _done(self, task: asyncio.Task[Any], site: str) -> None:
+        self._background.discard(task)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is None:
+            return
+        try:
+            raise exc
+        except BROKER_ERRORS:
+            log.debug("background %s failed: broker unreachable", site)
+        except Exception:
+            internal_error(log, site, "background task failed")
+
+    @property
+    def background(self) -> set[asyncio.Task[Any]]:
+        return self._background
+
+    def hold(self, held: Held) -> None:
+        self.held[held.request.request_id] = held
+        self.held_by_band[held.request.band] += 1
+
+    def release_held(self, request_id: str) -> Held | None:
+        held = self.held.pop(request_id, None)
+        if held is not None:
+            band = held.request.band
+            self.held_by_band[band] -= 1
+            self.room[band].set()
+        return held

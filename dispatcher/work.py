@@ -1,0 +1,106 @@
+"""The scheduler's plain data: requests, workers, decisions, bookings and outcomes (pure)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from sluice.dispatcher.routing import Choice, RouteRequest
+from sluice.schemas.models import Rejection
+
+
+@dataclass(frozen=True)
+class Request:
+    """A request as the scheduler holds it. ``arrived_s`` and ``deadline_s`` are on the
+    caller's clock (the same clock as every ``now_s``)."""
+
+    request_id: str
+    band: str
+    model: str
+    tenant: str
+    prompt_tokens: int
+    max_tokens: int
+    arrived_s: float
+    deadline_s: float | None = None
+    block_hashes: tuple[int, ...] = ()
+    attempt: int = 1
+    """The attempt this request will run as when next dispatched."""
+
+    @property
+    def work_tokens(self) -> int:
+        """The work the request brings to a worker, in tokens."""
+        return self.prompt_tokens + self.max_tokens
+
+    def route_view(self) -> RouteRequest:
+        return RouteRequest(
+            self.request_id, self.model, self.prompt_tokens, self.max_tokens, self.block_hashes
+        )
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """A live worker as its last heartbeat described it."""
+
+    worker_id: str
+    models: frozenset[str]
+    capacity: int
+    draining: bool = False
+    reported_pending_tokens: int = 0
+    reported_in_flight: frozenset[str] = frozenset()
+    reported_prefill_tokens: int = 0
+    """Prompt tokens still to prefill at the heartbeat."""
+    reported_s: float = 0.0
+    """When the heartbeat arrived, on the scheduler's clock."""
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """Decision: offer ``request`` to ``worker_id``."""
+
+    request: Request
+    worker_id: str
+    choice: Choice | None = None
+    """The policy's full decision (expected hit, reason, score terms)."""
+
+    @property
+    def expected_hit_tokens(self) -> int:
+        return self.choice.expected_hit_tokens if self.choice else 0
+
+    @property
+    def expected_prefill_tokens(self) -> int:
+        """The prefill this decision brings to its worker: the prompt less the expected hit
+        (at least one token: engines always compute one)."""
+        return max(1, self.request.prompt_tokens - self.expected_hit_tokens)
+
+
+@dataclass(frozen=True)
+class Booking:
+    """A request running on a worker, as this dispatcher booked it."""
+
+    request: Request
+    worker_id: str
+    booked_s: float
+    expected_hit_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Ended:
+    """A request that leaves the scheduler without running (a typed rejection)."""
+
+    request: Request
+    rejection: Rejection
+
+
+@dataclass(frozen=True)
+class EnqueueOutcome:
+    status: Literal["queued", "duplicate", "rejected"]
+    rejection: Rejection | None = None
+
+
+@dataclass(frozen=True)
+class BandSnapshot:
+    band: str
+    queued: int
+    running: int
+    limit: int
+    oldest_wait_s: float
