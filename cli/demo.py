@@ -19,7 +19,14 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
-from sluice.client import Client, QueueFull, Rejected, SluiceError
+from sluice.client import (
+    Client,
+    NotConnected,
+    QueueFull,
+    Rejected,
+    ServiceUnavailable,
+    SluiceError,
+)
 from sluice.common.aio import wait_event
 from sluice.dispatcher.stats import percentile
 from sluice.schemas import names
@@ -110,6 +117,10 @@ class _Run:
             out.error = "queue_full"
         except Rejected as exc:
             out.error = exc.reason.value
+        except (NotConnected, ServiceUnavailable):
+            if not self.stop.is_set():
+                out.error = "service_unavailable"
+            # else: cut off by the demo's own stop: unfinished, not rejected
         except SluiceError as exc:
             out.error = type(exc).__name__
         finally:

@@ -11,6 +11,8 @@ from sluice.client.client import Client, RequestHandle
 from sluice.client.errors import (
     DeadlineExceeded,
     InvalidRequest,
+    MalformedResult,
+    NotConnected,
     QueueFull,
     Rejected,
     ResultTimeout,
@@ -25,6 +27,8 @@ __all__ = [
     "ClientSettings",
     "DeadlineExceeded",
     "InvalidRequest",
+    "MalformedResult",
+    "NotConnected",
     "QueueFull",
     "RejectReason",
     "Rejected",

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from types import TracebackType
 
 import nats.errors
@@ -18,6 +19,8 @@ from pydantic import ValidationError
 
 from sluice.client.errors import (
     InvalidRequest,
+    MalformedResult,
+    NotConnected,
     QueueFull,
     ResultTimeout,
     ServiceUnavailable,
@@ -40,6 +43,20 @@ from sluice.schemas.models import (
 )
 
 _RESULT_POLL_S = 2.0
+_NATS_ERRORS = (nats.errors.Error, OSError)
+"""What nats-py raises when the broker is away or the connection closed (its JetStream
+errors derive from ``nats.errors.Error``): the client raises ``ServiceUnavailable`` for them."""
+log = logging.getLogger("sluice.client")
+
+
+@contextlib.contextmanager
+def unavailable_on_broker_errors(what: str) -> Iterator[None]:
+    """Translate nats-py's errors into :class:`ServiceUnavailable` (the client raises only
+    its own types)."""
+    try:
+        yield
+    except _NATS_ERRORS as exc:
+        raise ServiceUnavailable(f"cannot {what}: {exc}") from exc
 
 
 class RequestHandle:
@@ -55,36 +72,55 @@ class RequestHandle:
         self._result: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
         self._delivered = 0  # tokens handed to the iterator so far
         self._subs: list[Subscription] = []
+        self._cleanup: asyncio.Task[None] | None = None
 
     # -- subscriptions (set up before the publish, so nothing is missed)
 
     async def _subscribe(self, nc: NATS) -> None:
-        self._subs = [
-            await nc.subscribe(names.token_subject(self.request_id), cb=self._on_chunk),
-            await nc.subscribe(
-                names.result_subject(self.request.tenant, self.request_id), cb=self._on_result
-            ),
-        ]
+        with unavailable_on_broker_errors("subscribe to the request's results"):
+            self._subs = [
+                await nc.subscribe(names.token_subject(self.request_id), cb=self._on_chunk),
+                await nc.subscribe(
+                    names.result_subject(self.request.tenant, self.request_id),
+                    cb=self._on_result,
+                ),
+            ]
 
     async def _unsubscribe(self) -> None:
         subs, self._subs = self._subs, []
         for sub in subs:
-            with contextlib.suppress(Exception):
+            # A closed connection has dropped its subscriptions already.
+            with contextlib.suppress(*_NATS_ERRORS):
                 await sub.unsubscribe()
 
     async def _on_chunk(self, msg: Msg) -> None:
-        with contextlib.suppress(DecodeError):
+        try:
             self._chunks.put_nowait(decode(msg.data, TokenChunk))
+        except DecodeError as exc:
+            # Live tokens are best effort: the result carries every token.
+            log.warning("malformed token chunk for %s dropped: %s", self.request_id, exc)
 
     async def _on_result(self, msg: Msg) -> None:
-        with contextlib.suppress(DecodeError):
-            self._set_result(decode(msg.data, Result))
+        try:
+            result = decode(msg.data, Result)
+        except DecodeError as exc:
+            self._end(MalformedResult(self.request_id, str(exc)))
+            return
+        self._set_result(result)
 
     def _set_result(self, result: Result) -> None:
         if not self._result.done():  # the first result wins: results are deduplicated here
             self._result.set_result(result)
-            self._chunks.put_nowait(None)
-            asyncio.get_running_loop().create_task(self._unsubscribe())
+            self._closed()
+
+    def _end(self, error: SluiceError) -> None:
+        if not self._result.done():
+            self._result.set_exception(error)
+            self._closed()
+
+    def _closed(self) -> None:
+        self._chunks.put_nowait(None)
+        self._cleanup = asyncio.get_running_loop().create_task(self._unsubscribe())
 
     # -- public API
 
@@ -108,7 +144,13 @@ class RequestHandle:
             await wait_at_most(asyncio.shield(self._result), wait)
             if not self._result.done():
                 # A result published while we were reconnecting is still in the stream.
-                found = await self._client._lookup_result(self.request.tenant, self.request_id)
+                try:
+                    found = await self._client._lookup_result(self.request.tenant, self.request_id)
+                except ServiceUnavailable:
+                    continue  # the broker is away: keep waiting, the subscription may deliver
+                except MalformedResult as exc:
+                    self._end(exc)
+                    continue
                 if found is not None:
                     self._set_result(found)
         result = self._result.result()
@@ -214,7 +256,7 @@ class Client:
 
     async def close(self) -> None:
         if self._own_nc and self._nc is not None:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(*_NATS_ERRORS):  # closing a broken connection
                 await self._nc.close()
         self._nc = None
 
@@ -229,7 +271,7 @@ class Client:
     @property
     def nc(self) -> NATS:
         if self._nc is None:
-            raise SluiceError("client is not connected: use 'async with Client(...)'")
+            raise NotConnected("client is not connected: use 'async with Client(...)'")
         return self._nc
 
     async def submit(
@@ -328,11 +370,13 @@ class Client:
                 f"no stream accepts {subject}: band {r.band!r} is unknown or no dispatcher "
                 "has started"
             ) from exc
-        except nats.errors.TimeoutError as exc:
+        except (nats.errors.TimeoutError, TimeoutError) as exc:
             raise ServiceUnavailable(
                 f"submit of {r.request_id} not confirmed within {self.publish_timeout_s}s; "
                 "submitting again with the same request_id is safe"
             ) from exc
+        except _NATS_ERRORS as exc:
+            raise ServiceUnavailable(f"submit to {subject} failed: {exc}") from exc
 
     async def fetch_result(self, request_id: str, *, tenant: str | None = None) -> Result | None:
         """The stored result of an earlier request, or None if there is none (yet)."""
@@ -347,12 +391,14 @@ class Client:
             return None
         except APIError:
             return None
+        except _NATS_ERRORS as exc:
+            raise ServiceUnavailable(f"cannot look up the result of {request_id}: {exc}") from exc
         if raw.data is None:
             return None
         try:
             return decode(raw.data, Result)
-        except DecodeError:
-            return None
+        except DecodeError as exc:
+            raise MalformedResult(request_id, str(exc)) from exc
 
     async def estimate_wait(
         self, model: str, band: str | None = None, timeout_s: float = 2.0
@@ -364,6 +410,8 @@ class Client:
             msg = await self.nc.request(names.WAIT_SUBJECT, encode(query), timeout=timeout_s)
         except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as exc:
             raise ServiceUnavailable("no dispatcher answered the wait estimate") from exc
+        except _NATS_ERRORS as exc:
+            raise ServiceUnavailable(f"wait estimate failed: {exc}") from exc
         try:
             return decode(msg.data, WaitEstimate)
         except DecodeError as exc:
@@ -375,6 +423,8 @@ class Client:
             msg = await self.nc.request(names.STATS_SUBJECT, b"", timeout=timeout_s)
         except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as exc:
             raise ServiceUnavailable("no dispatcher answered the stats query") from exc
+        except _NATS_ERRORS as exc:
+            raise ServiceUnavailable(f"stats query failed: {exc}") from exc
         try:
             return decode(msg.data, DispatcherStats)
         except DecodeError as exc:

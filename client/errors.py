@@ -44,7 +44,21 @@ class QueueFull(SluiceError):
 
 class ServiceUnavailable(SluiceError):
     """No Sluice dispatcher has set up this band (wrong band name, or none is running), or
-    NATS cannot be reached."""
+    NATS cannot be reached (also: the connection was closed)."""
+
+
+class NotConnected(SluiceError):
+    """The client was used outside ``async with Client(...)`` (or after ``close()``)."""
+
+
+class MalformedResult(SluiceError):
+    """A message on the request's result subject is not a valid result (a broken or hostile
+    publisher): the request's outcome is unknown. ``Client.fetch_result`` may find the real
+    one later."""
+
+    def __init__(self, request_id: str, detail: str) -> None:
+        self.request_id = request_id
+        super().__init__(f"malformed result for {request_id}: {detail}")
 
 
 class Rejected(SluiceError):

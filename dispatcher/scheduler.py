@@ -79,6 +79,9 @@ class Scheduler:
         self._refused: set[str] = set()
         # Requests whose model was unknown when queued (a model, once known, stays known).
         self._maybe_unknown: set[str] = set()
+        # Request id -> the worker whose last heartbeat reports running it: a request that
+        # arrives (is redelivered) while a worker runs it is booked there, never run twice.
+        self._reported_on: dict[str, str] = {}
         self.flaps = flaps or FlapMeter(key_blocks(DEFAULT_BLOCK_TOKENS))
         """Flaps of booked decisions (:mod:`sluice.dispatcher.flaps`)."""
 
@@ -165,6 +168,9 @@ class Scheduler:
         if rejection is not None:
             return EnqueueOutcome("rejected", rejection)
         self._insert(request)
+        worker = self._reported_on.get(rid)
+        if worker is not None and self.adopt(rid, worker, now_s):
+            return EnqueueOutcome("adopted")
         return EnqueueOutcome("queued")
 
     def _validate(self, request: Request, now_s: float) -> Rejection | None:
@@ -213,6 +219,8 @@ class Scheduler:
 
     def update_worker(self, info: WorkerInfo) -> None:
         """Record a worker's heartbeat (its lease is the runtime's ``LeaseTable``)."""
+        old = self._workers.get(info.worker_id)
+        self._note_reported(info.worker_id, old.reported_in_flight if old else frozenset(), info)
         self._workers[info.worker_id] = info
         self._joined_s.setdefault(info.worker_id, info.reported_s)
         self._books.reported(info.worker_id, info.reported_in_flight)
@@ -222,7 +230,9 @@ class Scheduler:
     def remove_worker(self, worker_id: str) -> tuple[list[Request], list[Ended]]:
         """A worker left or lost its lease: its bookings are released and its requests queued
         again as their next attempt (keeping their place), or ended once out of attempts."""
-        self._workers.pop(worker_id, None)
+        old = self._workers.pop(worker_id, None)
+        if old is not None:
+            self._note_reported(worker_id, old.reported_in_flight, None)
         self._refused.discard(worker_id)
         self._joined_s.pop(worker_id, None)
         requeued: list[Request] = []
@@ -234,6 +244,18 @@ class Scheduler:
             else:
                 requeued.append(retry)
         return requeued, ended
+
+    def _note_reported(
+        self, worker_id: str, before: frozenset[str], info: WorkerInfo | None
+    ) -> None:
+        now = info.reported_in_flight if info is not None else frozenset()
+        if now == before:
+            return
+        for rid in before - now:
+            if self._reported_on.get(rid) == worker_id:
+                del self._reported_on[rid]
+        for rid in now - before:
+            self._reported_on[rid] = worker_id
 
     def _retry(self, request: Request) -> Request | Ended:
         if request.attempt >= self.config.max_attempts:

@@ -93,7 +93,11 @@ class Ended:
 
 @dataclass(frozen=True)
 class EnqueueOutcome:
-    status: Literal["queued", "duplicate", "rejected"]
+    """``queued``; ``adopted``: a worker's last heartbeat reports running it, so it was booked
+    there at once (a dispatcher that took over gets it redelivered); ``duplicate``: queued or
+    running already; ``rejected``: with ``rejection``."""
+
+    status: Literal["queued", "adopted", "duplicate", "rejected"]
     rejection: Rejection | None = None
 
 

@@ -101,7 +101,7 @@ class Intake:
             await ack(msg)
             return
         outcome = st.scheduler.enqueue(_request(req, msg, now), now)
-        if outcome.status == "queued":
+        if outcome.status in ("queued", "adopted"):
             st.hold(Held(msg, req, meta.sequence.stream))
         elif outcome.status == "duplicate":
             metrics.DUPLICATES.inc()
