@@ -14,6 +14,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
+import nats.errors
 from rich import box
 from rich.console import Console, Group
 from rich.live import Live
@@ -265,7 +266,7 @@ async def _run(cfg: DemoConfig, url: str, console: Console) -> DemoReport:
             run.stop.set()
             for task in list(run.tasks):
                 task.cancel()
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(nats.errors.Error):  # the connection may be gone
                 await hb_sub.unsubscribe()
             with contextlib.suppress(NotImplementedError, ValueError):
                 loop.remove_signal_handler(signal.SIGINT)

@@ -37,10 +37,13 @@ def decision_record(dispatch: Dispatch, now_s: float) -> dict[str, Any]:
     }
 
 
+DEFAULT_MAX_BYTES = 256 * 1024 * 1024
+
+
 class DecisionLog:
     """Appends JSON lines to ``path``, rotating at ``max_bytes``."""
 
-    def __init__(self, path: Path | str, max_bytes: int = 256 * 1024 * 1024) -> None:
+    def __init__(self, path: Path | str, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         if max_bytes < 1024:
             raise ValueError("max_bytes must be at least 1024")
         self.path = Path(path)

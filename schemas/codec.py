@@ -22,7 +22,9 @@ def decode(data: bytes, model: type[M]) -> M:
     """Parse msgpack bytes into ``model``; raises :class:`DecodeError` on any bad input."""
     try:
         obj: Any = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises several unrelated types for bad bytes
+    except (msgpack.UnpackException, ValueError, TypeError, OverflowError) as exc:
+        # msgpack raises these for bad bytes (its ExtraData, FormatError and StackError are
+        # ValueErrors; invalid UTF-8 is a UnicodeDecodeError, a ValueError too).
         raise DecodeError(f"not valid msgpack: {exc}") from exc
     if not isinstance(obj, dict):
         raise DecodeError(f"expected a map, got {type(obj).__name__}")

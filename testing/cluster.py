@@ -6,15 +6,18 @@ Used by ``sluice demo`` and the tests; production runs each part as its own proc
 
 from __future__ import annotations
 
-import contextlib
+import logging
 from typing import Any
 
 from sluice.agent.runtime import Agent, Observer
 from sluice.agent.runtime.settings import AgentSettings
+from sluice.common.errors import internal_error
 from sluice.dispatcher.routing import RoutingPolicy
 from sluice.dispatcher.runtime import Dispatcher
 from sluice.dispatcher.runtime.settings import DispatcherSettings
 from sluice.testing.engines import simulated_engine
+
+log = logging.getLogger("sluice.testing")
 
 
 class LocalCluster:
@@ -58,11 +61,17 @@ class LocalCluster:
         return self
 
     async def stop(self) -> None:
+        """Stop every part; one that fails to stop is logged and counted, and the others are
+        still stopped."""
         for a in self.agents:
-            with contextlib.suppress(Exception):
+            try:
                 await a.stop()
-        with contextlib.suppress(Exception):
+            except Exception:
+                internal_error(log, "testing.cluster", "agent %s did not stop cleanly", a.worker_id)
+        try:
             await self.dispatcher.stop()
+        except Exception:
+            internal_error(log, "testing.cluster", "the dispatcher did not stop cleanly")
 
     async def __aenter__(self) -> LocalCluster:
         try:

@@ -14,6 +14,7 @@ from pydantic_settings import SettingsConfigDict
 from sluice.common.settings import SluiceSettings
 from sluice.dispatcher.admission import DEFAULT_BAND_DELAY_S, AdmissionConfig
 from sluice.dispatcher.cacheaware import CacheAwareConfig
+from sluice.dispatcher.decisions import DEFAULT_MAX_BYTES
 from sluice.dispatcher.defaults import (
     FEEDBACK_WINDOW_S,
     SCALE_DOWN_IDLE_S,
@@ -245,7 +246,7 @@ class DispatcherSettings(SluiceSettings):
         default=None, description="Write one JSON line per routing decision here (off: unset)."
     )
     decision_log_max_bytes: int = Field(
-        default=256 * 1024 * 1024, ge=1024, description="Rotate the decision log at this size."
+        default=DEFAULT_MAX_BYTES, ge=1024, description="Rotate the decision log at this size."
     )
 
     @model_validator(mode="after")

@@ -4,6 +4,7 @@ letters, and the dispatcher's durable pull consumers. Created or updated at star
 
 from __future__ import annotations
 
+import nats.errors
 from nats.js import api
 from nats.js.client import JetStreamContext
 from nats.js.errors import BadRequestError, BucketNotFoundError
@@ -80,13 +81,13 @@ async def ensure_streams(js: JetStreamContext, s: DispatcherSettings) -> None:
                 if exc.err_code != names.JS_ERR_STREAM_NAME_IN_USE:
                     raise
                 await js.update_stream(cfg)
-        except Exception as exc:
+        except (nats.errors.Error, OSError, TimeoutError) as exc:
             raise StreamSetupError(f"cannot set up stream {cfg.name}: {exc}") from exc
     for b in s.bands:
         cfg_c = band_consumer(s, b)
         try:
             await js.add_consumer(names.request_stream(b), cfg_c)
-        except Exception as exc:
+        except (nats.errors.Error, OSError, TimeoutError) as exc:
             raise StreamSetupError(f"cannot set up consumer {cfg_c.durable_name}: {exc}") from exc
 
 
