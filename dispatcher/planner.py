@@ -79,7 +79,10 @@ def plan(state: PlanInput, now_s: float, max_decisions: int | None = None) -> li
         q = state.queues.queue(band, model)
         request = state.queues.get(q[idx][2])
         assert request is not None
-        blocked = _blocked_level(state, scratch, request)
+        levels, amount = _quota_levels(state, request)
+        blocked = state.books.usage.blocked_by(
+            cfg.quotas, model, band, request.tenant, amount, scratch.levels
+        )
         if blocked is not None:
             # A full tenant must not hold up other tenants behind it. A full model or
             # model-band holds up its whole queue, also with token quotas (where a smaller
@@ -94,7 +97,7 @@ def plan(state: PlanInput, now_s: float, max_decisions: int | None = None) -> li
         if request.deadline_s is None or request.deadline_s > now_s:  # never run an expired one
             d = _decide(state.policy, request, candidates, now_s)
             decisions.append(d)
-            _take(state, scratch, d)
+            _take(scratch, d, levels, amount)
         _push_next(heads, q, band, model, idx)
     return decisions
 
@@ -153,37 +156,38 @@ def _quota_levels(state: PlanInput, r: Request) -> tuple[list[Level], int]:
     return state.config.quotas.use(r.model, r.band, r.tenant, r.prompt_tokens, r.max_tokens)
 
 
-def _blocked_level(state: PlanInput, scratch: _Scratch, request: Request) -> Level | None:
-    _, amount = _quota_levels(state, request)
-    return state.books.usage.blocked_by(
-        state.config.quotas, request.model, request.band, request.tenant, amount, scratch.levels
-    )
-
-
 def _candidates(state: PlanInput, s: _Scratch, model: str, now_s: float) -> list[Candidate]:
+    # This runs for every worker of every decision: positional fields, hoisted lookups.
     out: list[Candidate] = []
+    workers, joined, free_of = state.workers, state.joined_s, s.free
+    tokens, unreported = s.tokens, s.unreported
+    planned, planned_tokens, planned_prefill = s.planned, s.planned_tokens, s.planned_prefill
     for w in s.by_model[model]:
-        free = s.free[w]
+        free = free_of[w]
         if free <= 0:
             continue
-        info = state.workers[w]
+        info = workers[w]
+        age = now_s - info.reported_s
         out.append(
             Candidate(
-                worker_id=w,
-                capacity=info.capacity,
-                booked=info.capacity - free,
-                booked_tokens=s.tokens[w],
-                reported_pending_tokens=info.reported_pending_tokens,
-                reported_prefill_tokens=info.reported_prefill_tokens,
-                unreported_prefill_tokens=s.unreported[w],
-                report_age_s=max(0.0, now_s - info.reported_s),
-                joined_s=state.joined_s.get(w, float("-inf")),
-                planned=s.planned[w],
-                planned_tokens=s.planned_tokens[w],
-                planned_prefill_tokens=s.planned_prefill[w],
+                w,
+                info.capacity,
+                info.capacity - free,
+                tokens[w],
+                info.reported_pending_tokens,
+                info.reported_prefill_tokens,
+                unreported[w],
+                age if age > 0.0 else 0.0,
+                joined.get(w, _NEVER),
+                planned[w],
+                planned_tokens[w],
+                planned_prefill[w],
             )
         )
     return out
+
+
+_NEVER = float("-inf")
 
 
 def _decide(
@@ -194,7 +198,7 @@ def _decide(
     return Dispatch(request, choice.worker_id, choice)
 
 
-def _take(state: PlanInput, s: _Scratch, d: Dispatch) -> None:
+def _take(s: _Scratch, d: Dispatch, levels: list[Level], amount: int) -> None:
     r, w = d.request, d.worker_id
     prefill = d.expected_prefill_tokens
     s.free[w] -= 1
@@ -205,6 +209,5 @@ def _take(state: PlanInput, s: _Scratch, d: Dispatch) -> None:
     s.planned_prefill[w] += prefill
     s.band_room[r.band] -= 1
     s.running_in[r.band] += 1
-    levels, amount = _quota_levels(state, r)
     for level in levels:
         s.levels[level] += amount
