@@ -32,8 +32,14 @@ INTERNAL_ERRORS = Counter(
 )
 
 
-def internal_error(log: logging.Logger, site: str, message: str, *args: object) -> None:
-    """Log the exception being handled (with its traceback) and count it at ``site``. Call it
-    from an ``except`` block."""
+def internal_error(
+    log: logging.Logger,
+    site: str,
+    message: str,
+    *args: object,
+    exc: BaseException | None = None,
+) -> None:
+    """Log an exception with its traceback and count it at ``site``: ``exc``, or (from an
+    ``except`` block) the one being handled."""
     INTERNAL_ERRORS.labels(site).inc()
-    log.error("[%s] " + message, site, *args, exc_info=True)
+    log.error("[%s] " + message, site, *args, exc_info=exc if exc is not None else True)

@@ -16,15 +16,14 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from sluice.dispatcher.affinity import prefix_key
-
-DEFAULT_FLAP_WINDOW_S = 30.0
+from sluice.dispatcher.defaults import STICKY_WINDOW_S
 
 
 class FlapMeter:
     """Counts decisions and flaps (see the module docstring)."""
 
     def __init__(
-        self, key_blocks: int, window_s: float = DEFAULT_FLAP_WINDOW_S, max_keys: int = 100_000
+        self, key_blocks: int, window_s: float = STICKY_WINDOW_S, max_keys: int = 100_000
     ) -> None:
         if key_blocks < 1 or window_s <= 0 or max_keys < 1:
             raise ValueError("key_blocks, window_s and max_keys must be positive")

@@ -105,12 +105,10 @@ class State:
         exc = task.exception()
         if exc is None:
             return
-        try:
-            raise exc
-        except BROKER_ERRORS:
+        if isinstance(exc, BROKER_ERRORS):
             log.debug("background %s failed: broker unreachable", site)
-        except Exception:
-            internal_error(log, site, "background task failed")
+        else:
+            internal_error(log, site, "background task failed", exc=exc)
 
     @property
     def background(self) -> set[asyncio.Task[Any]]:
