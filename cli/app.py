@@ -193,7 +193,7 @@ async def _serve_until_signal(start: Any, stop: Any) -> None:
 
 @app.command()
 def dispatcher(config: ConfigOpt = None) -> None:
-    """Run a dispatcher (settings: SLUICE_DISPATCHER_*, SLUICE_NATS_URL, [dispatcher])."""
+    """Run a dispatcher (settings: SLUICE_DISPATCHER_*, SLUICE_NATS_URL, table dispatcher)."""
     from sluice.common.transport import TransportError
     from sluice.dispatcher.errors import DispatcherError
     from sluice.dispatcher.runtime import Dispatcher, DispatcherSettings
@@ -223,7 +223,7 @@ def agent(
     capacity: Annotated[int | None, typer.Option(help="Requests at once.")] = None,
     speed: Annotated[float | None, typer.Option(help="Simulated clock speed-up.")] = None,
 ) -> None:
-    """Run an agent with a simulated engine (settings: SLUICE_AGENT_*, [agent])."""
+    """Run an agent with a simulated engine (settings: SLUICE_AGENT_*, table agent)."""
     from sluice.agent.errors import AgentBrokerUnreachable
     from sluice.agent.runtime import Agent, AgentSettings
 

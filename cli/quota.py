@@ -19,7 +19,7 @@ app = typer.Typer(
     no_args_is_help=True,
 )
 ConfigOpt = Annotated[
-    Path | None, typer.Option("--config", help="TOML config file (the [client] table).")
+    Path | None, typer.Option("--config", help="TOML config file (its client table).")
 ]
 
 

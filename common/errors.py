@@ -1,8 +1,8 @@
 """The runtime helpers' errors, and the one counter of internal errors.
 
-Every process (dispatcher, agent, client, gateway) counts an error it had to swallow to keep
-serving in :data:`INTERNAL_ERRORS`, labelled by the ``site`` that swallowed it, and logs it:
-nothing vanishes silently. Errors that are expected (a broker that is briefly away) are
+A long-running part (the dispatcher, an agent, the local cluster) counts an error it had to
+swallow to keep serving in :data:`INTERNAL_ERRORS`, labelled by the ``site`` that swallowed it,
+and logs it: nothing vanishes silently. Errors that are expected (a broker that is briefly away) are
 caught by their type where they happen and are not internal errors.
 """
 

@@ -54,12 +54,32 @@ class SluiceSettings(BaseSettings):
         if path is not None and not Path(path).is_file():
             raise ConfigError(f"config file not found: {path}")
         cls._config_file = Path(path) if path else None
+        cls._reject_unknown_environment()
         try:
             return cls(**overrides)
         except ValidationError as exc:
             raise ConfigError(f"invalid {cls.__name__}:\n{exc}") from exc
         except ValueError as exc:  # TOML syntax errors and similar
             raise ConfigError(f"cannot read settings for {cls.__name__}: {exc}") from exc
+
+    @classmethod
+    def _reject_unknown_environment(cls) -> None:
+        """A variable with this part's prefix that names no setting is a mistake (a typo, or a
+        setting that was renamed): say so instead of ignoring it, as the config file does."""
+        prefix = str(cls.model_config.get("env_prefix", "")).upper()
+        if not prefix:
+            return
+        known = {name.upper() for name in cls.model_fields}
+        unknown = sorted(
+            k
+            for k in os.environ
+            if k.upper().startswith(prefix) and k[len(prefix) :].upper() not in known
+        )
+        if unknown:
+            raise ConfigError(
+                f"unknown {cls.__name__} variables in the environment: {', '.join(unknown)} "
+                f"(settings are {prefix}<NAME> for the names in docs/configuration.md)"
+            )
 
 
 class _Section(PydanticBaseSettingsSource):

@@ -9,7 +9,8 @@ greater than ``key_R``, so it can never overtake ``R``.
 Starvation bound: a request ``R`` is overtaken only by requests that arrived before ``key_R``,
 a finite set, so ``R`` runs as soon as those ahead of it are served and capacity frees. In
 particular, once a batch request has waited ``d_batch - d_interactive`` seconds, no interactive
-request arriving from then on goes before it. ``tests/test_admission_props.py`` proves both.
+request arriving from then on goes before it. ``test_starvation_bound`` in
+``tests/test_scheduler.py`` proves both.
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""Simulation: engine cost models and profiles (pure; shared by the agent and the replay)."""
+"""The simulator (pure): the simulated engine and its profiles, traces, workloads, baseline
+policies and the discrete-event replay. Agents drive the simulated engine through their
+``Engine`` protocol; the command line wires it in."""
 
 from sluice.sim.engine import EngineError, Finished, SimEngine, Step, TokensOut
 from sluice.sim.kvcache import KVCache

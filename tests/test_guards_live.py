@@ -1,7 +1,8 @@
 """Guards of the live mechanisms, over a real nats-server: drain, adoption after a dispatcher
 restart, and the retry-after of a full queue. Each test fails when its mechanism is removed by
-hand (the ``info.draining`` skip in ``Scheduler.plan``, the adoption loop in
-``Dispatcher._on_heartbeat``, the expected wait in ``Client._publish``)."""
+hand (the ``info.draining`` skip in ``planner._scratch``; the adoption loop in
+``feed.apply_heartbeat`` or the adoption at arrival in ``Scheduler.enqueue``; the expected
+wait in ``Client._publish``)."""
 
 from __future__ import annotations
 

@@ -154,6 +154,10 @@ def test_settings_from_file_and_environment(
         DispatcherSettings.load(tmp_path / "missing.toml")
     with pytest.raises(ConfigError, match="worker_id"):
         AgentSettings.load(None, worker_id="a.b")
+    # A variable that names no setting (a typo, a renamed setting) is an error, not ignored.
+    monkeypatch.setenv("SLUICE_AGENT_DIGEST_STRIDE_BLOCKS", "8")
+    with pytest.raises(ConfigError, match="SLUICE_AGENT_DIGEST_STRIDE_BLOCKS"):
+        AgentSettings.load(None)
 
 
 def test_example_config_in_deploy_loads() -> None:

@@ -33,7 +33,9 @@ HANDOFF = Histogram(
     buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 2),
 )
 BAD_INPUT = Counter(
-    "sluice_dispatcher_bad_messages_total", "Undecodable heartbeats or completions", ["kind"]
+    "sluice_dispatcher_bad_messages_total",
+    "Undecodable or unusable messages (heartbeat, completion, digest, assignment-reply, wait)",
+    ["kind"],
 )
 ROUTED = Counter(
     "sluice_dispatcher_routed_total",
