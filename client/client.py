@@ -147,6 +147,8 @@ class RequestHandle:
                 try:
                     found = await self._client._lookup_result(self.request.tenant, self.request_id)
                 except ServiceUnavailable:
+                    if self._client.closed:
+                        raise  # a closed connection never delivers the result
                     continue  # the broker is away: keep waiting, the subscription may deliver
                 except MalformedResult as exc:
                     self._end(exc)
@@ -267,6 +269,11 @@ class Client:
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self.close()
+
+    @property
+    def closed(self) -> bool:
+        """Whether the connection is gone for good (closed, or never opened)."""
+        return self._nc is None or self._nc.is_closed
 
     @property
     def nc(self) -> NATS:

@@ -3,8 +3,9 @@
 The one definition, used by the live dispatcher (the ``sluice_dispatcher_flap_rate`` gauge)
 and by the replay (``flap_rate``) alike, for every policy: a booked decision **flaps** when
 its prefix (the leading ``key_blocks`` blocks of its prompt, named as
-:func:`~sluice.dispatcher.affinity.prefix_key` names it) was booked within the last
-``window_s`` and the worker it goes to is none of the workers it was booked on in that window.
+:func:`~sluice.dispatcher.affinity.prefix_key` names it) was booked less than ``window_s`` ago
+and the worker it goes to is none of the workers it was booked on since (the stickiness
+window's own rule: a replica last used ``window_s`` ago no longer holds the prefix).
 A prefix spreading over new replicas therefore counts one flap per new replica; a request
 without a full block, or whose prefix nobody served lately, never flaps. The flap rate is
 flaps per booked decision. Memory is bounded by ``max_keys`` (least recently used first).
@@ -51,7 +52,7 @@ class FlapMeter:
                 self._served.popitem(last=False)
         else:
             self._served.move_to_end(key)
-        recent = [w for w, t in served.items() if now_s - t <= self.window_s]
+        recent = [w for w, t in served.items() if now_s - t < self.window_s]
         flapped = bool(recent) and worker_id not in recent
         for w in [w for w in served if w not in recent]:
             del served[w]

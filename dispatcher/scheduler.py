@@ -189,8 +189,10 @@ class Scheduler:
             )
         if request.deadline_s is not None and request.deadline_s <= now_s:
             return _deadline_rejection()
-        if not self.known_model(request.model) and now_s >= self._model_grace_until_s:
-            return self._unknown_model(request.model)
+        if not self.known_model(request.model) and (
+            self._configured_models or now_s >= self._model_grace_until_s
+        ):
+            return self._unknown_model(request.model)  # the grace is for discovery only
         return None
 
     def _unknown_model(self, model: str) -> Rejection:

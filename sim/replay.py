@@ -311,7 +311,8 @@ class _Replay:
         while sched.queued and (planned := sched.plan(now)):
             for d in planned:
                 r = d.request
-                sched.book(d, now)
+                if not sched.book(d, now):  # a simulated worker accepts every plan at once
+                    raise AssertionError(f"decision for {r.request_id} went stale")  # a bug
                 self.records[int(r.request_id)].dispatch_s = now
                 if self.log is not None:
                     self.log.write({"policy": self.policy_name, **decision_record(d, now)})

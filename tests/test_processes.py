@@ -229,10 +229,11 @@ def test_demo_ctrl_c_prints_summary_and_cleans_up() -> None:
 
 def test_embedded_nats_dies_with_a_killed_parent(tmp_path: Path) -> None:
     script = tmp_path / "parent.py"
+    # The store is under tmp_path: a SIGKILLed parent cannot remove its own.
     script.write_text(
         "import time\n"
         "from sluice.testing.natsserver import EmbeddedNats\n"
-        "s = EmbeddedNats().start()\n"
+        f"s = EmbeddedNats(store_dir={str(tmp_path / 'store')!r}).start()\n"
         "print(s.pid, flush=True)\n"
         "time.sleep(60)\n"
     )

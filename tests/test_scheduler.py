@@ -269,6 +269,13 @@ def test_unknown_model_waits_for_discovery_grace_then_is_rejected() -> None:
     assert s.enqueue(_req("c", model="y"), 7.0).status == "queued"
 
 
+def test_with_configured_models_an_unknown_model_is_rejected_at_once() -> None:
+    s = Scheduler(AdmissionConfig(), LeastLoaded(), models=["m"], model_grace_s=5.0)
+    out = s.enqueue(_req("a", model="x"), 1.0)  # inside the grace: it is for discovery only
+    assert out.rejection is not None and out.rejection.reason is RejectReason.UNKNOWN_MODEL
+    assert s.enqueue(_req("b", model="m"), 1.0).status == "queued"
+
+
 def test_deadline_expires_in_queue_and_never_runs() -> None:
     s = _sched(global_limit=1)
     s.update_worker(_worker("w"))

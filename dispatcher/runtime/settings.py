@@ -95,7 +95,9 @@ class DispatcherSettings(SluiceSettings):
         description="Models served; empty: learn them from the workers' heartbeats.",
     )
     model_grace_s: float | None = Field(
-        default=None, ge=0, description="How long unknown models wait (default: one lease)."
+        default=None,
+        ge=0,
+        description="Discovery (models empty): how long an unannounced model waits (one lease).",
     )
     quotas: dict[str, QuotaSpec] = Field(
         default_factory=dict,
