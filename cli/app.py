@@ -76,7 +76,7 @@ def demo(
 ) -> None:
     """Run NATS, a dispatcher and simulated workers in-process under a mixed workload."""
     from sluice.cli.demo import DemoConfig, run_demo, summary_tables
-    from sluice.testing.natsserver import NatsServerError
+    from sluice.testing.errors import NatsServerError
 
     cfg = DemoConfig(
         nats_url=os.environ.get("SLUICE_NATS_URL") or None,
@@ -137,7 +137,8 @@ def nats(
     ] = None,
 ) -> None:
     """Run a JetStream-enabled nats-server on 127.0.0.1 in the foreground."""
-    from sluice.testing.natsserver import EmbeddedNats, NatsServerError
+    from sluice.testing.errors import NatsServerError
+    from sluice.testing.natsserver import EmbeddedNats
 
     try:
         server = EmbeddedNats(store_dir=str(store_dir) if store_dir else None, port=port).start()

@@ -15,6 +15,7 @@ from rich.table import Table
 
 from sluice.cli.console import err, fail
 from sluice.dispatcher.decisions import DecisionLog
+from sluice.sim.errors import TraceError
 from sluice.sim.policies import ABLATIONS, POLICIES
 from sluice.sim.profiles import PROFILES, get_profile
 from sluice.sim.replay import (
@@ -26,7 +27,7 @@ from sluice.sim.replay import (
     scale_to_load,
     upper_bound_hit_rate,
 )
-from sluice.sim.traces import TraceError, TraceRequest, load_trace
+from sluice.sim.traces import TraceRequest, load_trace
 
 app = typer.Typer(
     help="Replay a trace against routing policies on the simulator (deterministic per seed).",
@@ -206,7 +207,8 @@ def main(
 
 
 def _plot(results: dict[str, PolicyResult], where: Path, title: str) -> None:
-    from sluice.sim.plots import PlotError, plot_policies
+    from sluice.sim.errors import PlotError
+    from sluice.sim.plots import plot_policies
 
     try:
         for p in plot_policies(results, where, title):
@@ -303,7 +305,8 @@ def sweep(
         for n, r in _run_all(scaled, cfg, names, f"load {x:g}: ").items():
             series[n].append(r)
     if plot is not None:
-        from sluice.sim.plots import PlotError, plot_sweep
+        from sluice.sim.errors import PlotError
+        from sluice.sim.plots import plot_sweep
 
         try:
             for p in plot_sweep(xs, series, plot, f"{trace.name}, {workers} workers"):

@@ -6,11 +6,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from sluice.sim.errors import PlotError
 from sluice.sim.replay import PolicyResult
-
-
-class PlotError(RuntimeError):
-    """matplotlib is missing or a chart could not be written."""
 
 
 def _plt() -> Any:

@@ -11,11 +11,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from sluice.sim.errors import TraceError
+
 MOONCAKE_BLOCK_TOKENS = 512
-
-
-class TraceError(ValueError):
-    """A trace file that cannot be read, with the file and line it failed at."""
 
 
 @dataclass(frozen=True)

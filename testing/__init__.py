@@ -2,6 +2,7 @@
 and simulated agents). Used by the tests, ``sluice demo`` and ``sluice nats``."""
 
 from sluice.testing.cluster import LocalCluster
-from sluice.testing.natsserver import EmbeddedNats, NatsServerError
+from sluice.testing.errors import NatsServerError
+from sluice.testing.natsserver import EmbeddedNats
 
 __all__ = ["EmbeddedNats", "LocalCluster", "NatsServerError"]

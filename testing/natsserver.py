@@ -21,11 +21,9 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from sluice.testing.errors import NatsServerError
+
 _LISTEN = re.compile(r"Listening for client connections on (\S+):(\d+)")
-
-
-class NatsServerError(RuntimeError):
-    """The NATS server binary is missing, or the server did not start."""
 
 
 def find_binary() -> str:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from sluice.dispatcher.routing import Candidate, RouteRequest
+from sluice.sim.errors import TraceError
 from sluice.sim.policies import (
     POLICIES,
     ConsistentHash,
@@ -21,7 +22,7 @@ from sluice.sim.policies import (
 from sluice.sim.profiles import PROFILES, REFERENCE
 from sluice.sim.replay import ReplayConfig, replay, request_cost_s, scale_to_load
 from sluice.sim.synthetic import SCENARIOS, Shape
-from sluice.sim.traces import TraceError, TraceRequest, load_trace, upper_bound_hits, write_jsonl
+from sluice.sim.traces import TraceRequest, load_trace, upper_bound_hits, write_jsonl
 
 SHARED = Path(__file__).parent.parent.parent / "shared" / "traces"
 CFG = ReplayConfig(workers=4, profile=REFERENCE)
