@@ -91,6 +91,11 @@ class Engine(Protocol):
         """Run one iteration (a zero duration: nothing could run)."""
         ...
 
+    def cancel(self, request_id: str) -> bool:
+        """Stop a request at once (it produces nothing more, and its KV cache blocks are free
+        again); False if the engine does not have it."""
+        ...
+
     def load(self) -> EngineLoad: ...
 
     def in_flight(self) -> list[str]:

@@ -10,6 +10,8 @@ from sluice.schemas.models import (
     CacheDigest,
     Completion,
     Heartbeat,
+    Rejection,
+    RejectReason,
     Result,
     SubmitRequest,
     Timings,
@@ -124,6 +126,28 @@ def failure(worker_id: str, request_id: str, attempt: int, error: str) -> Comple
         prefill_s=0.0,
         decode_s=0.0,
         error=error,
+    )
+
+
+def cancelled(
+    req: SubmitRequest, worker_id: str, attempt: int, *, tokens: list[int], text: str
+) -> Result:
+    """The result of a request cancelled while it ran: not ok, ``cancelled``, with the tokens
+    produced until the stop."""
+    return Result(
+        request_id=req.request_id,
+        ok=False,
+        model=req.model,
+        tenant=req.tenant,
+        band=req.band,
+        worker_id=worker_id,
+        attempt=attempt,
+        output_tokens=tokens,
+        text=text,
+        rejection=Rejection(
+            reason=RejectReason.CANCELLED,
+            message=f"cancelled while running, after {len(tokens)} tokens",
+        ),
     )
 
 

@@ -396,6 +396,36 @@ def stats(
     console.print(t)
 
 
+@app.command()
+def cancel(
+    request_id: Annotated[str, typer.Argument(help="The request to cancel.")],
+    config: ConfigOpt = None,
+    tenant: Annotated[str | None, typer.Option(help="Its tenant (default: the client's).")] = None,
+) -> None:
+    """Cancel a request: queued, it never runs; running, its worker stops it. Exit code 0 when
+    it was cancelled, 1 when it had finished or is unknown (a no-op), 2 on errors."""
+    from sluice.client import Client, ClientSettings, SluiceError
+
+    try:
+        settings = ClientSettings.load(config)
+    except ConfigError as exc:
+        raise fail(str(exc)) from exc
+
+    async def go() -> Any:
+        async with Client.from_settings(settings) as c:
+            return await c.cancel(request_id, tenant=tenant)
+
+    try:
+        reply = _run(go())
+    except SluiceError as exc:
+        raise fail(str(exc)) from exc
+    console.print(
+        f"{reply.request_id}: {reply.status}" + (f" ({reply.message})" if reply.message else "")
+    )
+    if reply.status != "cancelled":
+        raise typer.Exit(1)
+
+
 _register_replay()
 
 if __name__ == "__main__":  # pragma: no cover

@@ -9,6 +9,7 @@ async with Client("nats://127.0.0.1:4222") as client:
 
 from sluice.client.client import Client, RequestHandle
 from sluice.client.errors import (
+    Cancelled,
     DeadlineExceeded,
     InvalidRequest,
     MalformedResult,
@@ -23,6 +24,7 @@ from sluice.client.settings import ClientSettings
 from sluice.schemas.models import RejectReason, Result, Timings, TokenChunk
 
 __all__ = [
+    "Cancelled",
     "Client",
     "ClientSettings",
     "DeadlineExceeded",

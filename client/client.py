@@ -34,6 +34,8 @@ from sluice.schemas import names
 from sluice.schemas.codec import decode, encode
 from sluice.schemas.errors import DecodeError
 from sluice.schemas.models import (
+    CancelReply,
+    CancelRequest,
     DispatcherStats,
     Result,
     SubmitRequest,
@@ -157,8 +159,17 @@ class RequestHandle:
                     self._set_result(found)
         result = self._result.result()
         if not result.ok and result.rejection is not None:
-            raise rejection_error(self.request_id, result.rejection)
+            raise rejection_error(self.request_id, result.rejection, result)
         return result
+
+    async def cancel(self, timeout_s: float = 5.0) -> CancelReply:
+        """Cancel this request: queued, it never runs; running, its worker stops it. Its
+        result then raises :class:`Cancelled` (with the tokens produced so far), and the token
+        stream ends. The reply says ``cancelled``, ``finished`` (it had ended: its result
+        stands) or ``unknown``."""
+        return await self._client.cancel(
+            self.request_id, tenant=self.request.tenant, timeout_s=timeout_s
+        )
 
     def __aiter__(self) -> AsyncIterator[TokenChunk]:
         return self._stream()
@@ -423,6 +434,23 @@ class Client:
             return decode(msg.data, WaitEstimate)
         except DecodeError as exc:
             raise ServiceUnavailable(f"bad wait estimate reply: {exc}") from exc
+
+    async def cancel(
+        self, request_id: str, *, tenant: str | None = None, timeout_s: float = 5.0
+    ) -> CancelReply:
+        """Cancel a request by its id (see :meth:`RequestHandle.cancel`); raises
+        ``ServiceUnavailable`` if no dispatcher answers."""
+        query = CancelRequest(request_id=request_id, tenant=tenant or self.tenant)
+        try:
+            msg = await self.nc.request(names.CANCEL_SUBJECT, encode(query), timeout=timeout_s)
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as exc:
+            raise ServiceUnavailable("no dispatcher answered the cancel") from exc
+        except _NATS_ERRORS as exc:
+            raise ServiceUnavailable(f"cancel failed: {exc}") from exc
+        try:
+            return decode(msg.data, CancelReply)
+        except DecodeError as exc:
+            raise ServiceUnavailable(f"bad cancel reply: {exc}") from exc
 
     async def stats(self, timeout_s: float = 2.0) -> DispatcherStats:
         """Queue depths and in-flight counts from a dispatcher."""

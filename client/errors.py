@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sluice.schemas.models import Rejection, RejectReason
+from sluice.schemas.models import Rejection, RejectReason, Result
 
 
 class SluiceError(Exception):
@@ -64,9 +64,11 @@ class MalformedResult(SluiceError):
 class Rejected(SluiceError):
     """The request was not run; ``reason`` says why (see :class:`RejectReason`)."""
 
-    def __init__(self, request_id: str, rejection: Rejection) -> None:
+    def __init__(self, request_id: str, rejection: Rejection, result: Result | None = None) -> None:
         self.request_id = request_id
         self.rejection = rejection
+        self.result = result
+        """The stored result (for a request cancelled while it ran: the tokens it produced)."""
         self.reason: RejectReason = rejection.reason
         self.retry_after_s = rejection.retry_after_s
         super().__init__(f"request {request_id} rejected ({rejection.reason}): {rejection.message}")
@@ -76,13 +78,22 @@ class DeadlineExceeded(Rejected):
     """The request's deadline passed while it was queued; it was not run."""
 
 
+class Cancelled(Rejected):
+    """The request was cancelled (``RequestHandle.cancel``, ``sluice cancel``). If it was
+    running, ``result.output_tokens`` holds what it produced until it stopped."""
+
+
 class ResultTimeout(SluiceError, TimeoutError):
     """No result arrived within the time the caller was willing to wait. The request may
     still complete: fetch it later with ``Client.fetch_result``."""
 
 
-def rejection_error(request_id: str, rejection: Rejection) -> Rejected:
+def rejection_error(
+    request_id: str, rejection: Rejection, result: Result | None = None
+) -> Rejected:
     """The most specific error for a rejection."""
     if rejection.reason is RejectReason.DEADLINE_EXCEEDED:
-        return DeadlineExceeded(request_id, rejection)
-    return Rejected(request_id, rejection)
+        return DeadlineExceeded(request_id, rejection, result)
+    if rejection.reason is RejectReason.CANCELLED:
+        return Cancelled(request_id, rejection, result)
+    return Rejected(request_id, rejection, result)

@@ -345,10 +345,18 @@ class Scheduler:
         return self._retry(booking.request)
 
     def cancel(self, request_id: str) -> Request | None:
-        """Remove a queued request (e.g. its result already exists)."""
+        """Remove a queued request (cancelled, or its result already exists)."""
         if request_id in self._queues:
             return self._queues.remove(request_id)
         return None
+
+    def stop_running(self, request_id: str) -> Booking | None:
+        """A running request is cancelled: release its booking (its quota returns at once,
+        before its worker has stopped it) and return it; None if it is not running here. A
+        later completion or failure report of it finds no booking and changes nothing."""
+        if request_id not in self._books:
+            return None
+        return self._release(request_id)
 
     def _release(self, request_id: str) -> Booking:
         booking = self._books.get(request_id)

@@ -38,6 +38,9 @@ class RejectReason(StrEnum):
     UNDELIVERABLE = "undeliverable"
     """The broker delivered the request ``max_deliver`` times without it finishing (for
     instance through repeated dispatcher crashes); it was moved to the dead-letter stream."""
+    CANCELLED = "cancelled"
+    """Its producer (or an operator) cancelled it; a result of a request cancelled while it ran
+    carries the tokens produced until then."""
     INTERNAL = "internal"
 
 
@@ -120,8 +123,9 @@ class Rejection(_Wire):
 class Result(_Wire):
     """The final answer for a request on ``sluice.result.<tenant>.<request_id>``.
 
-    Exactly one of ``rejection`` (not run) and the output fields (ran) is meaningful:
-    ``ok`` tells which.
+    ``ok`` tells whether it ran to its end. If not, ``rejection`` says why, and the output
+    fields are empty, except for a request cancelled while it ran: they hold what it produced
+    until then.
     """
 
     request_id: RequestId
@@ -278,6 +282,40 @@ class ScaleEvent(_Wire):
     reason: str
     expected_wait_s: float | None = None
     at_unix_ms: int = Field(ge=0)
+
+
+class CancelRequest(_Wire):
+    """Request/reply on ``sluice.cancel``: stop a request (``Client.cancel``, ``sluice cancel``)."""
+
+    request_id: RequestId
+    tenant: Name = "default"
+
+
+class CancelReply(_Wire):
+    """The dispatcher's answer to a :class:`CancelRequest`. ``cancelled``: it was queued (it
+    never runs) or running (its worker stopped it, or will); ``finished``: it had ended
+    already (its result stands); ``unknown``: no such request is queued, running or stored."""
+
+    request_id: RequestId
+    status: Literal["cancelled", "finished", "unknown"]
+    message: str = ""
+
+
+class StopWork(_Wire):
+    """Request/reply on a worker's control subject: stop running ``request_id`` (that
+    attempt). The agent stores the request's cancelled result before it answers."""
+
+    request_id: RequestId
+    attempt: int = Field(ge=1)
+
+
+class StopWorkReply(_Wire):
+    """The agent's answer: ``stopped`` (its cancelled result is stored, with
+    ``output_tokens`` tokens) or not running here (finished, or never received)."""
+
+    request_id: RequestId
+    stopped: bool
+    output_tokens: int = Field(default=0, ge=0)
 
 
 class DeadLetter(_Wire):

@@ -123,6 +123,9 @@ def dead_letter_subject(reason: str) -> str:
 # --- live traffic (core NATS) ----------------------------------------------------------------
 
 
+TOKEN_SUBJECTS = f"{PREFIX}.out.*"
+
+
 def token_subject(request_id: str) -> str:
     """Live token chunks of one request (core NATS; the final result is authoritative)."""
     return f"{PREFIX}.out.{subject_token(request_id)}"
@@ -148,6 +151,14 @@ def completion_subject(worker_id: str) -> str:
     """Completions from one worker to the dispatcher (request/reply: the dispatcher confirms)."""
     return f"{PREFIX}.done.{subject_token(worker_id)}"
 
+
+def control_subject(worker_id: str) -> str:
+    """Control messages for one worker (request/reply: ``StopWork``)."""
+    return f"{PREFIX}.ctl.{subject_token(worker_id)}"
+
+
+CANCEL_SUBJECT = f"{PREFIX}.cancel"
+"""Request/reply: a ``CancelRequest`` answered by a ``CancelReply`` (``Client.cancel``)."""
 
 STATS_SUBJECT = f"{PREFIX}.stats"
 """Request/reply: the dispatcher answers with its queue depths and in-flight counts."""

@@ -157,6 +157,20 @@ class SimEngine:
             )
         self._waiting.append(_Seq(request_id, prompt_tokens, output_tokens, hashes, reserve, now_s))
 
+    def cancel(self, request_id: str) -> bool:
+        """Drop a waiting or running request; a running one's blocks are released (its prompt
+        blocks stay cached, as after a finish)."""
+        for i, s in enumerate(self._waiting):
+            if s.request_id == request_id:
+                del self._waiting[i]
+                return True
+        for i, s in enumerate(self._running):
+            if s.request_id == request_id:
+                del self._running[i]
+                self.cache.release(s.hashes, s.reserve_blocks)
+                return True
+        return False
+
     # ------------------------------------------------------------------ time
 
     def step(self) -> Step:

@@ -37,7 +37,13 @@ from sluice.schemas import names
 from sluice.schemas.codec import decode, encode
 from sluice.schemas.errors import DecodeError
 from sluice.schemas.hashing import index_stride, prompt_hashes, prompt_length
-from sluice.schemas.models import Assignment, AssignmentReply, TokenChunk
+from sluice.schemas.models import (
+    Assignment,
+    AssignmentReply,
+    StopWork,
+    StopWorkReply,
+    TokenChunk,
+)
 
 log = logging.getLogger("sluice.agent")
 
@@ -97,7 +103,7 @@ class Agent:
         self._delivering: set[str] = set()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
-        self._sub: Subscription | None = None
+        self._subs: list[Subscription] = []
         self._hb_seq = 0
         self._draining = False
         self._started = False
@@ -128,9 +134,10 @@ class Agent:
                 self._nc = await connect(self.settings.nats_url, f"sluice-agent-{self.worker_id}")
             except TransportError as exc:
                 raise AgentBrokerUnreachable(str(exc)) from exc
-        self._sub = await self.nc.subscribe(
-            names.work_subject(self.worker_id), cb=self._on_assignment
-        )
+        self._subs = [
+            await self.nc.subscribe(names.work_subject(self.worker_id), cb=self._on_assignment),
+            await self.nc.subscribe(names.control_subject(self.worker_id), cb=self._on_stop),
+        ]
         await self._heartbeat()
         self._alive = True
         self._hb_stop.clear()
@@ -183,10 +190,10 @@ class Agent:
         self._hb_stop.set()
         await finish_tasks(self._tasks, grace_s=2.0)
         self._tasks = []
-        if self._sub is not None:
+        for sub in self._subs:
             with contextlib.suppress(*_BROKER_ERRORS):
-                await self._sub.unsubscribe()
-            self._sub = None
+                await sub.unsubscribe()
+        self._subs = []
         if self._own_nc and self._nc is not None:
             with contextlib.suppress(*_BROKER_ERRORS):
                 await self._nc.close()
@@ -253,6 +260,55 @@ class Agent:
         except _BROKER_ERRORS:
             # The dispatcher re-offers or learns from the next heartbeat which we run.
             log.debug("could not answer the assignment of %s", rid)
+
+    async def _on_stop(self, msg: Msg) -> None:
+        """The dispatcher cancels a running request: stop it in the engine, store its result
+        (``cancelled``, with the tokens produced so far), then answer."""
+        try:
+            stop = decode(msg.data, StopWork)
+        except DecodeError:
+            metrics.ASSIGNMENTS_REFUSED.labels(self.worker_id, "malformed").inc()
+            return
+        run = self._running.get(stop.request_id)
+        if run is None or run.attempt != stop.attempt:
+            await self._answer_stop(msg, StopWorkReply(request_id=stop.request_id, stopped=False))
+            return
+        del self._running[stop.request_id]
+        self.engine.cancel(stop.request_id)
+        self._changed()
+        now = time.time()
+        await self._flush(run, now)
+        req = run.assignment.request
+        result = reports.cancelled(
+            req,
+            self.worker_id,
+            run.attempt,
+            tokens=run.out.tokens,
+            text=self.engine.detokenize(run.out.tokens),
+        )
+        metrics.REQUESTS.labels(self.worker_id, "cancelled").inc()
+        failed = reports.failure(self.worker_id, req.request_id, run.attempt, "cancelled")
+        report = Report(result, failed)
+        self._outbox.put(report)
+        try:
+            await self._store_result(report)  # stored before the answer: the dispatcher acks
+        except _BROKER_ERRORS:
+            log.debug("cancelled result of %s not stored yet", req.request_id)
+        reply = StopWorkReply(
+            request_id=req.request_id,
+            stopped=report.result is None,
+            output_tokens=len(run.out.tokens),
+        )
+        await self._answer_stop(msg, reply)
+        self._report(report)  # the completion (and the result, if not stored) follow
+
+    async def _answer_stop(self, msg: Msg, reply: StopWorkReply) -> None:
+        if not msg.reply:
+            return
+        try:
+            await msg.respond(encode(reply))
+        except _BROKER_ERRORS:
+            log.debug("could not answer the stop of %s", reply.request_id)
 
     def _changed(self) -> None:
         metrics.IN_FLIGHT.labels(self.worker_id).set(len(self._running))
@@ -368,7 +424,7 @@ class Agent:
     def _report(self, report: Report) -> None:
         """Queue a finished request's report and start delivering it. The engine loop never
         waits for the broker; undelivered reports are retried with every heartbeat."""
-        self._outbox.put(report)
+        self._outbox.put(report)  # (again, for a report already there: the same one)
         metrics.OUTBOX.labels(self.worker_id).set(len(self._outbox))
         task = asyncio.create_task(self._deliver(report.completion.request_id))
         self._sending.add(task)
@@ -383,14 +439,7 @@ class Agent:
             return
         self._delivering.add(request_id)
         try:
-            if report.result is not None:
-                await self.nc.jetstream().publish(
-                    names.result_subject(report.result.tenant, request_id),
-                    encode(report.result),
-                    headers={names.MSG_ID_HEADER: request_id},  # a retry is deduplicated
-                    timeout=2.0,
-                )
-                report.result = None
+            await self._store_result(report)
             await self.nc.request(
                 names.completion_subject(self.worker_id), encode(report.completion), timeout=1.0
             )
@@ -400,6 +449,19 @@ class Agent:
             return  # broker or dispatcher unreachable: retried with the next heartbeat
         finally:
             self._delivering.discard(request_id)
+
+    async def _store_result(self, report: Report) -> None:
+        """Store a report's result in JetStream (once: then it is None)."""
+        if report.result is None:
+            return
+        rid = report.completion.request_id
+        await self.nc.jetstream().publish(
+            names.result_subject(report.result.tenant, rid),
+            encode(report.result),
+            headers={names.MSG_ID_HEADER: rid},  # a retried publish is deduplicated
+            timeout=2.0,
+        )
+        report.result = None
 
     async def _redeliver(self) -> None:
         for request_id in self._outbox:

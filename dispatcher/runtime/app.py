@@ -7,6 +7,7 @@
 - :mod:`~sluice.dispatcher.runtime.answers`: typed answers and dead letters;
 - :mod:`~sluice.dispatcher.runtime.gauges`: metrics, scale events, stats and wait queries;
 - :mod:`~sluice.dispatcher.runtime.configwatch`: run-time admission changes;
+- :mod:`~sluice.dispatcher.runtime.cancels`: cancelling queued and running requests;
 - here: start and stop, and keeping held messages alive with in-progress acks.
 
 A request's message stays un-acked in its band stream until the request ends (completion or
@@ -32,6 +33,7 @@ from sluice.dispatcher.feedback import WaitFigures
 from sluice.dispatcher.leases import LeaseTable
 from sluice.dispatcher.routing import RoutingPolicy
 from sluice.dispatcher.runtime.answers import Answers
+from sluice.dispatcher.runtime.cancels import Cancels
 from sluice.dispatcher.runtime.configwatch import ConfigWatch
 from sluice.dispatcher.runtime.gauges import Gauges
 from sluice.dispatcher.runtime.handoff import HandOff
@@ -68,6 +70,7 @@ class Dispatcher:
         self._gauges = Gauges(st)
         self._handoff = HandOff(st, self._answers, self._workers, self._gauges)
         self._config = ConfigWatch(st)
+        self._cancels = Cancels(st, self._answers, self._intake)
         self._tasks: list[asyncio.Task[None]] = []
         self._subs: list[Subscription] = []
 
@@ -122,6 +125,7 @@ class Dispatcher:
             await nc.subscribe(names.COMPLETION_SUBJECTS, cb=self._workers.on_completion),
             await nc.subscribe(names.STATS_SUBJECT, cb=self._gauges.on_stats),
             await nc.subscribe(names.WAIT_SUBJECT, cb=self._gauges.on_wait),
+            await nc.subscribe(names.CANCEL_SUBJECT, cb=self._cancels.on_cancel),
         ]
         for band in s.bands:
             self._subs.append(

@@ -112,3 +112,6 @@ ANSWER_FAILURES = Counter(
     "sluice_dispatcher_answer_failures_total",
     "Answers or dead letters that could not be stored (their request stays un-acked)",
 )
+CANCELS = Counter(
+    "sluice_dispatcher_cancels_total", "Cancel requests answered, by outcome", ["status"]
+)
