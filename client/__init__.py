@@ -7,7 +7,7 @@ async with Client("nats://127.0.0.1:4222") as client:
     result = await handle.result()
 """
 
-from sluice.client.client import Client, RequestHandle
+from sluice.client.client import Client, RequestHandle, Retry
 from sluice.client.errors import (
     Cancelled,
     DeadlineExceeded,
@@ -21,7 +21,7 @@ from sluice.client.errors import (
     SluiceError,
 )
 from sluice.client.settings import ClientSettings
-from sluice.schemas.models import RejectReason, Result, Timings, TokenChunk
+from sluice.schemas.models import QueuedNotice, RejectReason, Result, Timings, TokenChunk
 
 __all__ = [
     "Cancelled",
@@ -32,11 +32,13 @@ __all__ = [
     "MalformedResult",
     "NotConnected",
     "QueueFull",
+    "QueuedNotice",
     "RejectReason",
     "Rejected",
     "RequestHandle",
     "Result",
     "ResultTimeout",
+    "Retry",
     "ServiceUnavailable",
     "SluiceError",
     "Timings",

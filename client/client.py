@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
 from types import TracebackType
 
 import nats.errors
@@ -37,6 +39,7 @@ from sluice.schemas.models import (
     CancelReply,
     CancelRequest,
     DispatcherStats,
+    QueuedNotice,
     Result,
     SubmitRequest,
     TokenChunk,
@@ -71,10 +74,15 @@ class RequestHandle:
         self.request = request
         self.request_id = request.request_id
         self._chunks: asyncio.Queue[TokenChunk | None] = asyncio.Queue()
-        self._result: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        self._result: asyncio.Future[Result] = loop.create_future()
         self._delivered = 0  # tokens handed to the iterator so far
         self._subs: list[Subscription] = []
         self._cleanup: asyncio.Task[None] | None = None
+        self.queued: asyncio.Future[QueuedNotice | None] = loop.create_future()
+        """Resolves with the dispatcher's :class:`QueuedNotice` when the request is held in
+        the queue (where it stands, its expected wait, what holds it), or with None once it
+        started (or ended) without being held: ``notice = await handle.queued``."""
 
     # -- subscriptions (set up before the publish, so nothing is missed)
 
@@ -97,10 +105,20 @@ class RequestHandle:
 
     async def _on_chunk(self, msg: Msg) -> None:
         try:
-            self._chunks.put_nowait(decode(msg.data, TokenChunk))
+            chunk = decode(msg.data, TokenChunk)
         except DecodeError as exc:
-            # Live tokens are best effort: the result carries every token.
-            log.warning("malformed token chunk for %s dropped: %s", self.request_id, exc)
+            try:  # the request's stream also carries the dispatcher's queued notice
+                self._notice(decode(msg.data, QueuedNotice))
+            except DecodeError:
+                # Live tokens are best effort: the result carries every token.
+                log.warning("malformed token chunk for %s dropped: %s", self.request_id, exc)
+            return
+        self._notice(None)
+        self._chunks.put_nowait(chunk)
+
+    def _notice(self, notice: QueuedNotice | None) -> None:
+        if not self.queued.done():
+            self.queued.set_result(notice)
 
     async def _on_result(self, msg: Msg) -> None:
         try:
@@ -121,6 +139,7 @@ class RequestHandle:
             self._closed()
 
     def _closed(self) -> None:
+        self._notice(None)
         self._chunks.put_nowait(None)
         self._cleanup = asyncio.get_running_loop().create_task(self._unsubscribe())
 
@@ -225,6 +244,27 @@ def _tail_text(result: Result, delivered: int) -> str:
     return ""
 
 
+@dataclass(frozen=True)
+class Retry:
+    """How ``Client.submit`` retries a ``QueueFull``: up to ``attempts`` more times, each after
+    the queue's retry-after (the dispatcher's expected wait) times a random factor within
+    ``1 ± jitter`` (so that refused producers do not all come back at once), at most
+    ``max_wait_s`` per wait. The same request id is submitted again: it never runs twice."""
+
+    attempts: int = 3
+    jitter: float = 0.25
+    max_wait_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.attempts < 0 or not 0 <= self.jitter < 1 or self.max_wait_s <= 0:
+            raise InvalidRequest("retry needs attempts >= 0, 0 <= jitter < 1, max_wait_s > 0")
+
+    def delay(self, retry_after_s: float, rng: random.Random) -> float:
+        """The wait before the next attempt."""
+        factor = rng.uniform(1 - self.jitter, 1 + self.jitter)
+        return min(self.max_wait_s, max(0.0, retry_after_s) * factor)
+
+
 class Client:
     """Connects to NATS and submits requests to Sluice.
 
@@ -248,6 +288,7 @@ class Client:
         self.queue_full_retry_after_s = queue_full_retry_after_s
         self._nc = nc
         self._own_nc = nc is None
+        self._rng = random.Random()
 
     @classmethod
     def from_settings(cls, settings: ClientSettings) -> Client:
@@ -302,6 +343,7 @@ class Client:
         tenant: str | None = None,
         request_id: str | None = None,
         deadline_s: float | None = None,
+        retry: Retry | int | None = None,
     ) -> RequestHandle:
         """Queue a request and return its handle.
 
@@ -309,14 +351,27 @@ class Client:
         same id again (within the broker's duplicate window) does not run it twice.
         ``deadline_s``: if still queued this many seconds from now, it is rejected with
         ``deadline_exceeded`` instead of run. Raises ``QueueFull`` at once when the band's
-        queue is at its bound, ``InvalidRequest`` for bad arguments, ``ServiceUnavailable``
-        when no dispatcher serves the band.
+        queue is at its bound, unless ``retry`` (a :class:`Retry`, or a number of retries)
+        says to submit again after the queue's retry-after, with jitter, a bounded number of
+        times; ``InvalidRequest`` for bad arguments; ``ServiceUnavailable`` when no dispatcher
+        serves the band.
         """
+        policy = Retry(attempts=retry) if isinstance(retry, int) else retry or Retry(attempts=0)
         request = self._build(model, prompt, max_tokens, band, tenant, request_id, deadline_s)
         handle = RequestHandle(self, request)
         await handle._subscribe(self.nc)
+        started = time.monotonic()
         try:
-            await self._publish(request)
+            for attempt in range(policy.attempts + 1):
+                try:
+                    await self._publish(request)
+                    break
+                except QueueFull as exc:
+                    wait = policy.delay(exc.retry_after_s, self._rng)
+                    late = deadline_s is not None and time.monotonic() - started + wait > deadline_s
+                    if attempt == policy.attempts or late:
+                        raise
+                    await asyncio.sleep(wait)
         except BaseException:
             await handle._unsubscribe()
             raise

@@ -65,7 +65,7 @@ def plan(state: PlanInput, now_s: float, max_decisions: int | None = None) -> li
     if global_room <= 0 or not len(state.queues):
         return []
     scratch = _scratch(state)
-    pressed = _pressed_bands(state)
+    pressed = pressed_bands(state)
     heads = _heads(state, scratch)
     decisions: list[Dispatch] = []
     skipped: Counter[tuple[str, str]] = Counter()
@@ -121,7 +121,7 @@ def _scratch(state: PlanInput) -> _Scratch:
     return s
 
 
-def _pressed_bands(state: PlanInput) -> set[str]:
+def pressed_bands(state: PlanInput) -> set[str]:
     """Bands held to their shares: a more urgent band has requests waiting that a live worker
     of their model could serve (see ``AdmissionConfig.band_shares``)."""
     cfg = state.config
@@ -211,3 +211,45 @@ def _take(s: _Scratch, d: Dispatch, levels: list[Level], amount: int) -> None:
     s.running_in[r.band] += 1
     for level in levels:
         s.levels[level] += amount
+
+
+HOLD_REASONS = (
+    "global-limit",
+    "band-limit",
+    "band-share",
+    "quota:model",
+    "quota:model-band",
+    "quota:model-tenant",
+    "no-worker-room",
+    "queue",
+)
+"""Why a queued request is not running (the first layer that holds it, in this order)."""
+
+
+def hold_reason(state: PlanInput, request: Request, pressed: set[str] | None = None) -> str:
+    """The layer that holds ``request`` in the queue now (one of :data:`HOLD_REASONS`): a
+    limit or quota without room for it, no live worker of its model with room, or else the
+    requests ahead of it. ``pressed``: the bands held to their shares, if already known. Pure,
+    like :func:`plan`."""
+    cfg, books = state.config, state.books
+    band = request.band
+    if len(books) >= cfg.global_limit:
+        return "global-limit"
+    if books.by_band[band] >= cfg.band_limit(band):
+        return "band-limit"
+    pressed = pressed_bands(state) if pressed is None else pressed
+    if band in pressed and books.by_band[band] >= cfg.band_shares[band]:
+        return "band-share"
+    _, amount = _quota_levels(state, request)
+    blocked = books.usage.blocked_by(cfg.quotas, request.model, band, request.tenant, amount, None)
+    if blocked is not None:
+        return f"quota:{blocked[0]}"
+    for wid, info in state.workers.items():
+        if (
+            request.model in info.models
+            and not info.draining
+            and wid not in state.refused
+            and info.capacity > len(books.on(wid))
+        ):
+            return "queue"
+    return "no-worker-room"

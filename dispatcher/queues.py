@@ -94,6 +94,15 @@ class Queues:
                 out.append(self.remove(rid))
         return out
 
+    def position(self, request_id: str) -> int | None:
+        """Its place in its (band, model) queue, 1 for the head; None if it is not queued."""
+        entry = self._entries.get(request_id)
+        if entry is None:
+            return None
+        r = entry.request
+        q = self._queues[(r.band, r.model)]
+        return bisect.bisect_left(q, (entry.key, entry.seq, request_id)) + 1
+
     def order(self) -> list[str]:
         """Queued request ids in priority order across all queues."""
         return [rid for _, _, rid in sorted((e.key, e.seq, r) for r, e in self._entries.items())]

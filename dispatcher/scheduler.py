@@ -20,7 +20,7 @@ from sluice.dispatcher.admission import AdmissionConfig, priority_key
 from sluice.dispatcher.books import Books
 from sluice.dispatcher.defaults import key_blocks
 from sluice.dispatcher.flaps import FlapMeter
-from sluice.dispatcher.planner import PlanInput, plan
+from sluice.dispatcher.planner import PlanInput, hold_reason, plan, pressed_bands
 from sluice.dispatcher.queues import Queues
 from sluice.dispatcher.quotas import Level
 from sluice.dispatcher.routing import RoutingPolicy
@@ -276,7 +276,10 @@ class Scheduler:
 
     def plan(self, now_s: float, max_decisions: int | None = None) -> list[Dispatch]:
         """Propose dispatches for now, in priority order, within every limit. Pure."""
-        state = PlanInput(
+        return plan(self._plan_input(), now_s, max_decisions)
+
+    def _plan_input(self) -> PlanInput:
+        return PlanInput(
             self.config,
             self.policy,
             self._queues,
@@ -285,7 +288,23 @@ class Scheduler:
             self._refused,
             self._joined_s,
         )
-        return plan(state, now_s, max_decisions)
+
+    def hold_reason(self, request_id: str) -> str | None:
+        """The layer that holds a queued request (``planner.HOLD_REASONS``); None if it is not
+        queued. Pure."""
+        request = self._queues.get(request_id)
+        return None if request is None else hold_reason(self._plan_input(), request)
+
+    def held_by(self) -> dict[str, int]:
+        """Queued requests by the layer that holds them. Pure; costs one check per queued
+        request (call it once a second, not per decision)."""
+        state = self._plan_input()
+        pressed = pressed_bands(state)
+        return dict(Counter(hold_reason(state, r, pressed) for r in self._queues.requests()))
+
+    def position(self, request_id: str) -> int | None:
+        """A queued request's place in its band's queue for its model (1: next)."""
+        return self._queues.position(request_id)
 
     # ----------------------------------------------------------------------------- outcomes
 

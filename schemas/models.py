@@ -99,6 +99,22 @@ class TokenChunk(_Wire):
     text: str
 
 
+class QueuedNotice(_Wire):
+    """Dispatcher → client on ``sluice.out.<request_id>``, once, when a request is held in the
+    queue instead of starting: where it stands and how long it may wait, so that a caller can
+    wait or degrade. ``held_by`` names the layer that holds it: ``global-limit``,
+    ``band-limit``, ``band-share``, ``quota:model``, ``quota:model-band``,
+    ``quota:model-tenant``, ``no-worker-room``, ``queue`` (requests ahead of it) or
+    ``learning`` (a dispatcher that just started learns what runs before it dispatches)."""
+
+    request_id: RequestId
+    position: int = Field(ge=1)
+    """Its place in its band's queue for its model (1: next)."""
+    expected_wait_s: float | None = Field(default=None, ge=0)
+    """The dispatcher's expected wait for its model and band (None: no recent admissions)."""
+    held_by: str
+
+
 class Timings(_Wire):
     """Where a request's time went, as measured by Sluice."""
 
@@ -345,4 +361,6 @@ class DispatcherStats(_Wire):
     running: int
     global_limit: int
     workers: int
+    held: dict[str, int] = Field(default_factory=dict)
+    """Queued requests by the layer that holds them (see :class:`QueuedNotice`)."""
     bands: list[BandStats]

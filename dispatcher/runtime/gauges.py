@@ -11,6 +11,7 @@ import time
 from nats.aio.msg import Msg
 
 from sluice.dispatcher.feedback import WaitFigures
+from sluice.dispatcher.planner import HOLD_REASONS
 from sluice.dispatcher.runtime import metrics
 from sluice.dispatcher.runtime.answers import respond
 from sluice.dispatcher.runtime.state import State
@@ -49,6 +50,9 @@ class Gauges:
         if now - self._last_feedback_s >= st.settings.feedback_every_s:
             self._last_feedback_s = now
             self._publish_feedback(now)
+            held = st.scheduler.held_by()
+            for reason in HOLD_REASONS:
+                metrics.HELD.labels(reason).set(held.get(reason, 0))
         if now - self._last_expire_s >= _EXPIRE_EVERY_S:
             self._last_expire_s = now
             st.policy.expire(now, max_blocks=_EXPIRE_MAX_BLOCKS)
@@ -116,6 +120,7 @@ class Gauges:
             running=st.scheduler.running,
             global_limit=st.settings.global_limit,
             workers=len(st.leases),
+            held=st.scheduler.held_by(),
             bands=[
                 BandStats(
                     band=b.band,

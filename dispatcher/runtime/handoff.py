@@ -21,7 +21,7 @@ from sluice.dispatcher.scheduler import Dispatch
 from sluice.schemas import names
 from sluice.schemas.codec import decode, encode
 from sluice.schemas.errors import DecodeError
-from sluice.schemas.models import Assignment, AssignmentReply
+from sluice.schemas.models import Assignment, AssignmentReply, QueuedNotice
 
 log = logging.getLogger("sluice.dispatcher")
 
@@ -60,8 +60,13 @@ class HandOff:
         for ended in st.scheduler.sweep(now):
             await self.answers.end(ended)
         self.gauges.update(now)
-        if now - st.started_s < st.settings.effective_learn_s:
-            return  # learning mode: only listen to heartbeats
+        learning = now - st.started_s < st.settings.effective_learn_s
+        if not learning:  # while learning, only listen to heartbeats
+            await self._dispatch(now)
+        await self._notify(now, learning)
+
+    async def _dispatch(self, now: float) -> None:
+        st = self.state
         decisions = st.scheduler.plan(now)
         if not decisions:
             return
@@ -74,6 +79,29 @@ class HandOff:
                 metrics.HANDOFF_REFUSED.inc()
                 st.scheduler.refused(d)
         st.kick.set()  # room may remain: plan again at once
+
+    async def _notify(self, now: float, learning: bool) -> None:
+        """Tell the producers of requests queued since the last pass, and still queued after
+        it, that they wait: where, how long, and what holds them."""
+        st = self.state
+        pending, st.unnotified = st.unnotified, set()
+        for rid in pending:
+            held = st.held.get(rid)
+            position = st.scheduler.position(rid)
+            if held is None or position is None:
+                continue  # it started (or ended) in this pass
+            req = held.request
+            notice = QueuedNotice(
+                request_id=rid,
+                position=position,
+                expected_wait_s=self.gauges.wait_figures(req.model, req.band, now).expected_wait_s,
+                held_by="learning" if learning else st.scheduler.hold_reason(rid) or "queue",
+            )
+            try:
+                await st.nc.publish(names.token_subject(rid), encode(notice))
+            except BROKER_ERRORS:
+                log.debug("queued notice of %s not sent", rid)
+            metrics.QUEUED_NOTICES.labels(notice.held_by).inc()
 
     def _book(self, d: Dispatch, booked_s: float) -> None:
         st = self.state

@@ -103,6 +103,8 @@ class Intake:
         outcome = st.scheduler.enqueue(_request(req, msg, now), now)
         if outcome.status in ("queued", "adopted"):
             st.hold(Held(msg, req, meta.sequence.stream))
+            if outcome.status == "queued":
+                st.unnotified.add(rid)
         elif outcome.status == "duplicate":
             metrics.DUPLICATES.inc()
             await ack(msg)

@@ -115,3 +115,14 @@ ANSWER_FAILURES = Counter(
 CANCELS = Counter(
     "sluice_dispatcher_cancels_total", "Cancel requests answered, by outcome", ["status"]
 )
+HELD = Gauge(
+    "sluice_dispatcher_held_requests",
+    "Queued requests by the layer that holds them (a limit, a quota level, no worker room, "
+    "or the queue ahead)",
+    ["reason"],
+)
+QUEUED_NOTICES = Counter(
+    "sluice_dispatcher_queued_notices_total",
+    "Producers told their request is held in the queue, by what held it",
+    ["reason"],
+)

@@ -73,6 +73,9 @@ class State:
         )
         self.leases = LeaseTable(s.lease_s)
         self.held: dict[str, Held] = {}
+        self.unnotified: set[str] = set()
+        """Requests queued since the last scheduling pass: those still queued after it are
+        told so (a ``QueuedNotice`` on their token subject)."""
         self.held_by_band: Counter[str] = Counter()
         self.room = {b: asyncio.Event() for b in s.bands}
         """Set when a band's buffer has room again (its pull task waits on it)."""
@@ -120,6 +123,7 @@ class State:
 
     def release_held(self, request_id: str) -> Held | None:
         held = self.held.pop(request_id, None)
+        self.unnotified.discard(request_id)
         if held is not None:
             band = held.request.band
             self.held_by_band[band] -= 1
