@@ -14,6 +14,7 @@ unknown with requests queued), ``down`` when a band has had nothing queued or ru
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
@@ -197,3 +198,14 @@ class ScaleAdvisor:
             reason = f"nothing queued or running for {now_s - st.idle_since_s:.0f} s"
             return ScaleSignal(f.model, f.band, "down", reason, f.expected_wait_s)
         return None
+
+
+def wait_bound(admitted_per_s: float, wait_s: float, min_msgs: int, max_msgs: int) -> int:
+    """A queue bound sized by an acceptable wait: a queue of ``admitted_per_s x wait_s``
+    requests drains in about ``wait_s`` at the rate it is served now (the article's rule),
+    kept within ``[min_msgs, max_msgs]`` (``max_msgs`` when no rate is known yet)."""
+    if wait_s <= 0 or min_msgs < 1 or max_msgs < min_msgs:
+        raise ValueError("wait_s must be > 0 and 1 <= min_msgs <= max_msgs")
+    if admitted_per_s <= 0:
+        return max_msgs
+    return max(min_msgs, min(max_msgs, math.ceil(admitted_per_s * wait_s)))

@@ -14,6 +14,7 @@ from sluice.dispatcher.feedback import WaitFigures
 from sluice.dispatcher.planner import HOLD_REASONS
 from sluice.dispatcher.runtime import metrics
 from sluice.dispatcher.runtime.answers import respond
+from sluice.dispatcher.runtime.sizing import QueueSizing
 from sluice.dispatcher.runtime.state import State
 from sluice.schemas import names
 from sluice.schemas.codec import decode, encode
@@ -40,6 +41,7 @@ class Gauges:
         self.state = state
         self._last_feedback_s = 0.0
         self._last_expire_s = 0.0
+        self.sizing = QueueSizing(state)
 
     def update(self, now: float) -> None:
         st = self.state
@@ -50,6 +52,7 @@ class Gauges:
         if now - self._last_feedback_s >= st.settings.feedback_every_s:
             self._last_feedback_s = now
             self._publish_feedback(now)
+            self.sizing.tick(now)
             held = st.scheduler.held_by()
             for reason in HOLD_REASONS:
                 metrics.HELD.labels(reason).set(held.get(reason, 0))

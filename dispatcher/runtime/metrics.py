@@ -126,3 +126,8 @@ QUEUED_NOTICES = Counter(
     "Producers told their request is held in the queue, by what held it",
     ["reason"],
 )
+QUEUE_BOUND = Gauge(
+    "sluice_dispatcher_queue_bound",
+    "The bound of a wait-sized band's queue (queue_max_wait_s x its admission rate)",
+    ["band"],
+)

@@ -82,6 +82,13 @@ class DispatcherSettings(SluiceSettings):
         ge=1,
         description="Queued requests per band before submit fails with QueueFull.",
     )
+    queue_max_wait_s: dict[str, float] = Field(
+        default_factory=dict,
+        description="Per band: size its queue bound as this many seconds of its admission rate.",
+    )
+    queue_min_msgs: int = Field(
+        default=16, ge=1, description="The smallest bound a wait-sized queue gets."
+    )
     tenant_queue_max_msgs: int | None = Field(
         default=None,
         ge=1,
@@ -254,6 +261,13 @@ class DispatcherSettings(SluiceSettings):
     @model_validator(mode="after")
     def _consistent(self) -> DispatcherSettings:
         self.admission()  # raises ValueError with the reason
+        unknown = set(self.queue_max_wait_s) - set(self.bands)
+        if unknown:
+            raise ValueError(f"queue_max_wait_s names unknown bands: {sorted(unknown)}")
+        if any(w <= 0 for w in self.queue_max_wait_s.values()):
+            raise ValueError("queue_max_wait_s values must be > 0")
+        if self.queue_max_wait_s and self.queue_min_msgs > self.queue_max_msgs:
+            raise ValueError("queue_min_msgs must not exceed queue_max_msgs")
         self.routing()
         return self
 
