@@ -11,13 +11,14 @@ import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
+from typing import TypeVar
 
 import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.errors import APIError, NoStreamResponseError, NotFoundError
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from sluice.client.errors import (
     InvalidRequest,
@@ -52,6 +53,7 @@ _NATS_ERRORS = (nats.errors.Error, OSError)
 """What nats-py raises when the broker is away or the connection closed (its JetStream
 errors derive from ``nats.errors.Error``): the client raises ``ServiceUnavailable`` for them."""
 log = logging.getLogger("sluice.client")
+R = TypeVar("R", bound=BaseModel)
 
 
 @contextlib.contextmanager
@@ -479,16 +481,7 @@ class Client:
         """How long a request to ``model`` in ``band`` would wait for admission now, with the
         queue depth, recent wait percentiles and admission and rejection rates."""
         query = WaitQuery(model=model, band=band or self.band)
-        try:
-            msg = await self.nc.request(names.WAIT_SUBJECT, encode(query), timeout=timeout_s)
-        except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as exc:
-            raise ServiceUnavailable("no dispatcher answered the wait estimate") from exc
-        except _NATS_ERRORS as exc:
-            raise ServiceUnavailable(f"wait estimate failed: {exc}") from exc
-        try:
-            return decode(msg.data, WaitEstimate)
-        except DecodeError as exc:
-            raise ServiceUnavailable(f"bad wait estimate reply: {exc}") from exc
+        return await self._ask(names.WAIT_SUBJECT, encode(query), WaitEstimate, "wait", timeout_s)
 
     async def cancel(
         self, request_id: str, *, tenant: str | None = None, timeout_s: float = 5.0
@@ -496,26 +489,25 @@ class Client:
         """Cancel a request by its id (see :meth:`RequestHandle.cancel`); raises
         ``ServiceUnavailable`` if no dispatcher answers."""
         query = CancelRequest(request_id=request_id, tenant=tenant or self.tenant)
-        try:
-            msg = await self.nc.request(names.CANCEL_SUBJECT, encode(query), timeout=timeout_s)
-        except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as exc:
-            raise ServiceUnavailable("no dispatcher answered the cancel") from exc
-        except _NATS_ERRORS as exc:
-            raise ServiceUnavailable(f"cancel failed: {exc}") from exc
-        try:
-            return decode(msg.data, CancelReply)
-        except DecodeError as exc:
-            raise ServiceUnavailable(f"bad cancel reply: {exc}") from exc
+        return await self._ask(
+            names.CANCEL_SUBJECT, encode(query), CancelReply, "cancel", timeout_s
+        )
 
     async def stats(self, timeout_s: float = 2.0) -> DispatcherStats:
         """Queue depths and in-flight counts from a dispatcher."""
+        return await self._ask(names.STATS_SUBJECT, b"", DispatcherStats, "stats", timeout_s)
+
+    async def _ask(
+        self, subject: str, payload: bytes, reply: type[R], what: str, timeout_s: float
+    ) -> R:
+        """A request/reply to the dispatcher; every failure is ``ServiceUnavailable``."""
         try:
-            msg = await self.nc.request(names.STATS_SUBJECT, b"", timeout=timeout_s)
+            msg = await self.nc.request(subject, payload, timeout=timeout_s)
         except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as exc:
-            raise ServiceUnavailable("no dispatcher answered the stats query") from exc
+            raise ServiceUnavailable(f"no dispatcher answered the {what} query") from exc
         except _NATS_ERRORS as exc:
-            raise ServiceUnavailable(f"stats query failed: {exc}") from exc
+            raise ServiceUnavailable(f"the {what} query failed: {exc}") from exc
         try:
-            return decode(msg.data, DispatcherStats)
+            return decode(msg.data, reply)
         except DecodeError as exc:
-            raise ServiceUnavailable(f"bad stats reply: {exc}") from exc
+            raise ServiceUnavailable(f"bad {what} reply: {exc}") from exc
