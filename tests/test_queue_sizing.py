@@ -73,3 +73,34 @@ async def test_the_stream_bound_follows_the_admission_rate(nats_url: str) -> Non
             assert (await js.stream_info(names.request_stream("batch"))).config.max_msgs == 1004
         finally:
             await nc.close()
+
+
+@pytest.mark.e2e
+async def test_lowering_a_bound_keeps_every_queued_request(nats_url: str) -> None:
+    """What the sizing relies on: with discard=new, a band stream whose max_msgs is lowered
+    below what it holds keeps every message (it only refuses new ones until it is under)."""
+    from sluice.dispatcher.runtime.streams import band_stream
+    from sluice.schemas.codec import encode
+    from sluice.schemas.models import SubmitRequest
+
+    s = DispatcherSettings(nats_url=nats_url, queue_max_msgs=20, global_limit=2)
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    try:
+        await js.add_stream(band_stream(s, "batch"))
+        for i in range(8):
+            req = SubmitRequest(
+                request_id=f"r{i}", model="m", band="batch", prompt_text="x", submitted_unix_ms=0
+            )
+            await js.publish(names.request_subject("batch", "m", "default"), encode(req))
+        await js.update_stream(band_stream(s, "batch", queue_bound=1))  # max_msgs 1 + 2
+        info = await js.stream_info(names.request_stream("batch"))
+        assert info.config.max_msgs == 3 and info.state.messages == 8
+        with pytest.raises(nats.js.errors.APIError) as refused:
+            req = SubmitRequest(
+                request_id="late", model="m", band="batch", prompt_text="x", submitted_unix_ms=0
+            )
+            await js.publish(names.request_subject("batch", "m", "default"), encode(req))
+        assert refused.value.err_code == names.JS_ERR_MAX_MSGS
+    finally:
+        await nc.close()
