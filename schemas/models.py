@@ -318,8 +318,9 @@ class CancelReply(_Wire):
 
 
 class StopWork(_Wire):
-    """Request/reply on a worker's control subject: stop running ``request_id`` (that
-    attempt). The agent stores the request's cancelled result before it answers."""
+    """Request/reply on a worker's control subject: stop running ``request_id`` (whatever
+    attempt of it runs there; ``attempt`` is the dispatcher's, for logs). The agent stores the
+    request's cancelled result before it answers."""
 
     request_id: RequestId
     attempt: int = Field(ge=1)

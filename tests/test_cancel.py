@@ -69,6 +69,18 @@ def test_stopping_a_running_request_returns_its_quota_at_once() -> None:
     assert s.stop_running("r") is None
 
 
+def test_tombstones_last_their_window_and_stay_bounded() -> None:
+    from sluice.dispatcher.runtime.state import Tombstones
+
+    t = Tombstones(ttl_s=10.0, max_ids=2)
+    t.add("a", 0.0)
+    assert t.has("a", 9.0) and not t.has("a", 10.5)  # gone after the duplicate window
+    t.add("b", 11.0)
+    t.add("c", 12.0)
+    t.add("d", 13.0)
+    assert not t.has("b", 13.0) and t.has("c", 13.0) and t.has("d", 13.0)  # oldest first
+
+
 # ----------------------------------------------------------------------------- live
 
 
@@ -148,6 +160,29 @@ async def test_cancelling_an_unknown_or_finished_request_is_a_no_op(nats_url: st
         unknown = await c.cancel("no-such-request")
         assert unknown.status == "unknown" and "no-such-request" in unknown.message
         assert cluster.agents[0].completed == 1
+
+
+@pytest.mark.e2e
+async def test_a_request_cancelled_before_the_dispatcher_pulled_it_never_runs(
+    nats_url: str,
+) -> None:
+    # max_buffered=1: the dispatcher holds one request of the band at a time, so the third
+    # request waits in the stream, unseen, when it is cancelled.
+    kw = cluster_kwargs(
+        workers=1, dispatcher={"max_buffered": 1}, agent={"capacity": 1, "speed": 5.0}
+    )
+    async with LocalCluster(nats_url, **kw) as cluster, Client(nats_url) as c:
+        agent = cluster.agents[0]
+        running = await c.submit("sim", _prompt(5), max_tokens=200)
+        await eventually(lambda: _true(agent.in_flight == 1), timeout_s=5)
+        unseen = await c.submit("sim", _prompt(6), max_tokens=4)
+        reply = await unseen.cancel()
+        assert reply.status == "unknown" and "not run" in reply.message, reply
+        with pytest.raises(Cancelled):
+            await unseen.result(timeout_s=15)  # answered when it arrives, never run
+        assert (await running.result(timeout_s=15)).ok
+        await asyncio.sleep(0.3)
+        assert agent.completed == 1
 
 
 @pytest.mark.e2e

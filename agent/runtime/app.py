@@ -239,16 +239,20 @@ class Agent:
         bt = self.engine.block_tokens
         n_prompt = prompt_length(req.prompt_tokens, req.prompt_text)
         hashes = prompt_hashes(req.prompt_tokens, req.prompt_text, bt)
-        self._running[rid] = _Running(assignment, time.time())
+        run = self._running[rid] = _Running(assignment, time.time())
         self._changed()
-        await self._reply(msg, rid, True)
+        # Into the engine before the reply's await: a stop arriving meanwhile finds it there.
+        error: str | None = None
         try:
             self.engine.add(rid, n_prompt, req.max_tokens, hashes, time.monotonic())
+            self._wake.set()
         except EngineError as exc:
-            self._finish_failed(self._running.pop(rid), str(exc))
+            error = str(exc)
+        await self._reply(msg, rid, True)
+        if error is not None and self._running.get(rid) is run:
+            # Accepted, then failed at once: the dispatcher runs it elsewhere (attempt + 1).
+            self._finish_failed(self._running.pop(rid), error)
             self._changed()
-            return
-        self._wake.set()
 
     async def _reply(self, msg: Msg, rid: str, accepted: bool, reason: str = "") -> None:
         if not msg.reply:
@@ -270,7 +274,9 @@ class Agent:
             metrics.ASSIGNMENTS_REFUSED.labels(self.worker_id, "malformed").inc()
             return
         run = self._running.get(stop.request_id)
-        if run is None or run.attempt != stop.attempt:
+        # A cancel stops whatever attempt runs here: after an adoption the dispatcher's
+        # attempt number need not be the one this worker was handed.
+        if run is None:
             await self._answer_stop(msg, StopWorkReply(request_id=stop.request_id, stopped=False))
             return
         del self._running[stop.request_id]
@@ -360,13 +366,13 @@ class Agent:
 
     async def _flush_due(self, now: float) -> None:
         s = self.settings
-        for run in self._running.values():
+        for run in list(self._running.values()):  # a stop may remove one meanwhile
             if run.out.due(now, s.token_flush_ms, s.token_flush_tokens):
                 await self._flush(run, now)
 
     async def _flush_all(self) -> None:
         now = time.time()
-        for run in self._running.values():
+        for run in list(self._running.values()):  # a stop may remove one meanwhile
             await self._flush(run, now)
 
     async def _flush(self, run: _Running, now: float) -> None:

@@ -76,8 +76,14 @@ class Answers:
         return False
 
     async def publish_rejection(self, req: SubmitRequest, rejection: Rejection) -> bool:
+        """Store the typed rejection of a request, counted as one (metrics and feedback)."""
         metrics.REJECTED.labels(rejection.reason.value).inc()
         self.state.feedback.rejected(req.model, req.band, time.monotonic())
+        return await self.publish_result_of(req, rejection)
+
+    async def publish_result_of(self, req: SubmitRequest, rejection: Rejection) -> bool:
+        """Store a request's not-ok result (a rejection, or a cancel, which is not counted as
+        a rejection)."""
         return await self.publish_result(
             Result(
                 request_id=req.request_id,

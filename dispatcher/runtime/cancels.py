@@ -5,11 +5,19 @@ worker is told to stop it, and stores its result (``cancelled``, with the tokens
 far) before it answers. Either way the request's message is acked only once a result is
 stored; if the worker does not answer, the dispatcher stores the cancelled result itself (the
 result stream deduplicates by request id, so a result the worker stored first stands).
+
+Every cancelled id is also kept as a tombstone (``State.cancelled``) for the broker's duplicate
+window, so that a cancelled request never runs later: one this dispatcher has not pulled yet
+(or whose cancelled result could not be stored, or whose message comes back) is answered
+``cancelled`` when it arrives (:mod:`~sluice.dispatcher.runtime.intake`), and a worker that
+accepts one whose hand-off was in flight is told to stop it
+(:mod:`~sluice.dispatcher.runtime.handoff`). Each cancel runs in its own task.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
 import nats.errors
 from nats.aio.msg import Msg
@@ -32,7 +40,9 @@ from sluice.schemas.models import (
 
 log = logging.getLogger("sluice.dispatcher")
 
-_STOP_TIMEOUT_S = 2.0
+STOP_TIMEOUT_S = 4.0
+"""How long a worker has to stop a request and store its result (its own store timeout is
+2 s)."""
 
 
 class Cancels:
@@ -44,13 +54,16 @@ class Cancels:
         self.intake = intake
 
     async def on_cancel(self, msg: Msg) -> None:
+        # One task per cancel: a worker slow to stop must not hold up the others.
+        self.state.spawn(self._handle(msg), "cancel")
+
+    async def _handle(self, msg: Msg) -> None:
         try:
             q = decode(msg.data, CancelRequest)
         except DecodeError as exc:
             metrics.BAD_INPUT.labels("cancel").inc()
-            await respond(
-                msg, encode(CancelReply(request_id="invalid", status="unknown", message=str(exc)))
-            )
+            bad = CancelReply(request_id="invalid", status="unknown", message=str(exc))
+            await respond(msg, encode(bad))
             return
         reply = await self.cancel(q)
         metrics.CANCELS.labels(reply.status).inc()
@@ -62,25 +75,17 @@ class Cancels:
         held = st.held.get(rid)
         if held is None or held.request.tenant != q.tenant:
             return await self._not_held(q)
+        st.cancelled.add(rid, time.monotonic())
         sched = st.scheduler
-        if sched.cancel(rid) is not None:  # queued: it never runs
-            await self._answer(rid, "cancelled while queued")
+        if sched.cancel(rid) is not None:  # queued: it never runs (a worker that accepts an
+            # offer of it still in flight is told to stop it: HandOff)
+            await self.answer(rid, "cancelled while queued")
             return CancelReply(request_id=rid, status="cancelled", message="it was queued")
         booking = sched.stop_running(rid)
         if booking is None:  # held but neither queued nor booked: it is ending right now
             return CancelReply(request_id=rid, status="finished", message="it was ending")
         st.kick.set()  # its quota is free again
-        stop = StopWork(request_id=rid, attempt=booking.request.attempt)
-        try:
-            raw = await st.nc.request(
-                names.control_subject(booking.worker_id), encode(stop), timeout=_STOP_TIMEOUT_S
-            )
-            answer = decode(raw.data, StopWorkReply)
-        except (nats.errors.TimeoutError, nats.errors.NoRespondersError, DecodeError):
-            answer = None
-        except BROKER_ERRORS:
-            log.warning("could not ask %s to stop %s", booking.worker_id, rid)
-            answer = None
+        answer = await stop_work(st, booking.worker_id, rid, booking.request.attempt)
         if answer is not None and answer.stopped:
             # The worker stored the cancelled result (with its tokens) before answering.
             released = st.release_held(rid)
@@ -91,30 +96,56 @@ class Cancels:
                 status="cancelled",
                 message=f"stopped on {booking.worker_id} after {answer.output_tokens} tokens",
             )
-        if answer is not None and await self.intake.result_exists(q.tenant, rid):
+        if await self.intake.result_exists(q.tenant, rid):
             released = st.release_held(rid)  # it finished before the stop reached it
             if released is not None:
                 await ack(released.msg)
             return CancelReply(request_id=rid, status="finished", message="it had finished")
-        await self._answer(rid, f"cancelled; worker {booking.worker_id} did not confirm the stop")
-        return CancelReply(request_id=rid, status="cancelled", message="its worker did not answer")
+        why = "did not confirm the stop" if answer is None else "no longer ran it"
+        if not await self.answer(rid, f"cancelled; worker {booking.worker_id} {why}"):
+            return CancelReply(request_id=rid, status="finished", message="it had finished")
+        return CancelReply(request_id=rid, status="cancelled", message=f"its worker {why}")
 
-    async def _answer(self, rid: str, message: str) -> None:
-        """Store the cancelled result of a held request, then ack its message."""
+    async def answer(self, rid: str, message: str) -> bool:
+        """Store the cancelled result of a held request, then ack its message. False if it is
+        no longer held (it ended meanwhile). A result that cannot be stored leaves the message
+        un-acked: it comes back, and the tombstone answers it then."""
         held = self.state.release_held(rid)
         if held is None:
-            return
+            return False
         rejection = Rejection(reason=RejectReason.CANCELLED, message=message)
-        if await self.answers.publish_rejection(held.request, rejection):
+        if await self.answers.publish_result_of(held.request, rejection):
             await ack(held.msg)
+        return True
 
     async def _not_held(self, q: CancelRequest) -> CancelReply:
         if await self.intake.result_exists(q.tenant, q.request_id):
             return CancelReply(
                 request_id=q.request_id, status="finished", message="its result is stored"
             )
+        # Not pulled yet (a long queue), or never submitted: if it arrives, it is answered
+        # cancelled and never runs.
+        self.state.cancelled.add(q.request_id, time.monotonic())
         return CancelReply(
             request_id=q.request_id,
             status="unknown",
-            message=f"no request {q.request_id!r} of tenant {q.tenant!r} is queued or running",
+            message=(
+                f"no request {q.request_id!r} of tenant {q.tenant!r} is queued or running here; "
+                "if it arrives later it is cancelled, not run"
+            ),
         )
+
+
+async def stop_work(state: State, worker_id: str, rid: str, attempt: int) -> StopWorkReply | None:
+    """Ask a worker to stop a request; None if it did not answer."""
+    stop = StopWork(request_id=rid, attempt=attempt)
+    try:
+        raw = await state.nc.request(
+            names.control_subject(worker_id), encode(stop), timeout=STOP_TIMEOUT_S
+        )
+        return decode(raw.data, StopWorkReply)
+    except (nats.errors.TimeoutError, nats.errors.NoRespondersError, DecodeError):
+        return None
+    except BROKER_ERRORS:
+        log.warning("could not ask %s to stop %s", worker_id, rid)
+        return None

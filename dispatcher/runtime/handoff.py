@@ -14,6 +14,7 @@ from sluice.common.errors import internal_error
 from sluice.dispatcher.decisions import decision_record
 from sluice.dispatcher.runtime import metrics
 from sluice.dispatcher.runtime.answers import Answers
+from sluice.dispatcher.runtime.cancels import stop_work
 from sluice.dispatcher.runtime.gauges import Gauges
 from sluice.dispatcher.runtime.state import BROKER_ERRORS, State
 from sluice.dispatcher.runtime.workers import WorkerTraffic
@@ -74,7 +75,10 @@ class HandOff:
         booked_s = time.monotonic()
         for d, ok in zip(decisions, accepted, strict=True):
             if ok:
-                self._book(d, booked_s)
+                if not self._book(d, booked_s) and st.cancelled.has(d.request.request_id, now):
+                    # Cancelled while its offer was in flight: the worker took it anyway.
+                    rid, w = d.request.request_id, d.worker_id
+                    st.spawn(stop_work(st, w, rid, d.request.attempt), "cancel-stop")
             else:
                 metrics.HANDOFF_REFUSED.inc()
                 st.scheduler.refused(d)
@@ -103,7 +107,7 @@ class HandOff:
                 log.debug("queued notice of %s not sent", rid)
             metrics.QUEUED_NOTICES.labels(notice.held_by).inc()
 
-    def _book(self, d: Dispatch, booked_s: float) -> None:
+    def _book(self, d: Dispatch, booked_s: float) -> bool:
         st = self.state
         r = d.request
         booked = st.scheduler.book(d, booked_s)
@@ -112,13 +116,14 @@ class HandOff:
         if not booked and (
             b is None or b.worker_id != d.worker_id or b.request.attempt != r.attempt
         ):
-            return
+            return False
         metrics.ADMITTED.labels(r.band).inc()
         metrics.QUEUE_WAIT.labels(r.band).observe(max(0.0, booked_s - r.arrived_s))
         st.feedback.admitted(r.model, r.band, booked_s - r.arrived_s, booked_s)
         metrics.ROUTED.labels(d.choice.reason if d.choice else "").inc()
         if st.decisions is not None:
             st.decisions.write(decision_record(d, booked_s))
+        return True
 
     async def offer(self, d: Dispatch) -> bool:
         """Offer a decision to its worker; True if it accepted."""

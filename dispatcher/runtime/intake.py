@@ -22,7 +22,7 @@ from sluice.schemas import names
 from sluice.schemas.codec import decode
 from sluice.schemas.errors import DecodeError
 from sluice.schemas.hashing import prompt_hashes, prompt_length
-from sluice.schemas.models import RejectReason, SubmitRequest
+from sluice.schemas.models import Rejection, RejectReason, SubmitRequest
 
 log = logging.getLogger("sluice.dispatcher")
 
@@ -87,19 +87,9 @@ class Intake:
                 f"published on {msg.subject}",
             )
             return
+        if await self._seen(req, msg, now):
+            return
         rid = req.request_id
-        held = st.held.get(rid)
-        if held is not None:
-            if held.stream_seq == meta.sequence.stream:
-                held.msg = msg  # a redelivery of the message we hold: keep the newest handle
-            else:
-                metrics.DUPLICATES.inc()
-                await ack(msg)
-            return
-        if meta.num_delivered > 1 and await self.result_exists(req.tenant, rid):
-            metrics.DUPLICATES.inc()
-            await ack(msg)
-            return
         outcome = st.scheduler.enqueue(_request(req, msg, now), now)
         if outcome.status in ("queued", "adopted"):
             st.hold(Held(msg, req, meta.sequence.stream))
@@ -112,6 +102,29 @@ class Intake:
             assert outcome.rejection is not None
             if await self.answers.publish_rejection(req, outcome.rejection):
                 await ack(msg)
+
+    async def _seen(self, req: SubmitRequest, msg: Msg, now: float) -> bool:
+        """Handle a request this dispatcher has seen before (held, cancelled, or finished):
+        True if it was, and is now dealt with."""
+        st, rid = self.state, req.request_id
+        held = st.held.get(rid)
+        if held is not None:
+            if held.stream_seq == msg.metadata.sequence.stream:
+                held.msg = msg  # a redelivery of the message we hold: keep the newest handle
+            else:
+                metrics.DUPLICATES.inc()
+                await ack(msg)
+            return True
+        if st.cancelled.has(rid, now):  # cancelled before it got here, or coming back
+            rejection = Rejection(reason=RejectReason.CANCELLED, message="cancelled")
+            if await self.answers.publish_result_of(req, rejection):
+                await ack(msg)
+            return True
+        if msg.metadata.num_delivered > 1 and await self.result_exists(req.tenant, rid):
+            metrics.DUPLICATES.inc()
+            await ack(msg)
+            return True
+        return False
 
     async def result_exists(self, tenant: str, request_id: str) -> bool:
         """Whether a result of ``request_id`` is stored (unsure counts as no: running it again

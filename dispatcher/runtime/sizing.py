@@ -47,9 +47,14 @@ class QueueSizing:
                 for model, b in series
                 if b == band
             )
+            current = self.bounds[band]
+            if rate <= 0:
+                # Nothing admitted lately (workers gone or saturated): the queue is not
+                # draining, so it must not open up; keep the bound it has.
+                metrics.QUEUE_BOUND.labels(band).set(current)
+                continue
             bound = wait_bound(rate, wait_s, s.queue_min_msgs, s.queue_max_msgs)
             metrics.QUEUE_BOUND.labels(band).set(bound)
-            current = self.bounds[band]
             if abs(bound - current) < max(1, current // 10):
                 continue
             try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +41,31 @@ class Held:
     stream_seq: int
 
 
+class Tombstones:
+    """Request ids cancelled in the last ``ttl_s`` (the broker's duplicate window: a request
+    is not resubmitted under its id after that), at most ``max_ids`` of them. Time is passed
+    in."""
+
+    def __init__(self, ttl_s: float, max_ids: int = 100_000) -> None:
+        self.ttl_s = ttl_s
+        self.max_ids = max_ids
+        self._ids: OrderedDict[str, float] = OrderedDict()
+
+    def add(self, request_id: str, now_s: float) -> None:
+        self._ids[request_id] = now_s
+        self._ids.move_to_end(request_id)
+        self._trim(now_s)
+
+    def has(self, request_id: str, now_s: float) -> bool:
+        self._trim(now_s)
+        return request_id in self._ids
+
+    def _trim(self, now_s: float) -> None:
+        ids = self._ids
+        while ids and (len(ids) > self.max_ids or now_s - next(iter(ids.values())) > self.ttl_s):
+            ids.popitem(last=False)
+
+
 class State:
     """The dispatcher's shared state (one per dispatcher)."""
 
@@ -73,6 +98,8 @@ class State:
         )
         self.leases = LeaseTable(s.lease_s)
         self.held: dict[str, Held] = {}
+        self.cancelled = Tombstones(s.duplicate_window_s)
+        """Requests cancelled here: one that arrives (again) is answered, never run."""
         self.unnotified: set[str] = set()
         """Requests queued since the last scheduling pass: those still queued after it are
         told so (a ``QueuedNotice`` on their token subject)."""
