@@ -183,7 +183,7 @@ class RequestHandle:
             raise rejection_error(self.request_id, result.rejection, result)
         return result
 
-    async def cancel(self, timeout_s: float = 5.0) -> CancelReply:
+    async def cancel(self, timeout_s: float = 10.0) -> CancelReply:
         """Cancel this request: queued, it never runs; running, its worker stops it. Its
         result then raises :class:`Cancelled` (with the tokens produced so far), and the token
         stream ends. The reply says ``cancelled``, ``finished`` (it had ended: its result
@@ -484,10 +484,11 @@ class Client:
         return await self._ask(names.WAIT_SUBJECT, encode(query), WaitEstimate, "wait", timeout_s)
 
     async def cancel(
-        self, request_id: str, *, tenant: str | None = None, timeout_s: float = 5.0
+        self, request_id: str, *, tenant: str | None = None, timeout_s: float = 10.0
     ) -> CancelReply:
         """Cancel a request by its id (see :meth:`RequestHandle.cancel`); raises
-        ``ServiceUnavailable`` if no dispatcher answers."""
+        ``ServiceUnavailable`` if no dispatcher answers within ``timeout_s`` (a running
+        request's worker has 4 s to stop it and store its result)."""
         query = CancelRequest(request_id=request_id, tenant=tenant or self.tenant)
         return await self._ask(
             names.CANCEL_SUBJECT, encode(query), CancelReply, "cancel", timeout_s
