@@ -90,13 +90,19 @@ class RequestHandle:
 
     async def _subscribe(self, nc: NATS) -> None:
         with unavailable_on_broker_errors("subscribe to the request's results"):
-            self._subs = [
-                await nc.subscribe(names.token_subject(self.request_id), cb=self._on_chunk),
-                await nc.subscribe(
-                    names.result_subject(self.request.tenant, self.request_id),
-                    cb=self._on_result,
-                ),
-            ]
+            try:  # each subscription is kept as it is made, so a failure drops what was made
+                self._subs.append(
+                    await nc.subscribe(names.token_subject(self.request_id), cb=self._on_chunk)
+                )
+                self._subs.append(
+                    await nc.subscribe(
+                        names.result_subject(self.request.tenant, self.request_id),
+                        cb=self._on_result,
+                    )
+                )
+            except BaseException:
+                await self._unsubscribe()
+                raise
 
     async def _unsubscribe(self) -> None:
         subs, self._subs = self._subs, []
@@ -358,6 +364,8 @@ class Client:
         times; ``InvalidRequest`` for bad arguments; ``ServiceUnavailable`` when no dispatcher
         serves the band.
         """
+        if retry is not None and not isinstance(retry, Retry | int):
+            raise InvalidRequest(f"retry must be a Retry or a number of retries, not {retry!r}")
         policy = Retry(attempts=retry) if isinstance(retry, int) else retry or Retry(attempts=0)
         request = self._build(model, prompt, max_tokens, band, tenant, request_id, deadline_s)
         handle = RequestHandle(self, request)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from sluice.client import Client, QueueFull, Retry
+from sluice.client import Client, InvalidRequest, QueueFull, Retry
 from sluice.dispatcher.admission import AdmissionConfig
 from sluice.dispatcher.quotas import ModelQuota, Quotas
 from sluice.dispatcher.routing import LeastLoaded
@@ -74,6 +74,8 @@ def test_retry_waits_the_retry_after_with_bounded_jitter() -> None:
     assert policy.delay(100.0, rng) == 5.0
     with pytest.raises(ValueError):
         Retry(jitter=1.0)
+    with pytest.raises(ValueError):
+        Retry(attempts=-1)
 
 
 # ----------------------------------------------------------------------------- live
@@ -143,6 +145,8 @@ async def test_retry_stops_after_its_bound_on_a_queue_that_stays_full(nats_url: 
         with pytest.raises(QueueFull):
             await c.submit("sim", _prompt(3), max_tokens=4)  # no retry: refused at once
         assert time.monotonic() - t0 < 0.6
+        with pytest.raises(InvalidRequest, match="retry"):
+            await c.submit("sim", _prompt(4), max_tokens=4, retry=2.5)  # type: ignore[arg-type]
 
 
 @pytest.mark.e2e
