@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from sluice.dispatcher.admission import AdmissionConfig
 from sluice.dispatcher.books import Books
 from sluice.dispatcher.queues import Queues
-from sluice.dispatcher.quotas import Level
+from sluice.dispatcher.quotas import Level, Quotas
 from sluice.dispatcher.routing import Candidate, Choice, RoutingPolicy
 from sluice.dispatcher.work import Dispatch, Request, WorkerInfo
 
@@ -79,7 +79,7 @@ def plan(state: PlanInput, now_s: float, max_decisions: int | None = None) -> li
         q = state.queues.queue(band, model)
         request = state.queues.get(q[idx][2])
         assert request is not None
-        levels, amount = _quota_levels(state, request)
+        levels, amount = quota_use(cfg.quotas, request)
         blocked = state.books.usage.blocked_by(
             cfg.quotas, model, band, request.tenant, amount, scratch.levels
         )
@@ -152,8 +152,9 @@ def _push_next(
         heapq.heappush(heads, (key, seq, band, model, idx + 1))
 
 
-def _quota_levels(state: PlanInput, r: Request) -> tuple[list[Level], int]:
-    return state.config.quotas.use(r.model, r.band, r.tenant, r.prompt_tokens, r.max_tokens)
+def quota_use(quotas: Quotas, r: Request) -> tuple[list[Level], int]:
+    """The quota levels ``r`` uses, and how much of each (in its model's unit)."""
+    return quotas.use(r.model, r.band, r.tenant, r.prompt_tokens, r.max_tokens)
 
 
 def _candidates(state: PlanInput, s: _Scratch, model: str, now_s: float) -> list[Candidate]:
@@ -240,7 +241,7 @@ def hold_reason(state: PlanInput, request: Request, pressed: set[str] | None = N
     pressed = pressed_bands(state) if pressed is None else pressed
     if band in pressed and books.by_band[band] >= cfg.band_shares[band]:
         return "band-share"
-    _, amount = _quota_levels(state, request)
+    _, amount = quota_use(cfg.quotas, request)
     blocked = books.usage.blocked_by(cfg.quotas, request.model, band, request.tenant, amount, None)
     if blocked is not None:
         return f"quota:{blocked[0]}"

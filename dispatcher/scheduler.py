@@ -20,7 +20,7 @@ from sluice.dispatcher.admission import AdmissionConfig, priority_key
 from sluice.dispatcher.books import Books
 from sluice.dispatcher.defaults import key_blocks
 from sluice.dispatcher.flaps import FlapMeter
-from sluice.dispatcher.planner import PlanInput, hold_reason, plan, pressed_bands
+from sluice.dispatcher.planner import PlanInput, hold_reason, plan, pressed_bands, quota_use
 from sluice.dispatcher.queues import Queues
 from sluice.dispatcher.quotas import Level
 from sluice.dispatcher.routing import RoutingPolicy
@@ -114,8 +114,7 @@ class Scheduler:
 
     def quota_levels(self, request: Request) -> tuple[list[Level], int]:
         """The per-model quota levels ``request`` uses, and how much of each."""
-        r = request
-        return self.config.quotas.use(r.model, r.band, r.tenant, r.prompt_tokens, r.max_tokens)
+        return quota_use(self.config.quotas, request)
 
     def counts(self) -> dict[tuple[str, str], tuple[int, int]]:
         """(model, band) -> (queued, running), for every pair with requests."""
@@ -289,18 +288,23 @@ class Scheduler:
             self._joined_s,
         )
 
+    def hold_reasons(self, request_ids: Iterable[str]) -> dict[str, str]:
+        """The layer that holds each of these queued requests (``planner.HOLD_REASONS``);
+        ids not queued are left out. Pure."""
+        state = self._plan_input()
+        pressed = pressed_bands(state)
+        queued = ((rid, self._queues.get(rid)) for rid in request_ids)
+        return {rid: hold_reason(state, r, pressed) for rid, r in queued if r is not None}
+
     def hold_reason(self, request_id: str) -> str | None:
-        """The layer that holds a queued request (``planner.HOLD_REASONS``); None if it is not
-        queued. Pure."""
-        request = self._queues.get(request_id)
-        return None if request is None else hold_reason(self._plan_input(), request)
+        """The layer that holds one queued request; None if it is not queued. Pure."""
+        return self.hold_reasons([request_id]).get(request_id)
 
     def held_by(self) -> dict[str, int]:
         """Queued requests by the layer that holds them. Pure; costs one check per queued
         request (call it once a second, not per decision)."""
-        state = self._plan_input()
-        pressed = pressed_bands(state)
-        return dict(Counter(hold_reason(state, r, pressed) for r in self._queues.requests()))
+        ids = [r.request_id for r in self._queues.requests()]
+        return dict(Counter(self.hold_reasons(ids).values()))
 
     def position(self, request_id: str) -> int | None:
         """A queued request's place in its band's queue for its model (1: next)."""

@@ -89,17 +89,21 @@ class HandOff:
         it, that they wait: where, how long, and what holds them."""
         st = self.state
         pending, st.unnotified = st.unnotified, set()
+        reasons = {} if learning else st.scheduler.hold_reasons(pending)
+        waits: dict[tuple[str, str], float | None] = {}  # one figure per model and band
         for rid in pending:
             held = st.held.get(rid)
             position = st.scheduler.position(rid)
             if held is None or position is None:
                 continue  # it started (or ended) in this pass
-            req = held.request
+            key = (held.request.model, held.request.band)
+            if key not in waits:
+                waits[key] = self.gauges.wait_figures(*key, now).expected_wait_s
             notice = QueuedNotice(
                 request_id=rid,
                 position=position,
-                expected_wait_s=self.gauges.wait_figures(req.model, req.band, now).expected_wait_s,
-                held_by="learning" if learning else st.scheduler.hold_reason(rid) or "queue",
+                expected_wait_s=waits[key],
+                held_by="learning" if learning else reasons.get(rid, "queue"),
             )
             try:
                 await st.nc.publish(names.token_subject(rid), encode(notice))
