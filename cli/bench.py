@@ -67,7 +67,8 @@ def bench_core(
     # --- sluice
     chooser = build_policy(policy, CacheAwareConfig(), seed)
     sched = Scheduler(
-        AdmissionConfig(global_limit=limit, band_limits={"batch": limit // 2}),
+        # No engine-time floors: the baseline has none, and both must make every decision.
+        AdmissionConfig(global_limit=limit, band_limits={"batch": limit // 2}, band_floors={}),
         chooser,
         models=["m"],
     )

@@ -53,7 +53,28 @@ SlowFactorOpt = Annotated[
 ]
 SeedOpt = Annotated[int, typer.Option(help="Seed of every random choice.")]
 SloOpt = Annotated[float, typer.Option("--slo-ttft-s", help="TTFT SLO for goodput.", min=0)]
-CapOpt = Annotated[int, typer.Option(help="Requests each worker takes at once.", min=1)]
+CapOpt = Annotated[
+    int | None,
+    typer.Option(
+        help="Requests each worker takes at once (default: twice the profile's batch).", min=1
+    ),
+]
+FloorOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--batch-floor",
+        min=0.0,
+        max=1.0,
+        help="The batch band's engine-time floor, a share of the fleet (default 0.03).",
+    ),
+]
+AdmissionOpt = Annotated[
+    str,
+    typer.Option(
+        "--admission",
+        help="engine: engine-time floors (the default); slots: none (before issue 10).",
+    ),
+]
 ALL_POLICIES = ",".join(POLICIES)
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON object.")]
 PlotOpt = Annotated[Path | None, typer.Option("--plot", help="Write PNG charts here.")]
@@ -66,8 +87,9 @@ def _setup(
     compare: str,
     seed: int,
     slo: float,
-    capacity: int,
+    capacity: int | None,
     slow: tuple[int, float] = (0, 1.0),
+    admission: tuple[str, float | None] = ("engine", None),
 ) -> tuple[list[TraceRequest], ReplayConfig, list[str]]:
     try:
         requests = load_trace(trace)
@@ -81,6 +103,9 @@ def _setup(
     slow_n, slow_f = slow
     if slow_n > workers:
         raise fail(f"--slow-workers {slow_n} exceeds --workers {workers}")
+    mode, batch_floor = admission
+    if mode not in ("engine", "slots"):
+        raise fail(f"--admission is 'engine' or 'slots', not {mode!r}")
     cfg = ReplayConfig(
         workers=workers,
         profile=prof,
@@ -89,6 +114,8 @@ def _setup(
         slo_ttft_s=slo,
         slow_workers=slow_n,
         slow_factor=slow_f,
+        batch_floor=batch_floor,
+        engine_shares=mode == "engine",
     )
     return requests, cfg, names
 
@@ -124,7 +151,7 @@ def main(
     as_json: JsonOpt = False,
     plot: PlotOpt = None,
     slo_ttft_s: SloOpt = 2.0,
-    capacity: CapOpt = 64,
+    capacity: CapOpt = None,
     slow_workers: SlowOpt = 0,
     slow_factor: SlowFactorOpt = 1.0,
     batch_load: Annotated[
@@ -150,6 +177,8 @@ def main(
             "--batch-limit", min=0.0, max=1.0, help="Hard limit of the batch band (share of slots)."
         ),
     ] = None,
+    batch_floor: FloorOpt = None,
+    admission: AdmissionOpt = "engine",
     decisions: Annotated[
         Path | None,
         typer.Option(
@@ -170,7 +199,15 @@ def main(
     if trace == Path():
         raise fail("--trace is required")
     requests, cfg, names = _setup(
-        trace, workers, profile, compare, seed, slo_ttft_s, capacity, (slow_workers, slow_factor)
+        trace,
+        workers,
+        profile,
+        compare,
+        seed,
+        slo_ttft_s,
+        capacity,
+        (slow_workers, slow_factor),
+        (admission, batch_floor),
     )
     if load is not None:
         requests = scale_to_load(requests, load, workers, cfg.profile)
@@ -289,7 +326,7 @@ def sweep(
     as_json: JsonOpt = False,
     plot: PlotOpt = None,
     slo_ttft_s: SloOpt = 2.0,
-    capacity: CapOpt = 64,
+    capacity: CapOpt = None,
 ) -> None:
     """Replay at several loads; chart goodput and P99 TTFT against load, per policy."""
     requests, cfg, names = _setup(trace, workers, profile, compare, seed, slo_ttft_s, capacity)
@@ -323,6 +360,76 @@ def sweep(
         t.add_column(f"{x:g}", justify="right")
     for n, rs in series.items():
         t.add_row(n, *(f"{r.goodput_rps:.2f} / {_fmt(r.ttft_p99_s)}" for r in rs))
+    out.print(t)
+
+
+@app.command("sweep-batch")
+def sweep_batch(
+    trace: TraceOpt,
+    workers: WorkersOpt = 8,
+    profile: ProfileOpt = "reference",
+    load: Annotated[float, typer.Option(help="The trace's own (online) load.", min=0.01)] = 0.9,
+    batch_loads: Annotated[str, typer.Option(help="Offline loads, comma-separated.")] = (
+        "0,0.3,0.6,1.0,1.5,2.0"
+    ),
+    admissions: Annotated[
+        str, typer.Option(help="Admissions to compare: engine (the default), slots (before).")
+    ] = "engine,slots",
+    policy: Annotated[str, typer.Option(help="The routing policy.")] = "sluice",
+    seed: SeedOpt = 0,
+    as_json: JsonOpt = False,
+    plot: PlotOpt = None,
+    capacity: CapOpt = None,
+) -> None:
+    """Replay with offline load from 0 up; chart the interactive band's queue and TTFT P99
+    and the batch band's share of the fleet, per admission."""
+    from sluice.sim.plots import batch_figures
+
+    modes = [m.strip() for m in admissions.split(",") if m.strip()]
+    try:
+        xs = [float(x) for x in batch_loads.split(",") if x.strip()]
+    except ValueError as exc:
+        raise fail("--batch-loads takes comma-separated numbers") from exc
+    if not xs or min(xs) < 0:
+        raise fail("--batch-loads must be numbers >= 0")
+    series: dict[str, list[PolicyResult]] = {}
+    for mode in modes:
+        requests, cfg, _ = _setup(
+            trace, workers, profile, policy, seed, 2.0, capacity, admission=(mode, None)
+        )
+        scaled = scale_to_load(requests, load, workers, cfg.profile)
+        for x in xs:
+            mixed = add_batch_load(scaled, x, workers, cfg.profile, seed)
+            r = _run_all(mixed, cfg, [policy], f"{mode}, batch load {x:g}: ")[policy]
+            series.setdefault(mode, []).append(r)
+    if plot is not None:
+        from sluice.sim.errors import PlotError
+        from sluice.sim.plots import plot_batch_sweep
+
+        try:
+            title = f"{trace.name}, {workers} workers, online load {load:g}"
+            for p in plot_batch_sweep(xs, series, plot, title):
+                err.print(f"[dim]wrote {p}[/dim]")
+        except PlotError as exc:
+            raise fail(str(exc)) from exc
+    if as_json:
+        doc = {m: [r.as_json() | batch_figures(r) for r in rs] for m, rs in series.items()}
+        print(json.dumps({"trace": str(trace), "batch_loads": xs, "admissions": doc}))
+        return
+    t = Table(title=f"{trace.name}: interactive queue P99 / TTFT P99 (s) / batch share of fleet")
+    t.add_column("admission")
+    for x in xs:
+        t.add_column(f"batch {x:g}", justify="right")
+    for m, rs in series.items():
+        figs = [batch_figures(r) for r in rs]
+        t.add_row(
+            m,
+            *(
+                f"{f['interactive_queue_p99_s']:.2f} / {f['interactive_ttft_p99_s']:.1f} / "
+                f"{f['batch_fleet_share']:.1%}"
+                for f in figs
+            ),
+        )
     out.print(t)
 
 

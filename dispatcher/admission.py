@@ -19,6 +19,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from sluice.dispatcher.quotas import Quotas
+from sluice.dispatcher.shares import (
+    DEFAULT_BAND_FLOORS,
+    DEFAULT_BURST_S,
+    DEFAULT_DEMAND_WINDOW_S,
+    DEFAULT_IDLE_HEADROOM,
+)
 from sluice.schemas.names import DEFAULT_BANDS
 
 DEFAULT_BAND_DELAY_S: Mapping[str, float] = {"interactive": 0.0, "standard": 2.0, "batch": 10.0}
@@ -38,7 +44,14 @@ class AdmissionConfig:
     waiting, it gets no new room beyond its share: as its requests finish, the room goes to the
     urgent band (offline gives way to online), and it takes its share back, and more, once the
     urgent band no longer waits. A band always gets its share, so a share above 0 bounds how long
-    its requests can be held back. A band without a share is never held back this way.
+    its requests can be held back. A band without a share is never held back this way. These
+    shares count requests (slots); ``band_floors`` are shares in engine time, the default unit.
+
+    ``band_floors`` are the engine-time shares of offline bands (fractions of the fleet, see
+    :mod:`sluice.dispatcher.shares`): a band with a floor gets that share of the fleet's engine
+    time always, and the idle capacity (less ``idle_headroom``) only while no more urgent band
+    waits. None: ``batch`` gets 3 % if it is one of the bands. A band without a floor is online
+    work: it is never held back for offline work.
     """
 
     bands: tuple[str, ...] = DEFAULT_BANDS
@@ -49,6 +62,17 @@ class AdmissionConfig:
     max_attempts: int = 3
     quotas: Quotas = field(default_factory=Quotas)
     band_shares: Mapping[str, int] = field(default_factory=dict)
+    band_floors: Mapping[str, float] | None = None
+    idle_headroom: float = DEFAULT_IDLE_HEADROOM
+    demand_window_s: float = DEFAULT_DEMAND_WINDOW_S
+    burst_s: float = DEFAULT_BURST_S
+
+    @property
+    def floors(self) -> dict[str, float]:
+        """The engine-time floors in force (the default if ``band_floors`` is None)."""
+        if self.band_floors is None:
+            return {b: f for b, f in DEFAULT_BAND_FLOORS.items() if b in self.bands}
+        return dict(self.band_floors)
 
     def __post_init__(self) -> None:
         if not self.bands:
@@ -56,11 +80,18 @@ class AdmissionConfig:
         if self.global_limit < 1:
             raise ValueError("global_limit must be >= 1")
         named = set(self.band_limits) | set(self.band_delay_s) | set(self.band_shares)
+        named |= set(self.floors)
         unknown = named - set(self.bands)
         if unknown:
             raise ValueError(f"limits, delays or shares for unknown bands: {sorted(unknown)}")
         if any(v < 0 for v in self.band_shares.values()):
             raise ValueError("band shares must be >= 0")
+        if any(not 0 <= v <= 1 for v in self.floors.values()) or sum(self.floors.values()) > 1:
+            raise ValueError("band floors are fractions of the fleet: each within [0, 1], sum <= 1")
+        if self.floors and self.bands[0] in self.floors:
+            raise ValueError(f"the most urgent band {self.bands[0]!r} cannot have a floor")
+        if not 0 <= self.idle_headroom < 1 or self.demand_window_s <= 0 or self.burst_s <= 0:
+            raise ValueError("idle_headroom within [0, 1), demand_window_s and burst_s > 0")
         if any(v < 0 for v in self.band_limits.values()):
             raise ValueError("band limits must be >= 0")
         if any(v < 0 for v in self.band_delay_s.values()):

@@ -26,6 +26,7 @@ def worker_view(hb: Heartbeat, now_s: float) -> WorkerInfo:
         reported_pending_tokens=load.pending_prefill_tokens + load.active_decode_tokens,
         reported_in_flight=frozenset(hb.in_flight),
         reported_prefill_tokens=load.pending_prefill_tokens,
+        reported_running=load.running,
         reported_s=now_s,
     )
 
@@ -107,6 +108,14 @@ def apply_completion(scheduler: Scheduler, c: Completion, now_s: float) -> Compl
     request = scheduler.complete(c.request_id)
     if request is not None:
         scheduler.policy.completed(c.worker_id, request.route_view(), outcome_of(c, now_s))
+        scheduler.engine_time.observe(
+            c.worker_id,
+            request,
+            cached_tokens=c.cached_tokens,
+            prefill_s=c.prefill_s,
+            output_tokens=c.output_tokens,
+            decode_s=c.decode_s,
+        )
     return CompletionEffects(request=request, booking=booking)
 
 

@@ -16,9 +16,11 @@ from dataclasses import dataclass, field
 
 from sluice.dispatcher.admission import AdmissionConfig
 from sluice.dispatcher.books import Books
+from sluice.dispatcher.enginetime import EngineTime
 from sluice.dispatcher.queues import Queues
 from sluice.dispatcher.quotas import Level, Quotas
 from sluice.dispatcher.routing import Candidate, Choice, RoutingPolicy
+from sluice.dispatcher.shares import BandMeter, ShareKind
 from sluice.dispatcher.work import Dispatch, Request, WorkerInfo
 
 SCAN_LIMIT = 256
@@ -42,6 +44,8 @@ class _Scratch:
     band_room: dict[str, int] = field(default_factory=dict)
     running_in: Counter[str] = field(default_factory=Counter)
     levels: Counter[Level] = field(default_factory=Counter)
+    charged: dict[tuple[str, str], float] = field(default_factory=dict)
+    """Engine-seconds this plan charged to each (band, budget)."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,8 @@ class PlanInput:
     workers: Mapping[str, WorkerInfo]
     refused: frozenset[str] | set[str]
     joined_s: Mapping[str, float]
+    meter: BandMeter
+    engine_time: EngineTime
 
 
 def plan(state: PlanInput, now_s: float, max_decisions: int | None = None) -> list[Dispatch]:
@@ -74,8 +80,15 @@ def plan(state: PlanInput, now_s: float, max_decisions: int | None = None) -> li
         _, _, band, model, idx = heapq.heappop(heads)
         if scratch.band_room[band] <= 0:
             continue
-        if band in pressed and scratch.running_in[band] >= cfg.band_shares[band]:
+        if (
+            band in pressed
+            and band in cfg.band_shares
+            and scratch.running_in[band] >= cfg.band_shares[band]
+        ):
             continue  # a more urgent band waits: this one gets no more than its share
+        kind = share_kind(state.meter, band, band in pressed, now_s, scratch.charged)
+        if kind is None:
+            continue  # an offline band without engine time left in its floor or the idle
         q = state.queues.queue(band, model)
         request = state.queues.get(q[idx][2])
         assert request is not None
@@ -95,11 +108,31 @@ def plan(state: PlanInput, now_s: float, max_decisions: int | None = None) -> li
         if not candidates:
             continue  # every worker of this model is full: drop its queues from this plan
         if request.deadline_s is None or request.deadline_s > now_s:  # never run an expired one
-            d = _decide(state.policy, request, candidates, now_s)
+            d = _decide(state, request, candidates, now_s, kind)
             decisions.append(d)
             _take(scratch, d, levels, amount)
         _push_next(heads, q, band, model, idx)
     return decisions
+
+
+def share_kind(
+    meter: BandMeter,
+    band: str,
+    pressed: bool,
+    now_s: float,
+    charged: Mapping[tuple[str, str], float] | None = None,
+) -> ShareKind | None:
+    """The engine-time budget a dispatch of ``band`` is charged to now ("" for online bands),
+    or None if it has none left: its floor first, then, unless a more urgent band waits
+    (``pressed``), the idle capacity (:mod:`sluice.dispatcher.shares`)."""
+    if not meter.floored(band):
+        return ""
+    taken = charged or {}
+    if meter.floor_credit(band, now_s) - taken.get((band, "floor"), 0.0) >= 0:
+        return "floor"
+    if not pressed and meter.idle_credit(band, now_s) - taken.get((band, "idle"), 0.0) >= 0:
+        return "idle"
+    return None
 
 
 def _scratch(state: PlanInput) -> _Scratch:
@@ -130,7 +163,8 @@ def pressed_bands(state: PlanInput) -> set[str]:
     return {
         b
         for i, b in enumerate(cfg.bands)
-        if b in cfg.band_shares and any(u in waiting for u in cfg.bands[:i])
+        if (b in cfg.band_shares or state.meter.floored(b))
+        and any(u in waiting for u in cfg.bands[:i])
     }
 
 
@@ -154,7 +188,7 @@ def _push_next(
 
 def quota_use(quotas: Quotas, r: Request) -> tuple[list[Level], int]:
     """The quota levels ``r`` uses, and how much of each (in its model's unit)."""
-    return quotas.use(r.model, r.band, r.tenant, r.prompt_tokens, r.max_tokens)
+    return quotas.use(r.model, r.band, r.tenant, r.prompt_tokens, r.max_tokens, r.engine_ms)
 
 
 def _candidates(state: PlanInput, s: _Scratch, model: str, now_s: float) -> list[Candidate]:
@@ -192,11 +226,16 @@ _NEVER = float("-inf")
 
 
 def _decide(
-    policy: RoutingPolicy, request: Request, candidates: Sequence[Candidate], now_s: float
+    state: PlanInput,
+    request: Request,
+    candidates: Sequence[Candidate],
+    now_s: float,
+    kind: ShareKind,
 ) -> Dispatch:
-    picked = policy.choose(request.route_view(), candidates, now_s)
+    picked = state.policy.choose(request.route_view(), candidates, now_s)
     choice = picked if isinstance(picked, Choice) else Choice(picked)
-    return Dispatch(request, choice.worker_id, choice)
+    cost = state.engine_time.cost_s(request, choice.worker_id, choice.expected_hit_tokens)
+    return Dispatch(request, choice.worker_id, choice, share=kind, engine_s=cost)
 
 
 def _take(s: _Scratch, d: Dispatch, levels: list[Level], amount: int) -> None:
@@ -210,6 +249,9 @@ def _take(s: _Scratch, d: Dispatch, levels: list[Level], amount: int) -> None:
     s.planned_prefill[w] += prefill
     s.band_room[r.band] -= 1
     s.running_in[r.band] += 1
+    if d.share:
+        key = (r.band, d.share)
+        s.charged[key] = s.charged.get(key, 0.0) + d.engine_s
     for level in levels:
         s.levels[level] += amount
 
@@ -218,6 +260,8 @@ HOLD_REASONS = (
     "global-limit",
     "band-limit",
     "band-share",
+    "band-floor",
+    "band-idle",
     "quota:model",
     "quota:model-band",
     "quota:model-tenant",
@@ -227,11 +271,13 @@ HOLD_REASONS = (
 """Why a queued request is not running (the first layer that holds it, in this order)."""
 
 
-def hold_reason(state: PlanInput, request: Request, pressed: set[str] | None = None) -> str:
+def hold_reason(
+    state: PlanInput, request: Request, now_s: float, pressed: set[str] | None = None
+) -> str:
     """The layer that holds ``request`` in the queue now (one of :data:`HOLD_REASONS`): a
-    limit or quota without room for it, no live worker of its model with room, or else the
-    requests ahead of it. ``pressed``: the bands held to their shares, if already known. Pure,
-    like :func:`plan`."""
+    limit, an engine-time budget or a quota without room for it, no live worker of its model
+    with room, or else the requests ahead of it. ``pressed``: the bands held to their shares,
+    if already known. Pure, like :func:`plan`."""
     cfg, books = state.config, state.books
     band = request.band
     if len(books) >= cfg.global_limit:
@@ -239,8 +285,11 @@ def hold_reason(state: PlanInput, request: Request, pressed: set[str] | None = N
     if books.by_band[band] >= cfg.band_limit(band):
         return "band-limit"
     pressed = pressed_bands(state) if pressed is None else pressed
-    if band in pressed and books.by_band[band] >= cfg.band_shares[band]:
+    is_pressed = band in pressed
+    if is_pressed and band in cfg.band_shares and books.by_band[band] >= cfg.band_shares[band]:
         return "band-share"
+    if share_kind(state.meter, band, is_pressed, now_s) is None:
+        return "band-floor" if is_pressed else "band-idle"
     _, amount = quota_use(cfg.quotas, request)
     blocked = books.usage.blocked_by(cfg.quotas, request.model, band, request.tenant, amount, None)
     if blocked is not None:

@@ -8,8 +8,10 @@ global limit and each band's), every model has its own quota, at three levels at
 - **per tenant** within the model, with a default for tenants not listed.
 
 A request runs only when every level has room. A model counts in **requests** (each running
-request uses 1) or in **tokens** (each uses its prompt plus its maximum output, what it may put
-in a worker's KV cache), chosen per model. A level without a limit is unlimited; a limit of 0
+request uses 1), in **tokens** (each uses its prompt plus its maximum output, what it may put
+in a worker's KV cache) or in **engine_ms** (each uses its estimated engine time in
+milliseconds, :mod:`sluice.dispatcher.enginetime`, priced when it is queued: a limit of 60,000
+lets a tenant have a minute of engine work running at once), chosen per model. A level without a limit is unlimited; a limit of 0
 admits nothing at that level. One model's quota is untouched by another's traffic: isolation
 between models is quotas that sum to at most the global limit.
 
@@ -26,7 +28,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-Unit = Literal["requests", "tokens"]
+Unit = Literal["requests", "tokens", "engine_ms"]
 Level = tuple[str, ...]
 """A quota level: ``("model", m)``, ``("model-band", m, b)`` or ``("model-tenant", m, t)``."""
 
@@ -46,15 +48,17 @@ class ModelQuota:
         values += [*self.band_limits.values(), *self.tenant_limits.values()]
         if any(v is not None and v < 0 for v in values):
             raise ValueError("quota limits must be >= 0")
-        if self.unit not in ("requests", "tokens"):
-            raise ValueError(f"unit must be 'requests' or 'tokens', not {self.unit!r}")
+        if self.unit not in ("requests", "tokens", "engine_ms"):
+            raise ValueError(f"unit must be requests, tokens or engine_ms, not {self.unit!r}")
 
     def tenant_limit(self, tenant: str) -> int | None:
         return self.tenant_limits.get(tenant, self.default_tenant_limit)
 
-    def cost(self, prompt_tokens: int, max_tokens: int) -> int:
+    def cost(self, prompt_tokens: int, max_tokens: int, engine_ms: int = 0) -> int:
         """What one request uses of this model's quota."""
-        return 1 if self.unit == "requests" else prompt_tokens + max_tokens
+        if self.unit == "requests":
+            return 1
+        return prompt_tokens + max_tokens if self.unit == "tokens" else engine_ms
 
 
 @dataclass(frozen=True)
@@ -77,11 +81,17 @@ class Quotas:
         ]
 
     def use(
-        self, model: str, band: str, tenant: str, prompt_tokens: int, max_tokens: int
+        self,
+        model: str,
+        band: str,
+        tenant: str,
+        prompt_tokens: int,
+        max_tokens: int,
+        engine_ms: int = 0,
     ) -> tuple[list[Level], int]:
         """The levels a request uses and how much of each (in its model's unit)."""
         levels = [lv for lv, _ in self.levels(model, band, tenant)]
-        return levels, self.of(model).cost(prompt_tokens, max_tokens)
+        return levels, self.of(model).cost(prompt_tokens, max_tokens, engine_ms)
 
 
 class Usage:

@@ -12,6 +12,7 @@ touches NATS or asyncio.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
@@ -19,11 +20,13 @@ from dataclasses import replace
 from sluice.dispatcher.admission import AdmissionConfig, priority_key
 from sluice.dispatcher.books import Books
 from sluice.dispatcher.defaults import key_blocks
+from sluice.dispatcher.enginetime import EngineTime, EngineTimeConfig
 from sluice.dispatcher.flaps import FlapMeter
 from sluice.dispatcher.planner import PlanInput, hold_reason, plan, pressed_bands, quota_use
 from sluice.dispatcher.queues import Queues
 from sluice.dispatcher.quotas import Level
 from sluice.dispatcher.routing import RoutingPolicy
+from sluice.dispatcher.shares import BandMeter
 from sluice.dispatcher.work import (
     BandSnapshot,
     Booking,
@@ -66,6 +69,7 @@ class Scheduler:
         model_grace_s: float = 5.0,
         started_s: float = 0.0,
         flaps: FlapMeter | None = None,
+        engine_time: EngineTimeConfig | None = None,
     ) -> None:
         self.config = config
         self.policy = policy
@@ -84,6 +88,11 @@ class Scheduler:
         self._reported_on: dict[str, str] = {}
         self.flaps = flaps or FlapMeter(key_blocks(DEFAULT_BLOCK_TOKENS))
         """Flaps of booked decisions (:mod:`sluice.dispatcher.flaps`)."""
+        self.engine_time = EngineTime(engine_time)
+        """What requests cost in engine time (:mod:`sluice.dispatcher.enginetime`)."""
+        self.meter = _meter(config)
+        """The engine-time floors and idle capacity of offline bands."""
+        self._now_s = started_s
 
     # ----------------------------------------------------------------------------- queries
 
@@ -151,6 +160,23 @@ class Scheduler:
             for b in self.config.bands
         ]
 
+    def engine_figures(self, now_s: float) -> dict[str, dict[str, float]]:
+        """Per band: its floor and idle rates and credits, its recent demand and its total
+        engine-seconds dispatched (for stats and the replay). Pure."""
+        m = self.meter
+        out: dict[str, dict[str, float]] = {}
+        for b in self.config.bands:
+            row = {"demand_s_per_s": m.demand_rate(b, now_s), "spent_s": m.spent_s.get(b, 0.0)}
+            if m.floored(b):
+                row |= {
+                    "floor_s_per_s": m.floor_rate(b),
+                    "idle_s_per_s": m.idle_rate(b, now_s),
+                    "floor_credit_s": m.floor_credit(b, now_s),
+                    "idle_credit_s": m.idle_credit(b, now_s),
+                }
+            out[b] = row
+        return out
+
     def order(self) -> Sequence[str]:
         """Queued request ids in the order ``plan`` considers them (for tests and stats)."""
         return self._queues.order()
@@ -166,6 +192,9 @@ class Scheduler:
         rejection = self._validate(request, now_s)
         if rejection is not None:
             return EnqueueOutcome("rejected", rejection)
+        if not request.engine_ms:
+            cost_ms = math.ceil(self.engine_time.cost_s(request) * 1000)
+            request = replace(request, engine_ms=max(1, cost_ms))
         self._insert(request)
         worker = self._reported_on.get(rid)
         if worker is not None and self.adopt(rid, worker, now_s):
@@ -217,6 +246,9 @@ class Scheduler:
         ):
             raise ValueError("bands and aging delays cannot change at run time")
         self.config = config
+        old, self.meter = self.meter, _meter(config)
+        self.meter.spent_s = old.spent_s
+        self._set_capacity(self._now_s)
 
     def update_worker(self, info: WorkerInfo) -> None:
         """Record a worker's heartbeat (its lease is the runtime's ``LeaseTable``)."""
@@ -227,6 +259,14 @@ class Scheduler:
         self._books.reported(info.worker_id, info.reported_in_flight)
         self._seen_models.update(info.models)
         self._refused.discard(info.worker_id)
+        if old is None or old.draining != info.draining:
+            self._set_capacity(info.reported_s)
+
+    def _set_capacity(self, now_s: float) -> None:
+        # Each live worker supplies one engine-second per second (costs are priced at its speed).
+        self._now_s = max(self._now_s, now_s)
+        live = sum(1 for i in self._workers.values() if not i.draining)
+        self.meter.set_capacity(float(live), self._now_s)
 
     def remove_worker(self, worker_id: str) -> tuple[list[Request], list[Ended]]:
         """A worker left or lost its lease: its bookings are released and its requests queued
@@ -236,6 +276,8 @@ class Scheduler:
             self._note_reported(worker_id, old.reported_in_flight, None)
         self._refused.discard(worker_id)
         self._joined_s.pop(worker_id, None)
+        self.engine_time.remove_worker(worker_id)
+        self._set_capacity(self._now_s)
         requeued: list[Request] = []
         ended: list[Ended] = []
         for rid in self._books.forget_worker(worker_id):
@@ -286,25 +328,27 @@ class Scheduler:
             self._workers,
             self._refused,
             self._joined_s,
+            self.meter,
+            self.engine_time,
         )
 
-    def hold_reasons(self, request_ids: Iterable[str]) -> dict[str, str]:
+    def hold_reasons(self, request_ids: Iterable[str], now_s: float) -> dict[str, str]:
         """The layer that holds each of these queued requests (``planner.HOLD_REASONS``);
         ids not queued are left out. Pure."""
         state = self._plan_input()
         pressed = pressed_bands(state)
         queued = ((rid, self._queues.get(rid)) for rid in request_ids)
-        return {rid: hold_reason(state, r, pressed) for rid, r in queued if r is not None}
+        return {rid: hold_reason(state, r, now_s, pressed) for rid, r in queued if r is not None}
 
-    def hold_reason(self, request_id: str) -> str | None:
+    def hold_reason(self, request_id: str, now_s: float) -> str | None:
         """The layer that holds one queued request; None if it is not queued. Pure."""
-        return self.hold_reasons([request_id]).get(request_id)
+        return self.hold_reasons([request_id], now_s).get(request_id)
 
-    def held_by(self) -> dict[str, int]:
+    def held_by(self, now_s: float) -> dict[str, int]:
         """Queued requests by the layer that holds them. Pure; costs one check per queued
         request (call it once a second, not per decision)."""
         ids = [r.request_id for r in self._queues.requests()]
-        return dict(Counter(self.hold_reasons(ids).values()))
+        return dict(Counter(self.hold_reasons(ids, now_s).values()))
 
     def position(self, request_id: str) -> int | None:
         """A queued request's place in its band's queue for its model (1: next)."""
@@ -334,6 +378,9 @@ class Scheduler:
         )
         self.policy.observe(r.route_view(), w, now_s)
         self.flaps.booked(r.block_hashes, w, now_s)
+        self._now_s = max(self._now_s, now_s)
+        cost = dispatch.engine_s or self.engine_time.cost_s(r, w, dispatch.expected_hit_tokens)
+        self.meter.charge(r.band, dispatch.share, cost, now_s)
         return True
 
     def refused(self, dispatch: Dispatch) -> None:
@@ -407,6 +454,16 @@ class Scheduler:
         if info is None:
             return 0
         return self._books.drift(worker_id, info.reported_in_flight, now_s, grace_s)
+
+
+def _meter(config: AdmissionConfig) -> BandMeter:
+    return BandMeter(
+        config.bands,
+        config.floors,
+        headroom=config.idle_headroom,
+        window_s=config.demand_window_s,
+        burst_s=config.burst_s,
+    )
 
 
 def _deadline_rejection() -> Rejection:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from sluice.dispatcher.routing import Choice, RouteRequest
+from sluice.dispatcher.shares import ShareKind
 from sluice.schemas.models import Rejection
 
 
@@ -25,6 +26,9 @@ class Request:
     block_hashes: tuple[int, ...] = ()
     attempt: int = 1
     """The attempt this request will run as when next dispatched."""
+    engine_ms: int = 0
+    """Its estimated engine time at a median worker without cache hits, in milliseconds
+    (priced by the scheduler when it is queued; what ``engine_ms`` quotas count)."""
 
     @property
     def work_tokens(self) -> int:
@@ -49,6 +53,8 @@ class WorkerInfo:
     reported_in_flight: frozenset[str] = frozenset()
     reported_prefill_tokens: int = 0
     """Prompt tokens still to prefill at the heartbeat."""
+    reported_running: int = 0
+    """Sequences the engine was running at the heartbeat."""
     reported_s: float = 0.0
     """When the heartbeat arrived, on the scheduler's clock."""
 
@@ -61,6 +67,10 @@ class Dispatch:
     worker_id: str
     choice: Choice | None = None
     """The policy's full decision (expected hit, reason, score terms)."""
+    share: ShareKind = ""
+    """The engine-time budget it is charged to (:mod:`sluice.dispatcher.shares`)."""
+    engine_s: float = 0.0
+    """Its estimated cost on that worker, in engine-seconds."""
 
     @property
     def expected_hit_tokens(self) -> int:

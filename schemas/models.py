@@ -239,8 +239,12 @@ class QuotaSpec(BaseModel):
     default_tenant_limit: int | None = Field(
         default=None, ge=0, description="Each tenant not in tenant_limits."
     )
-    unit: Literal["requests", "tokens"] = Field(
-        default="requests", description="Count running requests, or prompt + max output tokens."
+    unit: Literal["requests", "tokens", "engine_ms"] = Field(
+        default="requests",
+        description=(
+            "Count running requests, prompt + max output tokens, or estimated engine "
+            "milliseconds (the engine time of what runs)."
+        ),
     )
 
     @model_validator(mode="after")
@@ -261,6 +265,7 @@ class AdmissionOverrides(BaseModel):
     global_limit: int | None = Field(default=None, ge=1)
     band_limits: dict[str, int] | None = None
     band_shares: dict[str, int] | None = None
+    band_floors: dict[str, float] | None = None
     quotas: dict[str, QuotaSpec] = Field(default_factory=dict)
     default_quota: QuotaSpec | None = None
 

@@ -103,3 +103,49 @@ def plot_sweep(
         fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
         plt.close(fig)
     return paths
+
+
+def batch_figures(r: PolicyResult) -> dict[str, float]:
+    """What a batch-load sweep charts: the interactive band's queue and TTFT P99, and the
+    batch band's share of the fleet's engine time while the trace arrived."""
+    inter = r.bands.get("interactive", {})
+    batch = r.bands.get("batch", {})
+    supply = r.engine.get("supply_s", 0.0) or 1e-9
+    return {
+        "interactive_queue_p99_s": float(inter.get("queue_p99_s", 0.0)),
+        "interactive_ttft_p99_s": float(inter.get("ttft_p99_s", 0.0)),
+        "batch_fleet_share": float(batch.get("engine_span_s", 0.0)) / supply,
+    }
+
+
+def plot_batch_sweep(
+    batch_loads: Sequence[float],
+    series: Mapping[str, Sequence[PolicyResult]],
+    out_dir: str | Path,
+    title: str = "",
+) -> list[Path]:
+    """Interactive queue P99, interactive TTFT P99 and the batch band's share of the fleet
+    against the offline load, per admission."""
+    plt = _plt()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    labels = (
+        ("interactive_queue_p99_s", "interactive queue P99 (s)"),
+        ("interactive_ttft_p99_s", "interactive TTFT P99 (s)"),
+        ("batch_fleet_share", "batch engine time / fleet (during the trace)"),
+    )
+    for ax, (key, label) in zip(axes, labels, strict=True):
+        for name, rs in series.items():
+            ax.plot(batch_loads, [batch_figures(r)[key] for r in rs], marker="o", label=name)
+        ax.set_xlabel("offline load (x fleet capacity)")
+        ax.set_ylabel(label)
+        if key != "batch_fleet_share":
+            ax.set_yscale("symlog", linthresh=1.0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.suptitle("Online and offline under offline load" + (f": {title}" if title else ""))
+    path = out / "sweep_batch.png"
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return [path]

@@ -42,8 +42,10 @@ DECODE_BATCH_REF = 64
 class ReplayConfig:
     workers: int
     profile: EngineProfile
-    capacity: int = 64
-    """Requests each worker takes at once (the scheduler holds the rest)."""
+    capacity: int | None = None
+    """Requests each worker takes at once (the scheduler holds the rest). None: twice the
+    profile's batch (``max_running``), so that the slots are a safety cap and engine time
+    decides (an engine keeps a short queue of its own)."""
     seed: int = 0
     slo_ttft_s: float = 2.0
     slow_workers: int = 0
@@ -55,6 +57,16 @@ class ReplayConfig:
     """The batch band's hard limit, as a share of the slots (None: only the global limit)."""
     heartbeat_s: float = DEFAULT_HEARTBEAT_S
     """How often workers report their load to the scheduler, as the live agents do."""
+    batch_floor: float | None = None
+    """The batch band's engine-time floor (None: the default, 3 %)."""
+    engine_shares: bool = True
+    """False: no engine-time floors at all (the admission before issue 10)."""
+    tick_s: float = 0.1
+    """While requests are queued, plan at least this often (the live dispatcher's tick)."""
+
+    @property
+    def slots(self) -> int:
+        return self.capacity if self.capacity is not None else 2 * self.profile.max_running
 
 
 @dataclass
@@ -86,7 +98,11 @@ class PolicyResult:
     flap_rate: float
     rejected: int
     bands: dict[str, dict[str, float | int]] = field(default_factory=dict)
-    """Per band: submitted, completed, rejected, queue P50/P99 and TTFT P99 (seconds)."""
+    """Per band: submitted, completed, rejected, queue P50/P99 and TTFT P99 (seconds), and
+    the engine-seconds dispatched while the trace arrived and in all."""
+    engine: dict[str, float] = field(default_factory=dict)
+    """The fleet's engine time over the trace's arrival span: supply, dispatched online and
+    the idle capacity left (engine-seconds)."""
     busy: list[float] = field(default_factory=list, repr=False)
     load_series: list[tuple[float, list[int]]] = field(default_factory=list, repr=False)
     """(time, running requests per worker), sampled at the emulated heartbeats."""
@@ -100,6 +116,7 @@ class PolicyResult:
         out: dict[str, Any] = {k: _round(getattr(self, k)) for k in keys}
         out["rejected"] = self.rejected
         out["bands"] = self.bands
+        out["engine"] = self.engine
         return out
 
 
@@ -212,9 +229,10 @@ class _Replay:
         self.sched = Scheduler(
             AdmissionConfig(
                 bands=bands,
-                global_limit=cfg.workers * cfg.capacity,
+                global_limit=cfg.workers * cfg.slots,
                 band_shares=_batch_slots(cfg.batch_share, cfg, bands),
                 band_limits=_batch_slots(cfg.batch_limit, cfg, bands),
+                band_floors=_floors(cfg, bands),
             ),
             self.policy,
             models=self.models,
@@ -229,14 +247,20 @@ class _Replay:
         self.last_report = -math.inf
         self.beats = 0
         self.series: list[tuple[float, list[int]]] = []
+        self.tick_at = math.inf
+        self.span_spent: dict[str, float] = {}
 
     def run(self) -> PolicyResult:
         trace, n, i_next = self.trace, len(self.trace), 0
-        while i_next < n or self.events:
+        while i_next < n or self.events or self.tick_at < math.inf:
             t_arrival = trace[i_next].arrival_s if i_next < n else math.inf
             t_event = self.events[0][0] if self.events else math.inf
-            if t_arrival <= t_event:
+            if t_arrival <= t_event and t_arrival <= self.tick_at:
                 i_next = self._arrive(i_next, t_arrival)
+                if i_next == n:
+                    self.span_spent = dict(self.sched.meter.spent_s)
+            elif self.tick_at < t_event:
+                self.now, self.tick_at = self.tick_at, math.inf
             else:
                 self.now, _, w = heapq.heappop(self.events)
                 self._step_ended(w)
@@ -245,10 +269,31 @@ class _Replay:
                     self.records[int(ended.request.request_id)].rejected = True
             self._heartbeats()
             self._dispatch()
+            if self.sched.queued and self.tick_at == math.inf:
+                self.tick_at = self.now + self.cfg.tick_s
+            if not self.sched.queued:
+                self.tick_at = math.inf
         result = _summarise(self.records, self.engines, self.sched.flaps.rate, self.cfg)
+        self._engine_figures(result)
         step = max(1, len(self.series) // 400)  # at most ~400 points per chart
         result.load_series = self.series[::step]
         return result
+
+    def _engine_figures(self, result: PolicyResult) -> None:
+        span = self.trace[-1].arrival_s - self.trace[0].arrival_s
+        total = self.sched.meter.spent_s
+        floored = self.sched.meter.floors
+        supply = self.cfg.workers * span
+        online = sum(v for b, v in self.span_spent.items() if b not in floored)
+        result.engine = {
+            "span_s": _round(span),
+            "supply_s": _round(supply),
+            "online_s": _round(online),
+            "idle_s": _round(max(0.0, supply - online)),
+        }
+        for band, row in result.bands.items():
+            row["engine_span_s"] = _round(self.span_spent.get(band, 0.0))
+            row["engine_total_s"] = _round(total.get(band, 0.0))
 
     def _arrive(self, i_next: int, now: float) -> int:
         self.now = now
@@ -338,7 +383,7 @@ class _Replay:
                 models=self.models,
                 seq=self.beats,
                 sent_unix_ms=0,
-                capacity=self.cfg.capacity,
+                capacity=self.cfg.slots,
                 in_flight=e.in_flight(),
                 load=reports.worker_load(e.load()),
                 cache=None if builder is None else builder.next(e),
@@ -352,7 +397,15 @@ class _Replay:
 def _batch_slots(share: float | None, cfg: ReplayConfig, bands: Sequence[str]) -> dict[str, int]:
     if share is None or "batch" not in bands:
         return {}
-    return {"batch": int(share * cfg.workers * cfg.capacity)}
+    return {"batch": int(share * cfg.workers * cfg.slots)}
+
+
+def _floors(cfg: ReplayConfig, bands: Sequence[str]) -> dict[str, float] | None:
+    if not cfg.engine_shares:
+        return {}
+    if cfg.batch_floor is None or "batch" not in bands:
+        return None
+    return {"batch": cfg.batch_floor}
 
 
 def _summarise(

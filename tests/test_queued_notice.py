@@ -35,24 +35,24 @@ def test_the_hold_reason_names_the_first_layer_without_room() -> None:
         models=["m", "other"],
     )
     s.enqueue(_r("a"), 0.0)
-    assert s.hold_reason("a") == "no-worker-room"  # no worker at all
+    assert s.hold_reason("a", 0.0) == "no-worker-room"  # no worker at all
     s.update_worker(WorkerInfo("w", frozenset({"m"}), 4))
-    assert s.hold_reason("a") == "queue"  # room everywhere: only the queue ahead
+    assert s.hold_reason("a", 0.0) == "queue"  # room everywhere: only the queue ahead
     assert s.position("a") == 1
     assert s.book(Dispatch(_r("a"), "w"), 0.0)
     s.enqueue(_r("b"), 0.0)
-    assert s.hold_reason("b") == "quota:model-tenant"  # tenant t's quota of 1 is taken
+    assert s.hold_reason("b", 0.0) == "quota:model-tenant"  # tenant t's quota of 1 is taken
     s.enqueue(_r("c", tenant="u"), 0.0)
-    assert s.hold_reason("c") == "queue"
+    assert s.hold_reason("c", 0.0) == "queue"
     s.enqueue(_r("x", band="batch", tenant="u"), 0.0)
     s.enqueue(_r("y", band="batch", tenant="v"), 0.0)
     assert s.book(Dispatch(_r("x", band="batch", tenant="u"), "w"), 0.0)
-    assert s.hold_reason("y") == "band-limit"  # batch is capped at 1
+    assert s.hold_reason("y", 0.0) == "band-limit"  # batch is capped at 1
     assert s.book(Dispatch(_r("c", tenant="u"), "w"), 0.0)
-    assert s.hold_reason("b") == "global-limit"  # 3 of 3 running
+    assert s.hold_reason("b", 0.0) == "global-limit"  # 3 of 3 running
     s.enqueue(_r("o", model="other"), 0.0)
-    assert s.held_by() == {"global-limit": 3}
-    assert s.hold_reason("gone") is None and s.position("gone") is None
+    assert s.held_by(0.0) == {"global-limit": 3}
+    assert s.hold_reason("gone", 0.0) is None and s.position("gone") is None
 
 
 def test_positions_follow_the_priority_order_of_a_queue() -> None:

@@ -96,9 +96,10 @@ def test_requests_of_a_model_without_workers_do_not_block_others() -> None:
 )
 def test_starvation_bound(arrivals: list[tuple[str, float, int]], capacity: int) -> None:
     """No request is ever dispatched after a request that arrived later than its virtual
-    deadline (arrival + band delay): the starvation bound of admission.py."""
+    deadline (arrival + band delay): the starvation bound of admission.py, between bands
+    without engine-time floors (with floors, test_engine_shares.py states the bound)."""
     delays = {"interactive": 0.0, "standard": 0.5, "batch": 1.5}
-    s = _sched(global_limit=capacity, delays=delays)
+    s = _sched(global_limit=capacity, delays=delays, band_floors={})
     s.update_worker(_worker("w", capacity=capacity))
     t = 0.0
     key: dict[str, float] = {}
@@ -186,7 +187,7 @@ def _apply(s: Scheduler, op: str, band: str, k: int, now: float, rid: str) -> No
 
 
 def test_band_limit_holds_while_global_has_room() -> None:
-    s = _sched(global_limit=10, band_limits={"batch": 2})
+    s = _sched(global_limit=10, band_limits={"batch": 2}, band_floors={})
     s.update_worker(_worker("w", capacity=10))
     for i in range(5):
         s.enqueue(_req(f"b{i}", "batch"), 0.0)

@@ -53,7 +53,7 @@ class Gauges:
             self._last_feedback_s = now
             self._publish_feedback(now)
             self.sizing.tick(now)
-            held = st.scheduler.held_by()
+            held = st.scheduler.held_by(now)
             for reason in HOLD_REASONS:
                 metrics.HELD.labels(reason).set(held.get(reason, 0))
         if now - self._last_expire_s >= _EXPIRE_EVERY_S:
@@ -123,7 +123,7 @@ class Gauges:
             running=st.scheduler.running,
             global_limit=st.settings.global_limit,
             workers=len(st.leases),
-            held=st.scheduler.held_by(),
+            held=st.scheduler.held_by(now),
             bands=[
                 BandStats(
                     band=b.band,

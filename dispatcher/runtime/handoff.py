@@ -89,7 +89,7 @@ class HandOff:
         it, that they wait: where, how long, and what holds them."""
         st = self.state
         pending, st.unnotified = st.unnotified, set()
-        reasons = {} if learning else st.scheduler.hold_reasons(pending)
+        reasons = {} if learning else st.scheduler.hold_reasons(pending, now)
         waits: dict[tuple[str, str], float | None] = {}  # one figure per model and band
         for rid in pending:
             held = st.held.get(rid)

@@ -15,6 +15,11 @@ from sluice.common.settings import SluiceSettings
 from sluice.dispatcher.admission import DEFAULT_BAND_DELAY_S, AdmissionConfig
 from sluice.dispatcher.cacheaware import CacheAwareConfig
 from sluice.dispatcher.decisions import DEFAULT_MAX_BYTES
+from sluice.dispatcher.enginetime import (
+    DEFAULT_DECODE_TOKEN_S,
+    DEFAULT_PREFILL_TOKENS_PER_S,
+    EngineTimeConfig,
+)
 from sluice.dispatcher.defaults import (
     FEEDBACK_WINDOW_S,
     SCALE_DOWN_IDLE_S,
@@ -72,6 +77,39 @@ class DispatcherSettings(SluiceSettings):
     band_shares: dict[str, int] = Field(
         default_factory=dict,
         description="Per band: the share it keeps while a more urgent band waits (borrowing).",
+    )
+    band_floors: dict[str, float] | None = Field(
+        default=None,
+        description=(
+            "Per offline band: its engine-time share of the fleet, always (a fraction); it "
+            "borrows idle capacity only while no more urgent band waits. Unset: batch 0.03."
+        ),
+    )
+    idle_headroom: float = Field(
+        default=_A.idle_headroom,
+        ge=0,
+        lt=1,
+        description="Share of the fleet offline bands never borrow (room for online bursts).",
+    )
+    demand_window_s: float = Field(
+        default=_A.demand_window_s,
+        gt=0,
+        description="Window of the online demand that idle capacity is measured against.",
+    )
+    burst_s: float = Field(
+        default=_A.burst_s,
+        gt=0,
+        description="Seconds of its rate an offline band's floor or idle budget holds at most.",
+    )
+    engine_prefill_tokens_per_s: float = Field(
+        default=DEFAULT_PREFILL_TOKENS_PER_S,
+        gt=0,
+        description="Engine time: the engines' prefill speed (uncached tokens per second).",
+    )
+    engine_decode_token_s: float = Field(
+        default=DEFAULT_DECODE_TOKEN_S,
+        gt=0,
+        description="Engine time: what one more output token costs a well-batched engine.",
     )
     band_delay_s: dict[str, float] = Field(
         default_factory=lambda: dict(DEFAULT_BAND_DELAY_S),
@@ -283,6 +321,10 @@ class DispatcherSettings(SluiceSettings):
             band_limits=dict(self.band_limits),
             band_delay_s=delays,
             band_shares=dict(self.band_shares),
+            band_floors=None if self.band_floors is None else dict(self.band_floors),
+            idle_headroom=self.idle_headroom,
+            demand_window_s=self.demand_window_s,
+            burst_s=self.burst_s,
             max_prompt_tokens=self.max_prompt_tokens,
             max_attempts=self.max_attempts,
             quotas=Quotas(
@@ -318,11 +360,19 @@ class DispatcherSettings(SluiceSettings):
             explain=self.decision_log is not None,
         )
 
+    def engine_time(self) -> EngineTimeConfig:
+        """The engine-time priors these settings describe."""
+        return EngineTimeConfig(
+            prefill_tokens_per_s=self.engine_prefill_tokens_per_s,
+            decode_token_s=self.engine_decode_token_s,
+        )
+
     def with_overrides(self, overrides: AdmissionOverrides) -> AdmissionConfig:
         """The admission configuration with an operator's run-time overrides applied; raises
         ValueError (naming the problem) if the result is inconsistent."""
         update: dict[str, object] = {"quotas": {**self.quotas, **overrides.quotas}}
-        for name in ("global_limit", "band_limits", "band_shares", "default_quota"):
+        names = ("global_limit", "band_limits", "band_shares", "band_floors", "default_quota")
+        for name in names:
             value = getattr(overrides, name)
             if value is not None:
                 update[name] = value

@@ -95,6 +95,7 @@ class State:
             model_grace_s=s.effective_model_grace_s,
             started_s=started_s,
             flaps=flap_meter(routing),
+            engine_time=s.engine_time(),
         )
         self.leases = LeaseTable(s.lease_s)
         self.held: dict[str, Held] = {}
