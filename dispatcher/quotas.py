@@ -11,9 +11,10 @@ A request runs only when every level has room. A model counts in **requests** (e
 request uses 1), in **tokens** (each uses its prompt plus its maximum output, what it may put
 in a worker's KV cache) or in **engine_ms** (each uses its estimated engine time in
 milliseconds, :mod:`sluice.dispatcher.enginetime`, priced when it is queued: a limit of 60,000
-lets a tenant have a minute of engine work running at once), chosen per model. A level without a limit is unlimited; a limit of 0
-admits nothing at that level. One model's quota is untouched by another's traffic: isolation
-between models is quotas that sum to at most the global limit.
+lets a tenant have a minute of engine work running at once), chosen per model. A level without
+a limit is unlimited; a limit of 0 admits nothing at that level. One model's quota is
+untouched by another's traffic: isolation between models is quotas that sum to at most the
+global limit.
 
 Order: a request whose tenant is full does not hold up other tenants queued behind it (the plan
 looks past up to 256 such requests per queue); a request blocked by its model's total or its

@@ -15,16 +15,16 @@ from sluice.common.settings import SluiceSettings
 from sluice.dispatcher.admission import DEFAULT_BAND_DELAY_S, AdmissionConfig
 from sluice.dispatcher.cacheaware import CacheAwareConfig
 from sluice.dispatcher.decisions import DEFAULT_MAX_BYTES
-from sluice.dispatcher.enginetime import (
-    DEFAULT_DECODE_TOKEN_S,
-    DEFAULT_PREFILL_TOKENS_PER_S,
-    EngineTimeConfig,
-)
 from sluice.dispatcher.defaults import (
     FEEDBACK_WINDOW_S,
     SCALE_DOWN_IDLE_S,
     SCALE_UP_SUSTAIN_S,
     SCALE_UP_WAIT_S,
+)
+from sluice.dispatcher.enginetime import (
+    DEFAULT_DECODE_TOKEN_S,
+    DEFAULT_PREFILL_TOKENS_PER_S,
+    EngineTimeConfig,
 )
 from sluice.dispatcher.quotas import ModelQuota, Quotas
 from sluice.schemas.hashing import DEFAULT_BLOCK_TOKENS
