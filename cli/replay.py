@@ -179,6 +179,14 @@ def main(
     ] = None,
     batch_floor: FloorOpt = None,
     admission: AdmissionOpt = "engine",
+    deadline_s: Annotated[
+        float | None,
+        typer.Option(
+            "--deadline-s",
+            min=0.001,
+            help="Give every request of the trace's own (online) bands this deadline.",
+        ),
+    ] = None,
     decisions: Annotated[
         Path | None,
         typer.Option(
@@ -211,6 +219,9 @@ def main(
     )
     if load is not None:
         requests = scale_to_load(requests, load, workers, cfg.profile)
+    if deadline_s is not None:
+        ms = round(deadline_s * 1000)
+        requests = [replace(r, deadline_ms=ms) if r.band != "batch" else r for r in requests]
     if batch_load > 0:
         requests = add_batch_load(requests, batch_load, workers, cfg.profile, seed)
     if batch_share is not None or batch_limit is not None:

@@ -358,6 +358,12 @@ class BandStats(_Wire):
     running: int
     limit: int
     oldest_wait_s: float
+    engine_demand_s_per_s: float = 0.0
+    """Engine-seconds per second dispatched to the band lately."""
+    engine_floor_s_per_s: float | None = None
+    """An offline band's engine-time floor (None: an online band)."""
+    engine_idle_s_per_s: float | None = None
+    """The idle capacity an offline band may borrow now."""
 
 
 class DispatcherStats(_Wire):

@@ -79,6 +79,8 @@ class _Record:
     finish_s: float | None = None
     cached: int = 0
     rejected: bool = False
+    work_s: float = 0.0
+    """Its work as ``--load`` counts it (:func:`request_cost_s`)."""
 
 
 @dataclass
@@ -238,7 +240,10 @@ class _Replay:
             models=self.models,
             flaps=flap_meter(self.routing),
         )
-        self.records = [_Record(r.arrival_s, r.input_tokens, r.band) for r in trace]
+        self.records = [
+            _Record(r.arrival_s, r.input_tokens, r.band, work_s=request_cost_s(r, cfg.profile))
+            for r in trace
+        ]
         self.busy_until = dict.fromkeys(self.ids, -1.0)
         self.events: list[tuple[float, int, str]] = []  # (time, seq, worker): a step ends
         self.step_events: dict[str, list[TokensOut | Finished]] = {}
@@ -285,15 +290,25 @@ class _Replay:
         floored = self.sched.meter.floors
         supply = self.cfg.workers * span
         online = sum(v for b, v in self.span_spent.items() if b not in floored)
+        offered_online = sum(r.work_s for r in self.records if r.band not in floored)
         result.engine = {
             "span_s": _round(span),
             "supply_s": _round(supply),
             "online_s": _round(online),
             "idle_s": _round(max(0.0, supply - online)),
+            "idle_offered_s": _round(max(0.0, supply - offered_online)),
         }
+        t_end = self.trace[-1].arrival_s
         for band, row in result.bands.items():
             row["engine_span_s"] = _round(self.span_spent.get(band, 0.0))
             row["engine_total_s"] = _round(total.get(band, 0.0))
+            row["work_done_span_s"] = _round(
+                sum(
+                    r.work_s
+                    for r in self.records
+                    if r.band == band and r.finish_s is not None and r.finish_s <= t_end
+                )
+            )
 
     def _arrive(self, i_next: int, now: float) -> int:
         self.now = now

@@ -40,6 +40,7 @@ class Gauges:
     def __init__(self, state: State) -> None:
         self.state = state
         self._last_feedback_s = 0.0
+        self._spent: dict[str, float] = {}
         self._last_expire_s = 0.0
         self.sizing = QueueSizing(state)
 
@@ -49,6 +50,7 @@ class Gauges:
         for snap in st.scheduler.band_snapshots(now):
             metrics.QUEUED.labels(snap.band).set(snap.queued)
             metrics.RUNNING.labels(snap.band).set(snap.running)
+        self._engine_gauges(now)
         if now - self._last_feedback_s >= st.settings.feedback_every_s:
             self._last_feedback_s = now
             self._publish_feedback(now)
@@ -115,9 +117,20 @@ class Gauges:
         f = self.wait_figures(q.model, q.band, time.monotonic())
         await respond(msg, encode(WaitEstimate(**dataclasses.asdict(f))))
 
+    def _engine_gauges(self, now: float) -> None:
+        for band, row in self.state.scheduler.engine_figures(now).items():
+            metrics.ENGINE_DEMAND.labels(band).set(row["demand_s_per_s"])
+            spent = row["spent_s"]
+            metrics.ENGINE_SECONDS.labels(band).inc(max(0.0, spent - self._spent.get(band, 0.0)))
+            self._spent[band] = spent
+            if "floor_s_per_s" in row:
+                metrics.ENGINE_FLOOR.labels(band).set(row["floor_s_per_s"])
+                metrics.ENGINE_IDLE.labels(band).set(row["idle_s_per_s"])
+
     async def on_stats(self, msg: Msg) -> None:
         st = self.state
         now = time.monotonic()
+        engine = st.scheduler.engine_figures(now)
         stats = DispatcherStats(
             dispatcher_id=st.settings.dispatcher_id,
             running=st.scheduler.running,
@@ -131,6 +144,9 @@ class Gauges:
                     running=b.running,
                     limit=b.limit,
                     oldest_wait_s=b.oldest_wait_s,
+                    engine_demand_s_per_s=engine[b.band]["demand_s_per_s"],
+                    engine_floor_s_per_s=engine[b.band].get("floor_s_per_s"),
+                    engine_idle_s_per_s=engine[b.band].get("idle_s_per_s"),
                 )
                 for b in st.scheduler.band_snapshots(now)
             ],

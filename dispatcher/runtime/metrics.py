@@ -131,3 +131,23 @@ QUEUE_BOUND = Gauge(
     "The bound of a wait-sized band's queue (queue_max_wait_s x its admission rate)",
     ["band"],
 )
+ENGINE_SECONDS = Counter(
+    "sluice_dispatcher_engine_seconds_total",
+    "Estimated engine-seconds of the requests handed to workers",
+    ["band"],
+)
+ENGINE_DEMAND = Gauge(
+    "sluice_dispatcher_engine_demand_rate",
+    "Engine-seconds per second handed to workers lately (decayed over demand_window_s)",
+    ["band"],
+)
+ENGINE_FLOOR = Gauge(
+    "sluice_dispatcher_engine_floor_rate",
+    "An offline band's engine-time floor, in engine-seconds per second",
+    ["band"],
+)
+ENGINE_IDLE = Gauge(
+    "sluice_dispatcher_engine_idle_rate",
+    "The idle capacity an offline band may borrow now, in engine-seconds per second",
+    ["band"],
+)

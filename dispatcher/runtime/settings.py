@@ -120,6 +120,13 @@ class DispatcherSettings(SluiceSettings):
         ge=1,
         description="Queued requests per band before submit fails with QueueFull.",
     )
+    band_queue_max_msgs: dict[str, int] = Field(
+        default_factory=lambda: {"batch": 100_000},
+        description=(
+            "Per band: its own queue_max_msgs (the offline backlog: batch keeps 100,000 "
+            "durable requests before QueueFull)."
+        ),
+    )
     queue_max_wait_s: dict[str, float] = Field(
         default_factory=dict,
         description="Per band: size its queue bound as this many seconds of its admission rate.",
@@ -304,8 +311,15 @@ class DispatcherSettings(SluiceSettings):
             raise ValueError(f"queue_max_wait_s names unknown bands: {sorted(unknown)}")
         if any(w <= 0 for w in self.queue_max_wait_s.values()):
             raise ValueError("queue_max_wait_s values must be > 0")
-        if self.queue_max_wait_s and self.queue_min_msgs > self.queue_max_msgs:
+        if self.queue_max_wait_s and any(
+            self.queue_min_msgs > self.queue_max_msgs_of(b) for b in self.queue_max_wait_s
+        ):
             raise ValueError("queue_min_msgs must not exceed queue_max_msgs")
+        odd = set(self.band_queue_max_msgs) - set(self.bands)
+        if odd and self.band_queue_max_msgs != {"batch": 100_000}:
+            raise ValueError(f"band_queue_max_msgs names unknown bands: {sorted(odd)}")
+        if any(v < 1 for v in self.band_queue_max_msgs.values()):
+            raise ValueError("band_queue_max_msgs values must be >= 1")
         self.routing()
         return self
 
@@ -359,6 +373,10 @@ class DispatcherSettings(SluiceSettings):
             index_tokens=self.routing_index_tokens,
             explain=self.decision_log is not None,
         )
+
+    def queue_max_msgs_of(self, band: str) -> int:
+        """The most requests ``band``'s queue holds before QueueFull."""
+        return self.band_queue_max_msgs.get(band, self.queue_max_msgs)
 
     def engine_time(self) -> EngineTimeConfig:
         """The engine-time priors these settings describe."""

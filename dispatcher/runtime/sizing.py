@@ -22,7 +22,7 @@ class QueueSizing:
     def __init__(self, state: State) -> None:
         self.state = state
         s = state.settings
-        self.bounds = {b: s.queue_max_msgs for b in s.queue_max_wait_s}
+        self.bounds = {b: s.queue_max_msgs_of(b) for b in s.queue_max_wait_s}
         """The bound each wait-sized band's stream has now (queued requests, not held ones)."""
         self._busy = False
 
@@ -53,7 +53,7 @@ class QueueSizing:
                 # draining, so it must not open up; keep the bound it has.
                 metrics.QUEUE_BOUND.labels(band).set(current)
                 continue
-            bound = wait_bound(rate, wait_s, s.queue_min_msgs, s.queue_max_msgs)
+            bound = wait_bound(rate, wait_s, s.queue_min_msgs, s.queue_max_msgs_of(band))
             metrics.QUEUE_BOUND.labels(band).set(bound)
             if abs(bound - current) < max(1, current // 10):
                 continue

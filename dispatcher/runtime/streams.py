@@ -19,16 +19,18 @@ def band_stream(
     s: DispatcherSettings, band: str, queue_bound: int | None = None
 ) -> api.StreamConfig:
     """A band's queue. Held (un-acked) requests still count against ``max_msgs``, so the bound
-    is the queue bound (``queue_bound``, else ``queue_max_msgs``) plus what may run at once. A
-    request's subject names its model and tenant, so ``tenant_queue_max_msgs`` bounds each
-    tenant's requests per model (queued and running) with the broker's per-subject limit."""
+    is the queue bound (``queue_bound``, else the band's ``queue_max_msgs``) plus what may run
+    at once. A request's subject names its model and tenant, so ``tenant_queue_max_msgs``
+    bounds each tenant's requests per model (queued and running) with the broker's per-subject
+    limit."""
     per_tenant = s.tenant_queue_max_msgs
     return api.StreamConfig(
         name=names.request_stream(band),
         subjects=[names.request_filter(band)],
         retention=api.RetentionPolicy.WORK_QUEUE,
         discard=api.DiscardPolicy.NEW,
-        max_msgs=(s.queue_max_msgs if queue_bound is None else queue_bound) + s.global_limit,
+        max_msgs=(s.queue_max_msgs_of(band) if queue_bound is None else queue_bound)
+        + s.global_limit,
         max_msgs_per_subject=-1 if per_tenant is None else per_tenant,
         discard_new_per_subject=per_tenant is not None,
         storage=api.StorageType.FILE,
