@@ -11,6 +11,11 @@ a finite set, so ``R`` runs as soon as those ahead of it are served and capacity
 particular, once a batch request has waited ``d_batch - d_interactive`` seconds, no interactive
 request arriving from then on goes before it. ``test_starvation_bound`` in
 ``tests/test_scheduler.py`` proves both.
+
+This order holds between bands within their shares. Offline bands (those with an engine-time
+floor, ``band_floors``; ``batch`` by default) never overtake online work beyond their floor:
+while an online request waits, an offline one is dispatched only on its floor's engine time,
+and the floor bounds its starvation instead (:mod:`sluice.dispatcher.shares`).
 """
 
 from __future__ import annotations
