@@ -389,11 +389,23 @@ def stats(
         print(json.dumps(s.model_dump(mode="json")))
         return
     t = Table(title=f"{s.dispatcher_id}: {s.running}/{s.global_limit} running, {s.workers} workers")
-    for col in ("band", "queued", "running", "limit", "oldest wait"):
+    cols = ("band", "queued", "running", "limit", "oldest wait", "engine s/s", "floor", "idle")
+    for col in cols:
         t.add_column(col, justify="right")
     for b in s.bands:
-        t.add_row(b.band, str(b.queued), str(b.running), str(b.limit), f"{b.oldest_wait_s:.2f} s")
+        t.add_row(
+            b.band,
+            str(b.queued),
+            str(b.running),
+            str(b.limit),
+            f"{b.oldest_wait_s:.2f} s",
+            f"{b.engine_demand_s_per_s:.2f}",
+            "-" if b.engine_floor_s_per_s is None else f"{b.engine_floor_s_per_s:.2f}",
+            "-" if b.engine_idle_s_per_s is None else f"{b.engine_idle_s_per_s:.2f}",
+        )
     console.print(t)
+    if s.held:
+        console.print("held by: " + ", ".join(f"{k} {v}" for k, v in sorted(s.held.items())))
 
 
 @app.command()

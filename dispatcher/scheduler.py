@@ -261,6 +261,9 @@ class Scheduler:
         self._refused.discard(info.worker_id)
         if old is None or old.draining != info.draining:
             self._set_capacity(info.reported_s)
+        else:  # the idle capacity follows the decaying demand even when nothing is dispatched
+            self._now_s = max(self._now_s, info.reported_s)
+            self.meter.advance(self._now_s)
 
     def _set_capacity(self, now_s: float) -> None:
         # Each live worker supplies one engine-second per second (costs are priced at its speed).

@@ -90,7 +90,9 @@ async def test_global_limit_is_never_exceeded_at_the_agents(nats_url: str) -> No
 
 async def test_full_band_queue_raises_queue_full_at_once(nats_url: str) -> None:
     # No worker: everything stays queued. The stream holds queue bound + global limit.
-    kw = cluster_kwargs(workers=0, dispatcher={"queue_max_msgs": 3, "global_limit": 1})
+    kw = cluster_kwargs(
+        workers=0, dispatcher={"queue_max_msgs": 3, "global_limit": 1, "band_queue_max_msgs": {}}
+    )
     async with LocalCluster(nats_url, **kw), Client(nats_url) as c:
         for i in range(4):
             await c.submit("sim", PROMPT, band="batch", request_id=f"q{i}")

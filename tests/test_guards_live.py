@@ -181,7 +181,9 @@ async def test_a_new_dispatcher_adopts_the_requests_running_on_the_agents(
 
 async def test_queue_full_retry_after_is_the_dispatchers_expected_wait(nats_url: str) -> None:
     kw = cluster_kwargs(
-        workers=1, dispatcher={"queue_max_msgs": 3, "global_limit": 1}, agent={"capacity": 1}
+        workers=1,
+        dispatcher={"queue_max_msgs": 3, "global_limit": 1, "band_queue_max_msgs": {}},
+        agent={"capacity": 1},
     )
     default = 42.0  # the configured fallback: must not be what the client says
     async with (

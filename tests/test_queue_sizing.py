@@ -42,6 +42,7 @@ async def test_the_stream_bound_follows_the_admission_rate(nats_url: str) -> Non
         "queue_max_wait_s": {"standard": 0.5},
         "queue_min_msgs": 2,
         "queue_max_msgs": 1000,
+        "band_queue_max_msgs": {},
         "feedback_every_s": 0.2,
         "global_limit": 4,
     }
@@ -104,3 +105,18 @@ async def test_lowering_a_bound_keeps_every_queued_request(nats_url: str) -> Non
         assert refused.value.err_code == names.JS_ERR_MAX_MSGS
     finally:
         await nc.close()
+
+
+def test_the_offline_backlog_is_its_own_bound() -> None:
+    from sluice.dispatcher.runtime.streams import band_stream
+
+    s = DispatcherSettings(queue_max_msgs=50, global_limit=4)
+    assert s.queue_max_msgs_of("batch") == 100_000  # offline work stays durable for hours
+    assert band_stream(s, "batch").max_msgs == 100_000 + 4
+    assert band_stream(s, "interactive").max_msgs == 50 + 4  # online keeps its own bound
+    s = DispatcherSettings(band_queue_max_msgs={"batch": 7, "standard": 9})
+    assert band_stream(s, "standard").max_msgs == 9 + s.global_limit
+    with pytest.raises(ValueError, match="unknown bands"):
+        DispatcherSettings(band_queue_max_msgs={"nope": 3})
+    with pytest.raises(ValueError, match=">= 1"):
+        DispatcherSettings(band_queue_max_msgs={"batch": 0})

@@ -109,7 +109,7 @@ def test_same_seed_gives_byte_identical_json(tmp_path: Path) -> None:
         assert set(figures) == {
             "hit_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "queue_p50_s", "queue_p99_s",
             "e2e_p50_s", "throughput_rps", "goodput_rps", "util_std", "flap_rate", "rejected",
-            "bands",
+            "bands", "engine",
         }  # fmt: skip
     (tmp_path / "r.json").write_bytes(a)
     md = subprocess.run(
