@@ -72,7 +72,7 @@ def plan(state: PlanInput, now_s: float, max_decisions: int | None = None) -> li
         return []
     scratch = _scratch(state)
     pressed = pressed_bands(state)
-    heads = _heads(state, scratch)
+    heads = _heads(state, scratch, now_s)
     decisions: list[Dispatch] = []
     skipped: Counter[tuple[str, str]] = Counter()
     limit = global_room if max_decisions is None else min(max_decisions, global_room)
@@ -168,14 +168,26 @@ def pressed_bands(state: PlanInput) -> set[str]:
     }
 
 
-def _heads(state: PlanInput, scratch: _Scratch) -> list[_Head]:
+def _heads(state: PlanInput, scratch: _Scratch, now_s: float) -> list[_Head]:
+    # An offline band with floor credit goes first: its floor is guaranteed, also while online
+    # requests that sort before it by aging take every slot that frees.
+    meter = state.meter
     heads = [
-        (q[0][0], q[0][1], band, model, 0)
+        (
+            _FIRST if meter.floored(band) and meter.floor_credit(band, now_s) >= 0 else q[0][0],
+            q[0][1],
+            band,
+            model,
+            0,
+        )
         for (band, model), q in state.queues.queues()
         if scratch.band_room.get(band, 0) > 0 and model in scratch.by_model
     ]
     heapq.heapify(heads)
     return heads
+
+
+_FIRST = float("-inf")
 
 
 def _push_next(

@@ -13,7 +13,9 @@ engine-seconds (:mod:`sluice.dispatcher.engine_time` prices each request):
   ``demand_window_s``). It is spent only while no more urgent band waits in the dispatcher.
 
 A dispatch needs a budget with credit >= 0 and then takes the request's whole cost from it (the
-credit may go below zero by one request), floor first. Each bucket holds at most ``burst_s``
+credit may go below zero by one request), floor first. A band with floor credit is planned
+before every other band (ahead of the aging order), so online requests that sort before it
+cannot take the free slots its floor is owed. Each bucket holds at most ``burst_s``
 seconds of its rate, so offline work never arrives in a flood that online bursts would then
 wait behind.
 

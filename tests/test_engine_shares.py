@@ -417,7 +417,22 @@ def test_a_pressed_batch_request_without_floor_credit_is_held_by_the_floor() -> 
     assert s.hold_reason("b1", back - 0.01) == "band-floor"
     assert s.hold_reason("b1", back + 0.01) == "queue"
     got = _book(s, back + 0.01)
-    assert [(d.request.request_id, d.share) for d in got] == [("i1", ""), ("b1", "floor")]
+    # A floor with credit goes first (it is guaranteed even when online work takes every slot).
+    assert [(d.request.request_id, d.share) for d in got] == [("b1", "floor"), ("i1", "")]
+
+
+def test_the_floor_goes_first_when_online_work_takes_every_slot() -> None:
+    """Fresh batch sorts behind fresh interactive by aging (10 s), yet its floor is served
+    at the next free slot: the starvation bound does not wait for the aging delay."""
+    s = Scheduler(AdmissionConfig(global_limit=1), LeastLoaded(0), models=["m"])
+    s.update_worker(_worker("w", capacity=1))
+    s.enqueue(_req("b0", "batch", 0.0), 0.0)
+    s.enqueue(_req("i0", "interactive", 0.0), 0.0)
+    s.enqueue(_req("i1", "interactive", 0.0), 0.0)
+    [d] = _book(s, 0.0)
+    assert (d.request.request_id, d.share) == ("b0", "floor")
+    s.complete("b0")
+    assert [x.request.request_id for x in _book(s, 0.0)] == ["i0"]  # no credit: online first
 
 
 def test_engine_cost_grows_with_uncached_prompt_and_output() -> None:

@@ -59,7 +59,7 @@ def _run_all(s: Scheduler, now: float) -> list[str]:
 
 
 def test_higher_band_overtakes_lower_under_contention() -> None:
-    s = _sched(global_limit=1)
+    s = _sched(global_limit=1, band_floors={})  # aging alone (a floor would go first)
     s.update_worker(_worker("w"))
     s.enqueue(_req("b1", "batch", t=0.0), 0.0)
     s.enqueue(_req("b2", "batch", t=0.1), 0.1)
@@ -69,7 +69,7 @@ def test_higher_band_overtakes_lower_under_contention() -> None:
 
 
 def test_aged_low_band_request_goes_before_newer_urgent_ones() -> None:
-    s = _sched(global_limit=1)
+    s = _sched(global_limit=1, band_floors={})
     s.update_worker(_worker("w"))
     s.enqueue(_req("old-batch", "batch", t=0.0), 0.0)
     s.enqueue(_req("new-int", "interactive", t=10.5), 10.5)  # arrived after 0 + 10 s delay
