@@ -29,7 +29,7 @@ from sluice.dispatcher.calibration import Calibration
 from sluice.dispatcher.work import Request
 
 DEFAULT_PREFILL_TOKENS_PER_S = 8000.0
-DEFAULT_DECODE_TOKEN_S = 0.00044
+DEFAULT_DECODE_TOKEN_S = 0.00035 + 0.006 / 64
 """The marginal decode cost of one output token (the reference engine: 0.35 ms per sequence
 plus a 6 ms step shared by 64)."""
 

@@ -24,6 +24,7 @@ from sluice.dispatcher import feed
 from sluice.dispatcher.admission import AdmissionConfig
 from sluice.dispatcher.cacheaware import CacheAwareConfig
 from sluice.dispatcher.decisions import DecisionLog, decision_record
+from sluice.dispatcher.enginetime import EngineTimeConfig
 from sluice.dispatcher.policies import flap_meter
 from sluice.dispatcher.scheduler import Request, Scheduler
 from sluice.dispatcher.stats import percentile, stdev
@@ -239,6 +240,11 @@ class _Replay:
             self.policy,
             models=self.models,
             flaps=flap_meter(self.routing),
+            # The engines' nominal marginal costs, as an operator configures them.
+            engine_time=EngineTimeConfig(
+                prefill_tokens_per_s=profile.prefill_tokens_per_s,
+                decode_token_s=profile.decode_per_seq_s + profile.decode_base_s / DECODE_BATCH_REF,
+            ),
         )
         self.records = [
             _Record(r.arrival_s, r.input_tokens, r.band, work_s=request_cost_s(r, cfg.profile))
