@@ -259,6 +259,34 @@ def agent(
 
 
 @app.command()
+def engine(
+    port: Annotated[int | None, typer.Option(help="TCP port (with --host).", min=1)] = None,
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    uds: Annotated[str | None, typer.Option(help="Unix socket path instead of a port.")] = None,
+    model: Annotated[str, typer.Option(help="The model name it serves.")] = "sim",
+    profile: Annotated[str, typer.Option(help="Engine profile (as sluice replay).")] = "reference",
+    speed: Annotated[float, typer.Option(help="Simulated clock speed-up.", min=0.001)] = 1.0,
+) -> None:
+    """Run the simulated engine as a server speaking vLLM's and SGLang's HTTP protocols
+    (OpenAI completions and chat, /generate, /metrics, ...; docs/engines.md)."""
+    from sluice.sim.profiles import get_profile
+    from sluice.testing.engineserver import serve
+
+    if (port is None) == (uds is None):
+        raise fail("give exactly one of --port and --uds")
+    try:
+        prof = get_profile(profile)
+    except KeyError as exc:
+        raise fail(str(exc.args[0])) from None
+    where = f"unix:{uds}" if uds else f"http://{host}:{port}"
+    err.print(f"simulated engine ({prof.name}, speed x{speed:g}) serving {model!r} on {where}")
+    try:
+        serve(prof, model=model, speed=speed, host=host, port=port, uds=uds)
+    except OSError as exc:
+        raise fail(f"cannot serve on {where}: {exc}") from exc
+
+
+@app.command()
 def submit(
     model: Annotated[str, typer.Option("--model", "-m", help="Model to run.")],
     prompt: Annotated[str | None, typer.Option(help="Prompt text.")] = None,

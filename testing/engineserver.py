@@ -1,0 +1,483 @@
+"""``sluice engine``: the simulated engine as a server, speaking the real engines' HTTP protocols.
+
+The same cost model and KV cache as the in-process engine (:class:`sluice.sim.engine.SimEngine`),
+stepped in real time (scaled by ``speed``) in its own process, behind the endpoints vLLM and
+SGLang serve:
+
+- ``POST /v1/completions`` and ``POST /v1/chat/completions`` (OpenAI shapes; streaming as SSE with
+  ``data: [DONE]``, a final usage chunk when ``stream_options.include_usage`` is set;
+  ``usage.prompt_tokens_details.cached_tokens`` is the engine's prefix-cache hit);
+- SGLang's ``POST /generate`` (``text`` or ``input_ids``, ``sampling_params.max_new_tokens``,
+  ``stream``; ``meta_info`` with ``prompt_tokens``, ``completion_tokens``, ``cached_tokens``);
+- ``GET /health``, ``GET /v1/models``, ``GET /server_info`` and ``/get_server_info``,
+  ``GET /model_info`` and ``/get_model_info``, ``GET /v1/loads``;
+- ``GET /metrics`` in the Prometheus text format, with vLLM's names (``vllm:num_requests_running``,
+  ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``, ``vllm:gpu_cache_usage_perc``,
+  ``vllm:prompt_tokens_total``, ``vllm:prefix_cache_hits_total``, ...) and SGLang's
+  (``sglang:num_running_reqs``, ``sglang:num_queue_reqs``, ``sglang:token_usage``,
+  ``sglang:cache_hit_rate``).
+
+A prompt given as token ids is hashed in blocks of the profile's size with Sluice's own block
+hashing; a text prompt with the tokenizer-free fallback (4 bytes a token). Output tokens are
+the deterministic pseudo tokens of :mod:`sluice.sim.tokens`. A client that disconnects
+mid-stream cancels its request in the engine, as vLLM and SGLang do. Bad requests get a 400
+with an OpenAI-shaped error body. Nothing here is a stub: every response's timing is the cost
+model's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from sluice.agent.engine import EngineError, Finished, TokensOut
+from sluice.schemas.hashing import block_hashes, estimate_text_tokens, text_block_hashes
+from sluice.sim.engine import SimEngine
+from sluice.sim.profiles import EngineProfile
+
+MAX_TOKENS_DEFAULT = 16
+"""Output tokens of a request that names none (OpenAI's completions default)."""
+
+
+class BadRequest(Exception):
+    """A request the server answers with 400 (its message says what is wrong)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class Prompt:
+    tokens: int
+    hashes: tuple[int, ...]
+
+
+@dataclass
+class _Stream:
+    queue: asyncio.Queue[TokensOut | Finished]
+    produced: int = 0
+
+
+class SimServer:
+    """One simulated engine stepped in real time, and the requests streaming from it."""
+
+    def __init__(self, profile: EngineProfile, *, model: str, speed: float = 1.0) -> None:
+        if speed <= 0:
+            raise ValueError("speed must be > 0")
+        self.profile, self.model, self.speed = profile, model, speed
+        self.engine = SimEngine(profile)
+        self._streams: dict[str, _Stream] = {}
+        self._wake = asyncio.Event()
+        self._ids = itertools.count(1)
+        self._task: asyncio.Task[None] | None = None
+        self.requests_total = 0
+        self.generation_tokens_total = 0
+        self.started_unix_s = time.time()
+
+    # ---------------------------------------------------------------------------- engine
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="sim-engine")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self.engine.has_work:
+                step = self.engine.step()
+                # An engine that cannot admit its waiting request (its KV cache is full of
+                # running ones) returns an empty step: yield instead of spinning.
+                await asyncio.sleep(step.duration_s / self.speed if step.duration_s else 0.001)
+                for ev in step.events:
+                    s = self._streams.get(ev.request_id)
+                    if s is not None:
+                        s.queue.put_nowait(ev)
+
+    def submit(self, prompt: Prompt, max_tokens: int) -> tuple[str, _Stream]:
+        """Queue a request in the engine; its events arrive on the returned stream."""
+        rid = f"sim-{next(self._ids)}"
+        try:
+            self.engine.add(rid, prompt.tokens, max_tokens, prompt.hashes, time.monotonic())
+        except EngineError as exc:
+            raise BadRequest(str(exc)) from exc
+        stream = _Stream(asyncio.Queue())
+        self._streams[rid] = stream
+        self.requests_total += 1
+        self._wake.set()
+        return rid, stream
+
+    def release(self, rid: str) -> None:
+        """The request ended or its client left: drop it (cancelled in the engine if it still
+        runs, as a real engine aborts a request whose connection closed)."""
+        if self._streams.pop(rid, None) is not None:
+            self.engine.cancel(rid)
+
+    async def events(self, rid: str, stream: _Stream) -> AsyncIterator[tuple[str, Finished | None]]:
+        """(new text, the finish or None) as the engine produces tokens."""
+        try:
+            while True:
+                ev = await stream.queue.get()
+                if isinstance(ev, TokensOut):
+                    tokens = self.engine.output_tokens(rid, stream.produced, ev.count)
+                    stream.produced += ev.count
+                    self.generation_tokens_total += ev.count
+                    yield self.engine.detokenize(tokens), None
+                else:
+                    yield "", ev
+                    return
+        finally:
+            self.release(rid)
+
+    async def collect(self, rid: str, stream: _Stream) -> tuple[str, Finished]:
+        """The whole output of a request, and its finish."""
+        parts: list[str] = []
+        async for piece, fin in self.events(rid, stream):
+            if fin is not None:
+                return "".join(parts), fin
+            parts.append(piece)
+        raise EngineError(f"request {rid} ended without finishing")  # pragma: no cover
+
+    # ---------------------------------------------------------------------------- prompts
+
+    def prompt(self, value: Any, param: str) -> Prompt:
+        """A text prompt or a list of token ids, hashed as Sluice hashes prompt blocks."""
+        bt = self.profile.block_tokens
+        if isinstance(value, str):
+            if not value:
+                raise BadRequest(f"{param} must not be empty", param)
+            return Prompt(estimate_text_tokens(value), tuple(text_block_hashes(value, bt)))
+        if (
+            isinstance(value, list)
+            and value
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+        ):
+            return Prompt(len(value), tuple(block_hashes(value, bt)))
+        raise BadRequest(f"{param} must be a non-empty string or list of token ids", param)
+
+    # ---------------------------------------------------------------------------- figures
+
+    def metrics_text(self) -> str:
+        """The engine's figures under vLLM's and SGLang's metric names (Prometheus text)."""
+        e, m = self.engine, self.model
+        load = e.load()
+        kv = load.kv_blocks_used / load.kv_blocks_total if load.kv_blocks_total else 0.0
+        hit = e.cached_tokens_total / e.prompt_tokens_total if e.prompt_tokens_total else 0.0
+        lab = f'{{model_name="{m}"}}'
+        rows = [
+            ("vllm:num_requests_running", "gauge", load.running),
+            ("vllm:num_requests_waiting", "gauge", load.waiting),
+            ("vllm:kv_cache_usage_perc", "gauge", kv),
+            ("vllm:gpu_cache_usage_perc", "gauge", kv),
+            ("vllm:prompt_tokens_total", "counter", e.prompt_tokens_total),
+            ("vllm:generation_tokens_total", "counter", self.generation_tokens_total),
+            ("vllm:prefix_cache_queries_total", "counter", e.prompt_tokens_total),
+            ("vllm:prefix_cache_hits_total", "counter", e.cached_tokens_total),
+            ("vllm:request_success_total", "counter", self.requests_total),
+            ("sglang:num_running_reqs", "gauge", load.running),
+            ("sglang:num_queue_reqs", "gauge", load.waiting),
+            ("sglang:token_usage", "gauge", kv),
+            ("sglang:cache_hit_rate", "gauge", hit),
+            ("sglang:prompt_tokens_total", "counter", e.prompt_tokens_total),
+            ("sglang:cached_tokens_total", "counter", e.cached_tokens_total),
+        ]
+        out: list[str] = []
+        for name, kind, value in rows:
+            base = name[: -len("_total")] if kind == "counter" else name
+            out.append(f"# HELP {base} {name} of the simulated engine")
+            out.append(f"# TYPE {base} {kind}")
+            out.append(f"{name}{lab} {float(value)}")
+        return "\n".join(out) + "\n"
+
+    def loads(self) -> dict[str, Any]:
+        load = self.engine.load()
+        return {
+            "num_running_reqs": load.running,
+            "num_waiting_reqs": load.waiting,
+            "num_pending_prefill_tokens": load.pending_prefill_tokens,
+            "kv_blocks_used": load.kv_blocks_used,
+            "kv_blocks_total": load.kv_blocks_total,
+            "busy_s": round(load.busy_s, 6),
+        }
+
+    def server_info(self) -> dict[str, Any]:
+        p = self.profile
+        return {
+            "model_path": self.model,
+            "served_model_name": self.model,
+            "engine": "sluice-sim",
+            "profile": p.name,
+            "speed": self.speed,
+            "page_size": p.block_tokens,
+            "max_running_requests": p.max_running,
+            "max_total_num_tokens": p.kv_capacity_tokens,
+            "chunked_prefill_size": p.prefill_chunk_tokens,
+        }
+
+
+# ------------------------------------------------------------------------------- HTTP face
+
+
+def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    return JSONResponse(body, status_code=status)
+
+
+async def _json(request: Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"the body is not JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    return body
+
+
+def _positive_int(body: Mapping[str, Any], key: str, default: int) -> int:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise BadRequest(f"{key} must be an integer >= 1", key)
+    return value
+
+
+def _sse(obj: Mapping[str, Any] | str) -> bytes:
+    data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+def _usage(fin: Finished) -> dict[str, Any]:
+    return {
+        "prompt_tokens": fin.prompt_tokens,
+        "completion_tokens": fin.output_tokens,
+        "total_tokens": fin.prompt_tokens + fin.output_tokens,
+        "prompt_tokens_details": {"cached_tokens": fin.cached_tokens},
+    }
+
+
+def render_chat(messages: Any) -> str:
+    """The prompt of a chat: one deterministic template, so a conversation keeps its prefix."""
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages must be a non-empty list", "messages")
+    parts = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise BadRequest(f"messages[{i}] needs a role", "messages")
+        content = m.get("content")
+        if not isinstance(content, str):
+            raise BadRequest(f"messages[{i}].content must be a string", "messages")
+        parts.append(f"<|{m['role']}|>\n{content}\n")
+    return "".join(parts) + "<|assistant|>\n"
+
+
+class _OpenAI:
+    """The OpenAI completions and chat completions endpoints."""
+
+    def __init__(self, server: SimServer) -> None:
+        self.server = server
+
+    async def completions(self, request: Request) -> Response:
+        body = await _json(request)
+        prompt = self.server.prompt(body.get("prompt"), "prompt")
+        return await self._answer(body, prompt, chat=False)
+
+    async def chat(self, request: Request) -> Response:
+        body = await _json(request)
+        text = render_chat(body.get("messages"))
+        return await self._answer(body, self.server.prompt(text, "messages"), chat=True)
+
+    async def _answer(self, body: Mapping[str, Any], prompt: Prompt, *, chat: bool) -> Response:
+        s = self.server
+        key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
+        max_tokens = _positive_int(body, key, MAX_TOKENS_DEFAULT)
+        options = body.get("stream_options") or {}
+        if not isinstance(options, dict):
+            raise BadRequest("stream_options must be an object", "stream_options")
+        rid, stream = s.submit(prompt, max_tokens)
+        head = {
+            "id": f"cmpl-{rid}",
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": s.model,
+        }
+        if body.get("stream"):
+            gen = self._stream(rid, stream, head, chat, bool(options.get("include_usage")))
+            return StreamingResponse(gen, media_type="text/event-stream")
+        text, fin = await s.collect(rid, stream)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+            head["object"] = "chat.completion"
+        else:
+            choice["text"] = text
+        return JSONResponse({**head, "choices": [choice], "usage": _usage(fin)})
+
+    async def _stream(
+        self, rid: str, stream: _Stream, head: dict[str, Any], chat: bool, include_usage: bool
+    ) -> AsyncIterator[bytes]:
+        first = True
+        async for piece, fin in self.server.events(rid, stream):
+            if fin is not None:
+                done: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
+                if chat:
+                    done["delta"] = {}
+                else:
+                    done["text"] = ""
+                yield _sse({**head, "choices": [done]})
+                if include_usage:
+                    yield _sse({**head, "choices": [], "usage": _usage(fin)})
+                yield _sse("[DONE]")
+                return
+            if chat:
+                delta: dict[str, Any] = {"content": piece}
+                if first:
+                    delta["role"] = "assistant"
+                choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": None}
+            else:
+                choice = {"index": 0, "text": piece, "finish_reason": None, "logprobs": None}
+            first = False
+            yield _sse({**head, "choices": [choice]})
+
+
+class _SGLang:
+    """SGLang's native ``/generate``."""
+
+    def __init__(self, server: SimServer) -> None:
+        self.server = server
+
+    async def generate(self, request: Request) -> Response:
+        body = await _json(request)
+        s = self.server
+        if "input_ids" in body:
+            prompt = s.prompt(body["input_ids"], "input_ids")
+        else:
+            prompt = s.prompt(body.get("text"), "text")
+        params = body.get("sampling_params") or {}
+        if not isinstance(params, dict):
+            raise BadRequest("sampling_params must be an object", "sampling_params")
+        max_new = _positive_int(params, "max_new_tokens", 128)
+        rid, stream = s.submit(prompt, max_new)
+        if body.get("stream"):
+            return StreamingResponse(self._stream(rid, stream), media_type="text/event-stream")
+        text, fin = await s.collect(rid, stream)
+        return JSONResponse({"text": text, "meta_info": _meta(rid, fin, fin.output_tokens)})
+
+    async def _stream(self, rid: str, stream: _Stream) -> AsyncIterator[bytes]:
+        text, n = "", 0
+        async for piece, fin in self.server.events(rid, stream):
+            if fin is not None:
+                yield _sse({"text": text, "meta_info": _meta(rid, fin, fin.output_tokens)})
+                yield _sse("[DONE]")
+                return
+            text += piece
+            n += 1
+            meta = {"id": rid, "completion_tokens": n}
+            yield _sse({"text": text, "meta_info": meta})
+
+
+def _meta(rid: str, fin: Finished, completion: int) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "prompt_tokens": fin.prompt_tokens,
+        "completion_tokens": completion,
+        "cached_tokens": fin.cached_tokens,
+        "finish_reason": {"type": "length", "length": completion},
+    }
+
+
+def build_app(server: SimServer) -> Starlette:
+    """The ASGI app of ``server`` (its engine starts and stops with the app)."""
+    openai, sglang = _OpenAI(server), _SGLang(server)
+
+    def guarded(handler: Any) -> Any:
+        async def run(request: Request) -> Response:
+            try:
+                result: Response = await handler(request)
+            except BadRequest as exc:
+                return _error(400, str(exc), exc.param)
+            return result
+
+        return run
+
+    async def health(_: Request) -> Response:
+        return PlainTextResponse("ok")
+
+    async def models(_: Request) -> Response:
+        item: dict[str, Any] = {"id": server.model, "object": "model", "owned_by": "sluice-sim"}
+        item["created"] = int(server.started_unix_s)
+        return JSONResponse({"object": "list", "data": [item]})
+
+    async def server_info(_: Request) -> Response:
+        return JSONResponse(server.server_info())
+
+    async def model_info(_: Request) -> Response:
+        return JSONResponse({"model_path": server.model, "is_generation": True})
+
+    async def loads(_: Request) -> Response:
+        return JSONResponse(server.loads())
+
+    async def metrics(_: Request) -> Response:
+        return PlainTextResponse(server.metrics_text(), media_type="text/plain; version=0.0.4")
+
+    routes = [
+        Route("/v1/completions", guarded(openai.completions), methods=["POST"]),
+        Route("/v1/chat/completions", guarded(openai.chat), methods=["POST"]),
+        Route("/generate", guarded(sglang.generate), methods=["POST"]),
+        Route("/health", health),
+        Route("/v1/models", models),
+        Route("/server_info", server_info),
+        Route("/get_server_info", server_info),
+        Route("/model_info", model_info),
+        Route("/get_model_info", model_info),
+        Route("/v1/loads", loads),
+        Route("/metrics", metrics),
+    ]
+
+    @asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        await server.start()
+        try:
+            yield
+        finally:
+            await server.stop()
+
+    return Starlette(routes=routes, lifespan=lifespan)
+
+
+def serve(
+    profile: EngineProfile,
+    *,
+    model: str,
+    speed: float = 1.0,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    uds: str | None = None,
+) -> None:
+    """Run the server until interrupted (on ``host:port``, or on the Unix socket ``uds``)."""
+    import uvicorn
+
+    if (port is None) == (uds is None):
+        raise ValueError("give exactly one of port and uds")
+    app = build_app(SimServer(profile, model=model, speed=speed))
+    config = uvicorn.Config(
+        app, host=host, port=port or 0, uds=uds, log_level="warning", lifespan="on"
+    )
+    uvicorn.Server(config).run()

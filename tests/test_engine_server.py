@@ -1,0 +1,245 @@
+"""``sluice engine``: the simulated engine as a real server process, over TCP and a Unix socket,
+spoken to with the real engines' protocols (OpenAI completions and chat, SGLang's /generate,
+Prometheus metrics)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from sluice.schemas.hashing import DEFAULT_BLOCK_TOKENS
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _start(args: list[str]) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "sluice.cli", "engine", "--speed", "20", *args]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _wait_healthy(client: httpx.Client, proc: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            err = proc.stderr.read().decode() if proc.stderr else ""
+            raise AssertionError(f"sluice engine exited: {err}")
+        try:
+            if client.get("/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError("sluice engine did not become healthy")
+
+
+@pytest.fixture
+def engine() -> Iterator[httpx.Client]:
+    port = _free_port()
+    proc = _start(["--port", str(port), "--model", "sim-8b"])
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+            _wait_healthy(client, proc)
+            yield client
+    finally:
+        _stop(proc)
+
+
+def _events(response: httpx.Response) -> list[Any]:
+    """The data of each SSE event, decoded (``[DONE]`` kept as the string)."""
+    out: list[Any] = []
+    for line in response.iter_lines():
+        if not line:
+            continue
+        assert line.startswith("data: "), line
+        data = line[len("data: ") :]
+        out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+PROMPT = list(range(100, 100 + 16 * DEFAULT_BLOCK_TOKENS))  # 16 full blocks
+
+
+def test_completions_report_usage_and_a_repeated_prefix_is_a_hit(engine: httpx.Client) -> None:
+    body = {"model": "sim-8b", "prompt": PROMPT, "max_tokens": 5}
+    first = engine.post("/v1/completions", json=body).json()
+    assert first["object"] == "text_completion" and first["model"] == "sim-8b"
+    assert first["choices"][0]["finish_reason"] == "length" and first["choices"][0]["text"]
+    usage = first["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(PROMPT), 5)
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+    again = engine.post("/v1/completions", json=body).json()
+    # Every full block is cached; an engine always computes at least one prompt token.
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == len(PROMPT) - 1
+    assert again["choices"][0]["text"] != first["choices"][0]["text"]  # another request id
+
+
+def test_streaming_completions_end_with_usage_and_done(engine: httpx.Client) -> None:
+    body = {
+        "prompt": "a text prompt " * 40,
+        "max_tokens": 7,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with engine.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = _events(r)
+    assert events[-1] == "[DONE]"
+    usage = events[-2]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 7
+    assert usage["usage"]["prompt_tokens"] == 140  # 560 bytes at 4 bytes a token
+    tokens = [e for e in events[:-3] if e["choices"][0]["text"]]
+    assert len(tokens) == 7 and all(e["choices"][0]["finish_reason"] is None for e in tokens)
+    assert events[-3]["choices"][0]["finish_reason"] == "length"
+
+
+def test_chat_streams_deltas_and_renders_one_prefix_per_conversation(
+    engine: httpx.Client,
+) -> None:
+    history = [{"role": "system", "content": "You are terse. " * 30}]
+    body = {"messages": [*history, {"role": "user", "content": "hi"}], "max_tokens": 3}
+    with engine.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        events = _events(r)
+    assert events[0]["object"] == "chat.completion.chunk"
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert events[-1] == "[DONE]"
+    # The next turn shares the rendered prefix: the system prompt's blocks are cached.
+    turn = {"messages": [*history, {"role": "user", "content": "and more"}], "max_tokens": 2}
+    reply = engine.post("/v1/chat/completions", json=turn).json()
+    assert reply["object"] == "chat.completion"
+    assert reply["choices"][0]["message"]["role"] == "assistant"
+    # About 470 shared bytes: its 7 full 64-byte blocks (16 tokens each) are hits.
+    assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == 7 * DEFAULT_BLOCK_TOKENS
+
+
+def test_sglang_generate_with_ids_and_streaming(engine: httpx.Client) -> None:
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4}}
+    out = engine.post("/generate", json=body).json()
+    meta = out["meta_info"]
+    assert (meta["prompt_tokens"], meta["completion_tokens"]) == (len(PROMPT), 4)
+    assert meta["finish_reason"] == {"type": "length", "length": 4} and out["text"]
+    with engine.stream("POST", "/generate", json={**body, "stream": True}) as r:
+        events = _events(r)
+    assert events[-1] == "[DONE]"
+    assert events[-2]["meta_info"]["cached_tokens"] == len(PROMPT) - 1
+    texts = [e["text"] for e in events[:-1]]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:], strict=False))  # cumulative
+
+
+def test_info_endpoints_and_metrics_in_vllm_and_sglang_names(engine: httpx.Client) -> None:
+    assert engine.get("/v1/models").json()["data"][0]["id"] == "sim-8b"
+    for path in ("/server_info", "/get_server_info"):
+        assert engine.get(path).json()["page_size"] == DEFAULT_BLOCK_TOKENS
+    for path in ("/model_info", "/get_model_info"):
+        assert engine.get(path).json() == {"model_path": "sim-8b", "is_generation": True}
+    assert engine.get("/v1/loads").json()["num_running_reqs"] == 0
+    engine.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+    engine.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+    samples = {
+        s.name: s.value
+        for fam in text_string_to_metric_families(engine.get("/metrics").text)
+        for s in fam.samples
+    }
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:gpu_cache_usage_perc",
+        "sglang:num_running_reqs",
+        "sglang:num_queue_reqs",
+        "sglang:token_usage",
+    ):
+        assert name in samples, name
+    assert samples["vllm:prompt_tokens_total"] == 2 * len(PROMPT)
+    assert samples["vllm:prefix_cache_hits_total"] == len(PROMPT) - 1
+    assert samples["sglang:cache_hit_rate"] == pytest.approx((len(PROMPT) - 1) / (2 * len(PROMPT)))
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"max_tokens": 3}, "prompt"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", {"prompt": [1, -2]}, "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages"),
+        ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": "many"}}, None),
+    ],
+)
+def test_bad_requests_get_an_openai_shaped_400(
+    engine: httpx.Client, path: str, body: dict[str, Any], param: str | None
+) -> None:
+    r = engine.post(path, json=body)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["message"]
+    if param is not None:
+        assert err["param"] == param
+    r = engine.post(path, content=b"{not json")
+    assert r.status_code == 400 and "not JSON" in r.json()["error"]["message"]
+    assert engine.get("/health").status_code == 200  # it keeps serving
+
+
+def test_a_client_that_leaves_mid_stream_cancels_its_request(engine: httpx.Client) -> None:
+    body = {"prompt": PROMPT, "max_tokens": 100_000, "stream": True}
+    with engine.stream("POST", "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        assert engine.get("/v1/loads").json()["num_running_reqs"] == 1
+    deadline = time.monotonic() + 10
+    while engine.get("/v1/loads").json()["num_running_reqs"] != 0:
+        assert time.monotonic() < deadline, "the abandoned request kept running"
+        time.sleep(0.05)
+
+
+def test_it_serves_on_a_unix_socket(tmp_path: Path) -> None:
+    path = str(tmp_path / "engine.sock")
+    proc = _start(["--uds", path])
+    try:
+        transport = httpx.HTTPTransport(uds=path)
+        with httpx.Client(transport=transport, base_url="http://engine", timeout=30) as c:
+            _wait_healthy(c, proc)
+            out = c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).json()
+            assert out["usage"]["completion_tokens"] == 2
+    finally:
+        _stop(proc)
+
+
+def test_the_command_line_refuses_an_unclear_address() -> None:
+    both = subprocess.run(
+        [sys.executable, "-m", "sluice.cli", "engine", "--port", "1", "--uds", "/tmp/x"],
+        capture_output=True,
+        timeout=60,
+    )
+    assert both.returncode == 2 and b"exactly one of --port and --uds" in both.stderr
+    bad = subprocess.run(
+        [sys.executable, "-m", "sluice.cli", "engine", "--port", "1", "--profile", "nope"],
+        capture_output=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2 and b"unknown engine profile" in bad.stderr
