@@ -4,6 +4,7 @@ Prometheus metrics)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -149,7 +150,7 @@ def test_sglang_generate_with_ids_and_streaming(engine: httpx.Client) -> None:
     assert events[-1] == "[DONE]"
     assert events[-2]["meta_info"]["cached_tokens"] == len(PROMPT) - 1
     texts = [e["text"] for e in events[:-1]]
-    assert all(b.startswith(a) for a, b in zip(texts, texts[1:], strict=False))  # cumulative
+    assert all(b.startswith(a) for a, b in itertools.pairwise(texts))  # cumulative
 
 
 def test_info_endpoints_and_metrics_in_vllm_and_sglang_names(engine: httpx.Client) -> None:
