@@ -17,3 +17,7 @@ class AgentBrokerUnreachable(AgentError):
 
 class EngineError(AgentError):
     """The engine cannot run a request (for example one larger than its whole KV cache)."""
+
+
+class KVEventError(AgentError):
+    """A KV event frame or payload that cannot be decoded (it is counted and dropped)."""

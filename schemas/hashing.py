@@ -40,13 +40,16 @@ def index_stride(block_tokens: int, index_tokens: int = DEFAULT_INDEX_TOKENS) ->
     return max(1, index_tokens // block_tokens)
 
 
-def block_hashes(tokens: Sequence[int], block_tokens: int = DEFAULT_BLOCK_TOKENS) -> list[int]:
-    """Chained hashes of the full ``block_tokens``-sized blocks of ``tokens``."""
+def block_hashes(
+    tokens: Sequence[int], block_tokens: int = DEFAULT_BLOCK_TOKENS, parent: int = 0
+) -> list[int]:
+    """Chained hashes of the full ``block_tokens``-sized blocks of ``tokens``; ``parent``: the
+    hash of the block before them (0: they start the prompt)."""
     if block_tokens < 1:
         raise ValueError("block_tokens must be >= 1")
     n_full = len(tokens) // block_tokens
     out: list[int] = []
-    prev = 0
+    prev = parent
     fmt = struct.Struct(f"<{block_tokens}I")
     for i in range(n_full):
         block = tokens[i * block_tokens : (i + 1) * block_tokens]

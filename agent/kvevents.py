@@ -1,0 +1,242 @@
+"""vLLM's KV cache events (pure): decoding the frames and turning them into Sluice's digest.
+
+The layout (vLLM's ``ZmqEventPublisher``): every message on the PUB socket has three frames,
+``(topic, sequence, payload)``, the sequence an 8-byte big-endian integer; the payload is a
+msgpack event batch ``[ts, events, data_parallel_rank]``. Each event is a tagged struct, either
+in msgspec's array-like form, ``["BlockStored", block_hashes, parent_block_hash, token_ids,
+block_size, lora_id, medium, ...]``, ``["BlockRemoved", block_hashes, medium]`` and
+``["AllBlocksCleared"]``, or as a map with a ``type`` tag and named fields. Fields beyond those
+named here and unknown event types are ignored; anything else malformed raises
+:class:`~sluice.agent.errors.KVEventError` (the caller counts and drops it). The replay socket
+(ROUTER) answers a request of one 8-byte big-endian starting sequence with ``(sequence,
+payload)`` messages, ending with sequence -1.
+
+The engine's block hashes are not Sluice's: :class:`KVEventTracker` hashes each stored block's
+token ids with Sluice's own chained block hashing (:mod:`sluice.schemas.hashing`), remembers
+which engine hash is which Sluice hash, and yields the digest's changes (stored, evicted), as
+the in-process engine's ``cache_changes()`` does, every ``stride``-th block of a chain (the
+dispatcher's index resolution). A sequence gap is reported so the caller can replay from it.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from sluice.agent.errors import KVEventError
+from sluice.schemas.hashing import block_hashes
+
+EngineHash = int | bytes
+_SEQ = struct.Struct(">q")
+REPLAY_END = -1
+"""The sequence that ends a replay."""
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    block_hashes: tuple[EngineHash, ...]
+    parent_block_hash: EngineHash | None
+    token_ids: tuple[int, ...]
+    block_size: int
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    block_hashes: tuple[EngineHash, ...]
+
+
+@dataclass(frozen=True)
+class AllBlocksCleared:
+    pass
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(frozen=True)
+class EventBatch:
+    ts: float
+    events: tuple[KVEvent, ...]
+    dp_rank: int | None = None
+    unknown: int = 0
+    """Events of types this decoder does not know (skipped)."""
+
+
+def encode_seq(seq: int) -> bytes:
+    return _SEQ.pack(seq)
+
+
+def decode_seq(frame: bytes) -> int:
+    if len(frame) != _SEQ.size:
+        raise KVEventError(f"a sequence frame has 8 bytes, not {len(frame)}")
+    value: int = _SEQ.unpack(frame)[0]
+    return value
+
+
+def decode_message(frames: Sequence[bytes]) -> tuple[int, EventBatch]:
+    """A PUB message ``(topic, sequence, payload)``: its sequence and batch."""
+    if len(frames) != 3:
+        raise KVEventError(f"a KV event message has 3 frames, not {len(frames)}")
+    return decode_seq(frames[1]), decode_batch(frames[2])
+
+
+def decode_batch(payload: bytes) -> EventBatch:
+    """One msgpack event batch."""
+    try:
+        raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise KVEventError(f"not msgpack: {exc}") from exc
+    if not isinstance(raw, list | tuple) or len(raw) < 2 or not isinstance(raw[1], list):
+        raise KVEventError("an event batch is [ts, events, dp_rank]")
+    ts, items = raw[0], raw[1]
+    if not isinstance(ts, int | float) or isinstance(ts, bool):
+        raise KVEventError("an event batch's ts is a number")
+    rank = raw[2] if len(raw) > 2 and isinstance(raw[2], int) else None
+    events: list[KVEvent] = []
+    unknown = 0
+    for item in items:
+        ev = _event(item)
+        if ev is None:
+            unknown += 1
+        else:
+            events.append(ev)
+    return EventBatch(float(ts), tuple(events), rank, unknown)
+
+
+_FIELDS = {
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size"),
+    "BlockRemoved": ("block_hashes",),
+    "AllBlocksCleared": (),
+}
+
+
+def _event(item: Any) -> KVEvent | None:
+    if isinstance(item, dict):
+        tag = item.get("type")
+        values = {k: item.get(k) for k in _FIELDS.get(tag, ())} if isinstance(tag, str) else {}
+    elif isinstance(item, list | tuple) and item and isinstance(item[0], str):
+        tag = item[0]
+        names = _FIELDS.get(tag, ())
+        values = dict(zip(names, list(item[1:]) + [None] * len(names), strict=False))
+    else:
+        raise KVEventError(f"an event is a tagged array or map, not {type(item).__name__}")
+    if tag not in _FIELDS:
+        return None
+    if tag == "AllBlocksCleared":
+        return AllBlocksCleared()
+    hashes = _hashes(values.get("block_hashes"))
+    if tag == "BlockRemoved":
+        return BlockRemoved(hashes)
+    tokens, size = values.get("token_ids"), values.get("block_size")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+        raise KVEventError("BlockStored.token_ids is a list of integers")
+    if not isinstance(size, int) or size < 1:
+        raise KVEventError("BlockStored.block_size is an integer >= 1")
+    if len(tokens) != size * len(hashes):
+        raise KVEventError(
+            f"BlockStored has {len(tokens)} token ids for {len(hashes)} blocks of {size}"
+        )
+    parent = values.get("parent_block_hash")
+    if parent is not None and not isinstance(parent, int | bytes):
+        raise KVEventError("BlockStored.parent_block_hash is an integer, bytes or null")
+    return BlockStored(hashes, parent, tuple(tokens), size)
+
+
+def _hashes(value: Any) -> tuple[EngineHash, ...]:
+    if not isinstance(value, list) or not all(isinstance(h, int | bytes) for h in value):
+        raise KVEventError("block_hashes is a list of integers or bytes")
+    return tuple(value)
+
+
+@dataclass
+class TrackerStats:
+    batches: int = 0
+    gaps: int = 0
+    orphans: int = 0
+    """Stored blocks whose parent the tracker never saw (its chain cannot be hashed)."""
+    wrong_block_size: int = 0
+    unknown_events: int = 0
+
+
+@dataclass
+class _Block:
+    sluice: int
+    depth: int
+    """1 for a prompt's first block."""
+
+
+@dataclass
+class KVEventTracker:
+    """What an engine's KV events say its cache holds, as Sluice digest changes."""
+
+    block_tokens: int
+    stride: int = 1
+    expected_seq: int | None = None
+    stats: TrackerStats = field(default_factory=TrackerStats)
+    _blocks: dict[EngineHash, _Block] = field(default_factory=dict)
+    _stored: list[int] = field(default_factory=list)
+    _evicted: list[int] = field(default_factory=list)
+
+    def apply(self, seq: int, batch: EventBatch) -> int | None:
+        """Apply batch ``seq``. Returns the sequence to replay from when ``seq`` skipped some
+        (the batch is applied anyway: what it stores is true), else None. An older or repeated
+        sequence (a replay overlapping what arrived live) is ignored."""
+        gap = None
+        if self.expected_seq is not None:
+            if seq < self.expected_seq:
+                return None
+            if seq > self.expected_seq:
+                gap = self.expected_seq
+                self.stats.gaps += 1
+        self.expected_seq = seq + 1
+        self.stats.batches += 1
+        self.stats.unknown_events += batch.unknown
+        for ev in batch.events:
+            if isinstance(ev, BlockStored):
+                self._store(ev)
+            elif isinstance(ev, BlockRemoved):
+                for h in ev.block_hashes:
+                    self._remove(h)
+            else:
+                for h in list(self._blocks):
+                    self._remove(h)
+        return gap
+
+    def _store(self, ev: BlockStored) -> None:
+        if ev.block_size != self.block_tokens:
+            self.stats.wrong_block_size += 1
+            return
+        if ev.parent_block_hash is None:
+            parent_hash, depth = 0, 0
+        else:
+            parent = self._blocks.get(ev.parent_block_hash)
+            if parent is None:
+                self.stats.orphans += 1
+                return
+            parent_hash, depth = parent.sluice, parent.depth
+        ours = block_hashes(ev.token_ids, self.block_tokens, parent_hash)
+        for engine_hash, h in zip(ev.block_hashes, ours, strict=True):
+            depth += 1
+            if engine_hash not in self._blocks:
+                self._blocks[engine_hash] = _Block(h, depth)
+                if depth % self.stride == 0:
+                    self._stored.append(h)
+
+    def _remove(self, engine_hash: EngineHash) -> None:
+        block = self._blocks.pop(engine_hash, None)
+        if block is not None and block.depth % self.stride == 0:
+            self._evicted.append(block.sluice)
+
+    def cache_changes(self) -> tuple[list[int], list[int]]:
+        """Sluice block hashes stored and evicted since the last call (for the digest)."""
+        out = (self._stored, self._evicted)
+        self._stored, self._evicted = [], []
+        return out
+
+    def cached_blocks(self) -> list[int]:
+        """Every reported Sluice block hash the engine holds now (for a snapshot)."""
+        return [b.sluice for b in self._blocks.values() if b.depth % self.stride == 0]

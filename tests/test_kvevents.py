@@ -1,0 +1,146 @@
+"""The KV event decoder and tracker, on frames built from vLLM's layout (both encodings)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sluice.agent.errors import KVEventError
+from sluice.agent.kvevents import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventTracker,
+    decode_batch,
+    decode_message,
+    encode_seq,
+)
+from sluice.schemas.hashing import block_hashes
+
+BT = 16
+
+
+def _stored_array(hashes: list[Any], parent: Any, tokens: list[int]) -> list[Any]:
+    # msgspec array_like + tag: [tag, fields...], with fields vLLM added later at the end.
+    return ["BlockStored", hashes, parent, tokens, BT, None, "GPU", "extra-field"]
+
+
+def _stored_map(hashes: list[Any], parent: Any, tokens: list[int]) -> dict[str, Any]:
+    return {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": BT,
+        "lora_id": None,
+        "future": 1,
+    }
+
+
+def _message(seq: int, events: list[Any], ts: float = 1.5) -> list[bytes]:
+    return [b"kv-events", encode_seq(seq), msgpack.packb([ts, events, 0])]
+
+
+@pytest.mark.parametrize("form", [_stored_array, _stored_map])
+def test_both_encodings_decode_to_the_same_events(form: Any) -> None:
+    tokens = list(range(2 * BT))
+    events = [
+        form([11, 12], None, tokens),
+        ["BlockRemoved", [11], "GPU"] if form is _stored_array else {"type": "BlockRemoved",
+                                                                       "block_hashes": [11]},
+        ["AllBlocksCleared"] if form is _stored_array else {"type": "AllBlocksCleared"},
+        ["SomethingNew", 1, 2] if form is _stored_array else {"type": "SomethingNew"},
+    ]  # fmt: skip
+    seq, batch = decode_message(_message(7, events))
+    assert seq == 7 and batch.ts == 1.5 and batch.dp_rank == 0 and batch.unknown == 1
+    assert batch.events == (
+        BlockStored((11, 12), None, tuple(tokens), BT),
+        BlockRemoved((11,)),
+        AllBlocksCleared(),
+    )
+
+
+@pytest.mark.parametrize(
+    "frames",
+    [
+        [b"topic", encode_seq(1)],  # a frame missing
+        [b"topic", b"\x00\x01", msgpack.packb([0.0, [], 0])],  # a short sequence
+        [b"topic", encode_seq(1), b"\xc1\xc1 not msgpack"],
+        [b"topic", encode_seq(1), msgpack.packb({"ts": 1})],  # not a batch
+        [b"topic", encode_seq(1), msgpack.packb(["soon", [], 0])],  # ts not a number
+        [b"topic", encode_seq(1), msgpack.packb([0.0, [42], 0])],  # an event that is a number
+        [b"topic", encode_seq(1), msgpack.packb([0.0, [["BlockStored", [1], None, [1, 2], 16]]])],
+        [b"topic", encode_seq(1), msgpack.packb([0.0, [["BlockStored", "x", None, [], 16]]])],
+        [b"topic", encode_seq(1), msgpack.packb([0.0, [["BlockStored", [1], None, [0] * 16, 0]]])],
+        [b"topic", encode_seq(1), msgpack.packb([0.0, [["BlockRemoved", [1.5]]]])],
+    ],
+)
+def test_malformed_messages_raise_a_typed_error(frames: list[bytes]) -> None:
+    with pytest.raises(KVEventError):
+        decode_message(frames)
+
+
+def test_stored_chains_become_sluice_hashes_of_the_same_tokens() -> None:
+    """The blocks line up with what client and dispatcher compute for the prompt's tokens."""
+    prompt = list(range(1000, 1000 + 5 * BT))
+    t = KVEventTracker(BT)
+    first = _stored_array([b"e1", b"e2"], None, prompt[: 2 * BT])
+    rest = _stored_array([b"e3", b"e4", b"e5"], b"e2", prompt[2 * BT :])
+    assert t.apply(0, decode_batch(msgpack.packb([0.0, [first], 0]))) is None
+    assert t.apply(1, decode_batch(msgpack.packb([0.0, [rest], 0]))) is None
+    stored, evicted = t.cache_changes()
+    assert stored == block_hashes(prompt, BT) and evicted == []
+    t.apply(2, decode_batch(msgpack.packb([0.0, [["BlockRemoved", [b"e5", b"unknown"]]]])))
+    assert t.cache_changes() == ([], [block_hashes(prompt, BT)[4]])
+    t.apply(3, decode_batch(msgpack.packb([0.0, [["AllBlocksCleared"]]])))
+    assert sorted(t.cache_changes()[1]) == sorted(block_hashes(prompt, BT)[:4])
+    assert t.cached_blocks() == []
+
+
+def test_gaps_are_reported_and_replays_do_not_apply_twice() -> None:
+    t = KVEventTracker(BT)
+    empty = decode_batch(msgpack.packb([0.0, [], 0]))
+    assert t.apply(5, empty) is None
+    assert t.apply(8, empty) == 6  # 6 and 7 were missed: replay from 6
+    assert t.stats.gaps == 1
+    assert t.apply(6, empty) is None and t.apply(7, empty) is None  # the replay: older, ignored
+    assert t.apply(9, empty) is None and t.stats.batches == 3
+
+
+def test_orphans_wrong_sizes_and_strides() -> None:
+    prompt = list(range(8 * BT))
+    t = KVEventTracker(BT, stride=4)
+    orphan = _stored_array([1], 999, prompt[:BT])
+    wrong = ["BlockStored", [2], None, prompt[:32], 32]
+    chain = _stored_array(list(range(10, 18)), None, prompt)
+    t.apply(0, decode_batch(msgpack.packb([0.0, [orphan, wrong, chain], 0])))
+    assert (t.stats.orphans, t.stats.wrong_block_size) == (1, 1)
+    full = block_hashes(prompt, BT)
+    assert t.cache_changes() == ([full[3], full[7]], [])  # every 4th block, as the index keeps
+    assert t.cached_blocks() == [full[3], full[7]]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    blocks=st.integers(1, 24),
+    cuts=st.lists(st.integers(1, 23), max_size=6),
+    seed=st.integers(0, 1000),
+)
+def test_any_split_of_a_prompt_into_events_gives_its_block_hashes(
+    blocks: int, cuts: list[int], seed: int
+) -> None:
+    prompt = [(seed * 7919 + i * 31) % 32_000 for i in range(blocks * BT)]
+    bounds = sorted({c for c in cuts if c < blocks} | {0, blocks})
+    t = KVEventTracker(BT)
+    parent = None
+    for seq, (a, b) in enumerate(itertools.pairwise(bounds)):
+        hashes = [f"h{i}".encode() for i in range(a, b)]
+        ev = _stored_map(hashes, parent, prompt[a * BT : b * BT])
+        assert t.apply(seq, decode_batch(msgpack.packb([float(seq), [ev], 0]))) is None
+        parent = hashes[-1]
+    assert t.cache_changes()[0] == block_hashes(prompt, BT)
