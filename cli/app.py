@@ -266,6 +266,12 @@ def engine(
     model: Annotated[str, typer.Option(help="The model name it serves.")] = "sim",
     profile: Annotated[str, typer.Option(help="Engine profile (as sluice replay).")] = "reference",
     speed: Annotated[float, typer.Option(help="Simulated clock speed-up.", min=0.001)] = 1.0,
+    kv_events_port: Annotated[
+        int | None,
+        typer.Option(
+            help="Publish vLLM-format KV events here (PUB; replay on the next port).", min=1
+        ),
+    ] = None,
 ) -> None:
     """Run the simulated engine as a server speaking vLLM's and SGLang's HTTP protocols
     (OpenAI completions and chat, /generate, /metrics, ...; docs/engines.md)."""
@@ -281,7 +287,15 @@ def engine(
     where = f"unix:{uds}" if uds else f"http://{host}:{port}"
     err.print(f"simulated engine ({prof.name}, speed x{speed:g}) serving {model!r} on {where}")
     try:
-        serve(prof, model=model, speed=speed, host=host, port=port, uds=uds)
+        serve(
+            prof,
+            model=model,
+            speed=speed,
+            host=host,
+            port=port,
+            uds=uds,
+            kv_events_port=kv_events_port,
+        )
     except OSError as exc:
         raise fail(f"cannot serve on {where}: {exc}") from exc
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sluice.agent.engine import EngineError, EngineLoad, Finished, Step, TokensOut
-from sluice.sim.kvcache import KVCache
+from sluice.sim.kvcache import KVCache, KVListener
 from sluice.sim.profiles import EngineProfile
 from sluice.sim.tokens import detokenize, output_token
 
@@ -47,6 +47,7 @@ class SimEngine:
         every_token: bool = True,
         digest_min_tokens: int | None = None,
         digest_stride: int = 1,
+        kv_listener: KVListener | None = None,
     ) -> None:
         """``every_token=False`` reports only first tokens and finishes (the replay needs no
         more, and it saves an event per generated token). ``digest_min_tokens``: journal the
@@ -59,7 +60,7 @@ class SimEngine:
         if digest_stride < 1:
             raise ValueError("digest_stride must be >= 1")
         self.digest_stride = digest_stride
-        self.cache = KVCache(profile.kv_capacity_blocks)
+        self.cache = KVCache(profile.kv_capacity_blocks, kv_listener)
         self._waiting: deque[_Seq] = deque()
         self._running: list[_Seq] = []
         self.busy_s = 0.0

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+KVListener = Callable[[str, list[int]], None]
+"""Told ``("stored", hashes)`` when blocks enter the cache and ``("removed", [hash])`` when
+one is evicted (an engine's KV events)."""
 
 
 class KVCache:
@@ -12,10 +16,11 @@ class KVCache:
     partial last prompt block and its output. Unpinned blocks stay cached for reuse until space
     is needed, least recently used first."""
 
-    def __init__(self, capacity_blocks: int) -> None:
+    def __init__(self, capacity_blocks: int, listener: KVListener | None = None) -> None:
         if capacity_blocks < 1:
             raise ValueError("capacity_blocks must be >= 1")
         self.capacity_blocks = capacity_blocks
+        self.listener = listener
         self._pinned: dict[int, int] = {}
         self._idle: OrderedDict[int, None] = OrderedDict()
         self._reserved = 0
@@ -63,11 +68,14 @@ class KVCache:
         for the cache digest (see :meth:`drain_digest`)."""
         if not self.fits(hashes, reserve_blocks):
             return False
+        new: list[int] = []
         for h in hashes:
             if h in self._idle:
                 del self._idle[h]
                 self._pinned[h] = 1
             else:
+                if h not in self._pinned:
+                    new.append(h)
                 self._pinned[h] = self._pinned.get(h, 0) + 1
         for h in report:
             if h not in self._reported:
@@ -76,15 +84,22 @@ class KVCache:
                     continue  # evicted and stored again since the last drain: no change
                 self._stored[h] = None
         self._reserved += reserve_blocks
+        self._evict_to_capacity()
+        if new and self.listener is not None:
+            self.listener("stored", new)
+        return True
+
+    def _evict_to_capacity(self) -> None:
         while self.used_blocks > self.capacity_blocks:
             h, _ = self._idle.popitem(last=False)
             self.evicted_blocks += 1
+            if self.listener is not None:
+                self.listener("removed", [h])
             if h in self._reported:
                 self._reported.discard(h)
                 if self._stored.pop(h, 0) is None:
                     continue  # stored and evicted since the last drain: no change
                 self._evicted[h] = None
-        return True
 
     def drain_digest(self) -> tuple[list[int], list[int]]:
         """Reported blocks stored and evicted since the last drain."""

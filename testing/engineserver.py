@@ -31,17 +31,21 @@ import asyncio
 import itertools
 import json
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import msgpack
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from sluice.agent.engine import EngineError, Finished, TokensOut
+from sluice.agent.errors import KVEventError
+from sluice.agent.kvevents import REPLAY_END, decode_seq, encode_seq
 from sluice.schemas.hashing import block_hashes, estimate_text_tokens, text_block_hashes
 from sluice.sim.engine import SimEngine
 from sluice.sim.profiles import EngineProfile
@@ -62,22 +66,94 @@ class BadRequest(Exception):
 class Prompt:
     tokens: int
     hashes: tuple[int, ...]
+    token_ids: tuple[int, ...] = ()
+    """The prompt's token ids: given, or for a text prompt one pseudo id per 4 bytes (what the
+    KV events of its blocks carry)."""
 
 
 @dataclass
 class _Stream:
     queue: asyncio.Queue[TokensOut | Finished]
+    hashes: tuple[int, ...] = ()
     produced: int = 0
+
+
+class KVEventPublisher:
+    """vLLM's KV event sockets: PUB on ``port`` (``(topic, sequence, payload)`` messages, the
+    payload a msgpack ``[ts, events, dp_rank]`` with array-like tagged events) and the replay
+    ROUTER on ``port + 1`` (a request of one 8-byte big-endian sequence gets every buffered
+    ``(sequence, payload)`` from it, then sequence -1)."""
+
+    TOPIC = b"kv-events"
+
+    def __init__(self, host: str, port: int, buffer: int = 10_000) -> None:
+        import zmq
+        import zmq.asyncio
+
+        self._zmq = zmq
+        self._sync = zmq.Context()
+        self._async = zmq.asyncio.Context()
+        self.pub = self._sync.socket(zmq.PUB)
+        self.pub.bind(f"tcp://{host}:{port}")
+        self.router = self._async.socket(zmq.ROUTER)
+        self.router.bind(f"tcp://{host}:{port + 1}")
+        self.seq = 0
+        self.ring: deque[tuple[int, bytes]] = deque(maxlen=buffer)
+        self._task: asyncio.Task[None] | None = None
+
+    def publish(self, events: list[Any]) -> None:
+        payload = msgpack.packb([time.time(), events, 0])
+        seq, self.seq = self.seq, self.seq + 1
+        self.ring.append((seq, payload))
+        # PUB never blocks: a subscriber too slow for its high-water mark misses batches and
+        # recovers them through the replay socket.
+        self.pub.send_multipart([self.TOPIC, encode_seq(seq), payload], flags=self._zmq.NOBLOCK)
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._replay(), name="kv-replay")
+
+    async def _replay(self) -> None:
+        while True:
+            frames = await self.router.recv_multipart()
+            *envelope, request = frames
+            try:
+                start = decode_seq(request)
+            except KVEventError:
+                continue  # not a replay request: nothing to answer
+            for seq, payload in list(self.ring):
+                if seq >= start:
+                    await self.router.send_multipart([*envelope, encode_seq(seq), payload])
+            await self.router.send_multipart([*envelope, encode_seq(REPLAY_END), b""])
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self.pub.close(linger=0)
+        self.router.close(linger=0)
+        self._sync.term()
+        self._async.term()
 
 
 class SimServer:
     """One simulated engine stepped in real time, and the requests streaming from it."""
 
-    def __init__(self, profile: EngineProfile, *, model: str, speed: float = 1.0) -> None:
+    def __init__(
+        self,
+        profile: EngineProfile,
+        *,
+        model: str,
+        speed: float = 1.0,
+        kv_events: KVEventPublisher | None = None,
+    ) -> None:
         if speed <= 0:
             raise ValueError("speed must be > 0")
         self.profile, self.model, self.speed = profile, model, speed
-        self.engine = SimEngine(profile)
+        self.kv_events = kv_events
+        self._pending_events: list[Any] = []
+        # Per prompt block hash: the hash before it and its token ids (for BlockStored).
+        self._block_meta: dict[int, tuple[int | None, list[int]]] = {}
+        self.engine = SimEngine(profile, kv_listener=self._on_kv if kv_events else None)
         self._streams: dict[str, _Stream] = {}
         self._wake = asyncio.Event()
         self._ids = itertools.count(1)
@@ -90,11 +166,33 @@ class SimServer:
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="sim-engine")
+        if self.kv_events is not None:
+            await self.kv_events.start()
 
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        if self.kv_events is not None:
+            await self.kv_events.stop()
+
+    def _on_kv(self, kind: str, hashes: list[int]) -> None:
+        bt = self.profile.block_tokens
+        if kind == "removed":
+            for h in hashes:
+                self._block_meta.pop(h, None)
+            self._pending_events.append(["BlockRemoved", hashes, "GPU"])
+            return
+        parent = self._block_meta.get(hashes[0], (None, []))[0]
+        tokens: list[int] = []
+        for h in hashes:
+            tokens += self._block_meta.get(h, (None, [0] * bt))[1]
+        self._pending_events.append(["BlockStored", hashes, parent, tokens, bt, None, "GPU"])
+
+    def _flush_kv(self) -> None:
+        if self.kv_events is not None and self._pending_events:
+            events, self._pending_events = self._pending_events, []
+            self.kv_events.publish(events)
 
     async def _run(self) -> None:
         while True:
@@ -102,6 +200,7 @@ class SimServer:
             self._wake.clear()
             while self.engine.has_work:
                 step = self.engine.step()
+                self._flush_kv()
                 # An engine that cannot admit its waiting request (its KV cache is full of
                 # running ones) returns an empty step: yield instead of spinning.
                 await asyncio.sleep(step.duration_s / self.speed if step.duration_s else 0.001)
@@ -117,7 +216,13 @@ class SimServer:
             self.engine.add(rid, prompt.tokens, max_tokens, prompt.hashes, time.monotonic())
         except EngineError as exc:
             raise BadRequest(str(exc)) from exc
-        stream = _Stream(asyncio.Queue())
+        if self.kv_events is not None:
+            bt = self.profile.block_tokens
+            for i, h in enumerate(prompt.hashes):
+                if h not in self._block_meta:
+                    tokens = list(prompt.token_ids[i * bt : (i + 1) * bt])
+                    self._block_meta[h] = (prompt.hashes[i - 1] if i else None, tokens)
+        stream = _Stream(asyncio.Queue(), prompt.hashes)
         self._streams[rid] = stream
         self.requests_total += 1
         self._wake.set()
@@ -126,8 +231,12 @@ class SimServer:
     def release(self, rid: str) -> None:
         """The request ended or its client left: drop it (cancelled in the engine if it still
         runs, as a real engine aborts a request whose connection closed)."""
-        if self._streams.pop(rid, None) is not None:
+        stream = self._streams.pop(rid, None)
+        if stream is not None:
             self.engine.cancel(rid)
+            for h in stream.hashes:  # blocks that never entered the cache need no metadata
+                if h not in self.engine.cache:
+                    self._block_meta.pop(h, None)
 
     async def events(self, rid: str, stream: _Stream) -> AsyncIterator[tuple[str, Finished | None]]:
         """(new text, the finish or None) as the engine produces tokens."""
@@ -162,13 +271,15 @@ class SimServer:
         if isinstance(value, str):
             if not value:
                 raise BadRequest(f"{param} must not be empty", param)
-            return Prompt(estimate_text_tokens(value), tuple(text_block_hashes(value, bt)))
+            data = value.encode("utf-8")
+            ids = tuple(int.from_bytes(data[i : i + 4], "little") for i in range(0, len(data), 4))
+            return Prompt(estimate_text_tokens(value), tuple(text_block_hashes(value, bt)), ids)
         if (
             isinstance(value, list)
             and value
             and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
         ):
-            return Prompt(len(value), tuple(block_hashes(value, bt)))
+            return Prompt(len(value), tuple(block_hashes(value, bt)), tuple(value))
         raise BadRequest(f"{param} must be a non-empty string or list of token ids", param)
 
     # ---------------------------------------------------------------------------- figures
@@ -470,13 +581,16 @@ def serve(
     host: str = "127.0.0.1",
     port: int | None = None,
     uds: str | None = None,
+    kv_events_port: int | None = None,
 ) -> None:
-    """Run the server until interrupted (on ``host:port``, or on the Unix socket ``uds``)."""
+    """Run the server until interrupted (on ``host:port``, or on the Unix socket ``uds``);
+    ``kv_events_port``: publish vLLM-format KV events there (replay on the next port)."""
     import uvicorn
 
     if (port is None) == (uds is None):
         raise ValueError("give exactly one of port and uds")
-    app = build_app(SimServer(profile, model=model, speed=speed))
+    publisher = None if kv_events_port is None else KVEventPublisher(host, kv_events_port)
+    app = build_app(SimServer(profile, model=model, speed=speed, kv_events=publisher))
     config = uvicorn.Config(
         app, host=host, port=port or 0, uds=uds, log_level="warning", lifespan="on"
     )

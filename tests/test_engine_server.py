@@ -244,3 +244,57 @@ def test_the_command_line_refuses_an_unclear_address() -> None:
         timeout=60,
     )
     assert bad.returncode == 2 and b"unknown engine profile" in bad.stderr
+
+
+def test_kv_events_in_vllm_format_and_their_replay() -> None:
+    """The engine publishes vLLM-format KV events; decoded and re-hashed with Sluice's block
+    hashing they name the prompt's blocks; a subscriber that missed them replays them."""
+    import zmq
+
+    from sluice.agent.kvevents import (
+        REPLAY_END,
+        BlockStored,
+        KVEventTracker,
+        decode_batch,
+        decode_message,
+        decode_seq,
+        encode_seq,
+    )
+    from sluice.schemas.hashing import block_hashes
+
+    port, kv = _free_port(), _free_port()
+    proc = _start(["--port", str(port), "--kv-events-port", str(kv)])
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    dealer = ctx.socket(zmq.DEALER)
+    try:
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.setsockopt(zmq.RCVTIMEO, 10_000)
+        sub.connect(f"tcp://127.0.0.1:{kv}")
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+            _wait_healthy(c, proc)
+            time.sleep(0.3)  # a SUB socket misses what is published before it joined
+            c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+        seq, batch = decode_message(sub.recv_multipart())
+        stored = [e for e in batch.events if isinstance(e, BlockStored)]
+        assert stored and stored[0].parent_block_hash is None
+        assert list(stored[0].token_ids) == PROMPT[: len(stored[0].token_ids)]
+        tracker = KVEventTracker(DEFAULT_BLOCK_TOKENS)
+        assert tracker.apply(seq, batch) is None
+        assert tracker.cache_changes()[0] == block_hashes(PROMPT, DEFAULT_BLOCK_TOKENS)
+
+        dealer.setsockopt(zmq.RCVTIMEO, 10_000)
+        dealer.connect(f"tcp://127.0.0.1:{kv + 1}")
+        dealer.send(encode_seq(0))
+        replayed = []
+        while True:
+            frame_seq, payload = dealer.recv_multipart()
+            if decode_seq(frame_seq) == REPLAY_END:
+                break
+            replayed.append((decode_seq(frame_seq), decode_batch(payload)))
+        assert replayed[0] == (seq, batch)
+    finally:
+        sub.close(linger=0)
+        dealer.close(linger=0)
+        ctx.term()
+        _stop(proc)
