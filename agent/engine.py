@@ -41,11 +41,20 @@ class Finished:
 
 
 @dataclass(frozen=True)
+class Failed:
+    """The engine could not finish a request (it died, hung or answered garbage): the agent
+    reports a failure and the dispatcher runs it elsewhere as its next attempt."""
+
+    request_id: str
+    error: str
+
+
+@dataclass(frozen=True)
 class Step:
     """One engine iteration: how long it took, and what happened by its end."""
 
     duration_s: float
-    events: list[TokensOut | Finished] = field(default_factory=list)
+    events: list[TokensOut | Finished | Failed] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -82,9 +91,25 @@ class Engine(Protocol):
         output_tokens: int,
         hashes: Sequence[int],
         now_s: float,
+        prompt: str | Sequence[int] | None = None,
     ) -> None:
-        """Queue a request (``hashes``: its full prompt blocks' chained hashes). Raises
-        :class:`EngineError` for a request it can never run."""
+        """Queue a request (``hashes``: its full prompt blocks' chained hashes; ``prompt``: its
+        text or token ids, for engines that run real prompts). Raises :class:`EngineError` for
+        a request it can never run."""
+        ...
+
+    @property
+    def available(self) -> bool:
+        """Whether it can take new work now (a remote engine failing its health check
+        cannot: its agent heartbeats no free capacity)."""
+        ...
+
+    async def open(self) -> None:
+        """Start what it needs (connections, health checks); before the first ``add``."""
+        ...
+
+    async def close(self) -> None:
+        """Stop it (every request it still has ends)."""
         ...
 
     def step(self) -> Step:

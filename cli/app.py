@@ -223,8 +223,13 @@ def agent(
     ] = None,
     capacity: Annotated[int | None, typer.Option(help="Requests at once.")] = None,
     speed: Annotated[float | None, typer.Option(help="Simulated clock speed-up.")] = None,
+    engine: Annotated[str | None, typer.Option(help="sim or openai-http.")] = None,
+    engine_url: Annotated[
+        str | None, typer.Option(help="openai-http: http://host:port or unix:///path.")
+    ] = None,
 ) -> None:
-    """Run an agent with a simulated engine (settings: SLUICE_AGENT_*, table agent)."""
+    """Run an agent with its engine: simulated in process, or an OpenAI-compatible server
+    (settings: SLUICE_AGENT_*, table agent)."""
     from sluice.agent.errors import AgentBrokerUnreachable
     from sluice.agent.runtime import Agent, AgentSettings
 
@@ -235,6 +240,8 @@ def agent(
             "models": model,
             "capacity": capacity,
             "speed": speed,
+            "engine": engine,
+            "engine_url": engine_url,
         }.items()
         if v is not None
     }
@@ -242,10 +249,10 @@ def agent(
         settings = AgentSettings.load(config, **overrides)
     except ConfigError as exc:
         raise fail(str(exc)) from exc
-    from sluice.testing.engines import simulated_engine
+    from sluice.testing.engines import build_engine
 
     try:
-        a = Agent(settings, simulated_engine(settings))
+        a = Agent(settings, build_engine(settings))
     except ConfigError as exc:
         raise fail(str(exc)) from exc
     _serve(

@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sluice.agent.engine import EngineError, EngineLoad, Finished, Step, TokensOut
+from sluice.agent.engine import EngineError, EngineLoad, Failed, Finished, Step, TokensOut
 from sluice.sim.kvcache import KVCache, KVListener
 from sluice.sim.profiles import EngineProfile
 from sluice.sim.tokens import detokenize, output_token
@@ -120,6 +120,16 @@ class SimEngine:
             busy_s=self.busy_s,
         )
 
+    @property
+    def available(self) -> bool:
+        return True
+
+    async def open(self) -> None:
+        """Nothing to start: it runs in the agent's process."""
+
+    async def close(self) -> None:
+        """Nothing to stop."""
+
     def cache_changes(self) -> tuple[list[int], list[int]]:
         return self.cache.drain_digest()
 
@@ -143,8 +153,10 @@ class SimEngine:
         output_tokens: int,
         hashes: Sequence[int],
         now_s: float,
+        prompt: str | Sequence[int] | None = None,
     ) -> None:
-        """Queue a request. ``hashes`` are its full prompt blocks' chained hashes."""
+        """Queue a request. ``hashes`` are its full prompt blocks' chained hashes (the cost
+        model needs only them; ``prompt`` is ignored)."""
         bt = self.profile.block_tokens
         if prompt_tokens < 1 or output_tokens < 1:
             raise EngineError("a request needs at least one prompt and one output token")
@@ -181,7 +193,7 @@ class SimEngine:
             return Step(0.0)
         p = self.profile
         budget = p.prefill_chunk_tokens
-        events: list[TokensOut | Finished] = []
+        events: list[TokensOut | Finished | Failed] = []
         prefilling: list[tuple[_Seq, int]] = []
         decoding: list[_Seq] = []
         for s in self._running:  # one pass: this is the simulator's innermost loop
@@ -216,7 +228,7 @@ class SimEngine:
         self.busy_s += duration
         return Step(duration, events)
 
-    def _finish(self, done: list[_Seq], events: list[TokensOut | Finished]) -> None:
+    def _finish(self, done: list[_Seq], events: list[TokensOut | Finished | Failed]) -> None:
         for s in done:
             self.cache.release(s.hashes, s.reserve_blocks)
             events.append(

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sluice.agent import reports
-from sluice.agent.engine import Finished, TokensOut
+from sluice.agent.engine import Failed, Finished, TokensOut
 from sluice.agent.reports import DEFAULT_DIGEST_MIN_TOKENS, DEFAULT_HEARTBEAT_S, DigestBuilder
 from sluice.dispatcher import feed
 from sluice.dispatcher.admission import AdmissionConfig
@@ -252,7 +252,7 @@ class _Replay:
         ]
         self.busy_until = dict.fromkeys(self.ids, -1.0)
         self.events: list[tuple[float, int, str]] = []  # (time, seq, worker): a step ends
-        self.step_events: dict[str, list[TokensOut | Finished]] = {}
+        self.step_events: dict[str, list[TokensOut | Finished | Failed]] = {}
         self.seq = 0
         self.now = 0.0
         self.last_report = -math.inf
@@ -355,6 +355,8 @@ class _Replay:
             if isinstance(ev, TokensOut):
                 rec.first_s = now
                 continue
+            if isinstance(ev, Failed):  # the simulated engine never fails a request
+                raise AssertionError(f"simulated engine failed {ev.request_id}: {ev.error}")
             rec.finish_s = now
             rec.cached = ev.cached_tokens
             feed.apply_completion(self.sched, reports.completion(w, ev.request_id, 1, ev), now)

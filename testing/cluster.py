@@ -15,7 +15,7 @@ from sluice.common.errors import internal_error
 from sluice.dispatcher.routing import RoutingPolicy
 from sluice.dispatcher.runtime import Dispatcher
 from sluice.dispatcher.runtime.settings import DispatcherSettings
-from sluice.testing.engines import simulated_engine
+from sluice.testing.engines import build_engine
 
 log = logging.getLogger("sluice.testing")
 
@@ -46,7 +46,7 @@ class LocalCluster:
         settings = AgentSettings(
             nats_url=self.nats_url, worker_id=worker_id, **self._agent_overrides
         )
-        return Agent(settings, simulated_engine(settings), observer=self._observer)
+        return Agent(settings, build_engine(settings), observer=self._observer)
 
     async def add_agent(self, worker_id: str) -> Agent:
         agent = self._new_agent(worker_id)

@@ -3,7 +3,9 @@ simulator)."""
 
 from __future__ import annotations
 
+from sluice.agent.engine import Engine
 from sluice.agent.runtime import AgentSettings
+from sluice.agent.runtime.httpengine import HttpEngine, HttpEngineConfig
 from sluice.common.errors import ConfigError
 from sluice.schemas.hashing import index_stride
 from sluice.sim.engine import SimEngine
@@ -22,4 +24,24 @@ def simulated_engine(settings: AgentSettings) -> SimEngine:
         profile,
         digest_min_tokens=settings.digest_min_prefix_tokens,
         digest_stride=index_stride(profile.block_tokens, settings.digest_index_tokens),
+    )
+
+
+def build_engine(settings: AgentSettings) -> Engine:
+    """The engine an agent with ``settings`` drives: the simulated engine in process, or an
+    OpenAI-compatible server (``engine = "openai-http"``)."""
+    if settings.engine == "sim":
+        return simulated_engine(settings)
+    assert settings.engine_url is not None  # the settings validate it
+    return HttpEngine(
+        HttpEngineConfig(
+            url=settings.engine_url,
+            model=settings.engine_model or settings.models[0],
+            connect_timeout_s=settings.engine_connect_timeout_s,
+            first_token_timeout_s=settings.engine_first_token_timeout_s,
+            token_timeout_s=settings.engine_token_timeout_s,
+            health_every_s=settings.engine_health_every_s,
+            digest_min_tokens=settings.digest_min_prefix_tokens,
+            stride=index_stride(16, settings.digest_index_tokens),
+        )
     )

@@ -43,7 +43,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from sluice.agent.engine import EngineError, Finished, TokensOut
+from sluice.agent.engine import EngineError, Failed, Finished, TokensOut
 from sluice.agent.errors import KVEventError
 from sluice.agent.kvevents import REPLAY_END, decode_seq, encode_seq
 from sluice.schemas.hashing import block_hashes, estimate_text_tokens, text_block_hashes
@@ -73,7 +73,7 @@ class Prompt:
 
 @dataclass
 class _Stream:
-    queue: asyncio.Queue[TokensOut | Finished]
+    queue: asyncio.Queue[TokensOut | Finished | Failed]
     hashes: tuple[int, ...] = ()
     produced: int = 0
 
@@ -243,6 +243,8 @@ class SimServer:
         try:
             while True:
                 ev = await stream.queue.get()
+                if isinstance(ev, Failed):
+                    raise EngineError(ev.error)  # the simulated engine never fails one
                 if isinstance(ev, TokensOut):
                     tokens = self.engine.output_tokens(rid, stream.produced, ev.count)
                     stream.produced += ev.count

@@ -25,7 +25,7 @@ from nats.aio.subscription import Subscription
 from sluice.agent import reports
 from sluice.agent.acceptance import review
 from sluice.agent.coalesce import TokenBuffer
-from sluice.agent.engine import Engine, EngineError, Finished, TokensOut
+from sluice.agent.engine import Engine, EngineError, Failed, Finished, TokensOut
 from sluice.agent.errors import AgentBrokerUnreachable, AgentNotStarted
 from sluice.agent.outbox import Outbox, Report
 from sluice.agent.runtime import metrics
@@ -138,6 +138,7 @@ class Agent:
             await self.nc.subscribe(names.work_subject(self.worker_id), cb=self._on_assignment),
             await self.nc.subscribe(names.control_subject(self.worker_id), cb=self._on_stop),
         ]
+        await self.engine.open()
         await self._heartbeat()
         self._alive = True
         self._hb_stop.clear()
@@ -190,6 +191,10 @@ class Agent:
         self._hb_stop.set()
         await finish_tasks(self._tasks, grace_s=2.0)
         self._tasks = []
+        try:
+            await self.engine.close()
+        except Exception:  # a broken engine must not keep the agent from stopping
+            internal_error(log, "agent.engine-close", "engine of %s did not close", self.worker_id)
         for sub in self._subs:
             with contextlib.suppress(*_BROKER_ERRORS):
                 await sub.unsubscribe()
@@ -227,6 +232,10 @@ class Agent:
             outbox_full=self._outbox.full,
             models=self.settings.models,
         )
+        if verdict.action == "run" and not self.engine.available:
+            metrics.ASSIGNMENTS_REFUSED.labels(self.worker_id, "engine-unavailable").inc()
+            await self._reply(msg, rid, False, "engine-unavailable: it fails its health check")
+            return
         if verdict.action == "confirm":
             if rid in self._running:  # a repeated hand-off: keep the newest assignment
                 self._running[rid].assignment = assignment
@@ -244,7 +253,8 @@ class Agent:
         # Into the engine before the reply's await: a stop arriving meanwhile finds it there.
         error: str | None = None
         try:
-            self.engine.add(rid, n_prompt, req.max_tokens, hashes, time.monotonic())
+            prompt = req.prompt_tokens if req.prompt_tokens is not None else req.prompt_text
+            self.engine.add(rid, n_prompt, req.max_tokens, hashes, time.monotonic(), prompt)
             self._wake.set()
         except EngineError as exc:
             error = str(exc)
@@ -351,6 +361,8 @@ class Agent:
                     await self._on_tokens(ev, now)
                 elif isinstance(ev, Finished):
                     await self._on_finished(ev, now)
+                elif isinstance(ev, Failed):
+                    await self._on_failed(ev, now)
             await self._flush_due(now)
 
     async def _on_tokens(self, ev: TokensOut, now: float) -> None:
@@ -418,6 +430,16 @@ class Agent:
         self.completed += 1
         self._changed()
         self._report(Report(result, done))
+
+    async def _on_failed(self, ev: Failed, now: float) -> None:
+        """The engine lost a request (it died, hung, or answered garbage): the dispatcher runs
+        it elsewhere as its next attempt; the client sees one result."""
+        run = self._running.pop(ev.request_id, None)
+        if run is None:
+            return
+        log.warning("engine failed %s on %s: %s", ev.request_id, self.worker_id, ev.error)
+        self._finish_failed(run, ev.error)
+        self._changed()
 
     def _finish_failed(self, run: _Running, error: str) -> None:
         metrics.REQUESTS.labels(self.worker_id, "failed").inc()
@@ -500,7 +522,7 @@ class Agent:
             models=self.settings.models,
             seq=self._hb_seq,
             sent_unix_ms=int(time.time() * 1000),
-            capacity=0 if full else self.settings.capacity,
+            capacity=0 if full or not self.engine.available else self.settings.capacity,
             in_flight=list(self._running),
             load=reports.worker_load(load, self.settings.speed),
             draining=self._draining,

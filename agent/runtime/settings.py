@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import ClassVar
+from typing import ClassVar, Literal
 
-from pydantic import AliasChoices, Field, field_validator
+from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from sluice.agent.outbox import DEFAULT_MAX_REPORTS
@@ -51,6 +51,29 @@ class AgentSettings(SluiceSettings):
     )
     speed: float = Field(
         default=1.0, gt=0, description="Simulated time runs this many times faster than real."
+    )
+    engine: Literal["sim", "openai-http"] = Field(
+        default="sim",
+        description="The engine: sim (in process) or openai-http (an OpenAI-compatible server).",
+    )
+    engine_url: str | None = Field(
+        default=None,
+        description="openai-http: http://host:port or unix:///path/to.sock of the engine.",
+    )
+    engine_model: str | None = Field(
+        default=None, description="openai-http: the model name to ask for (default: models[0])."
+    )
+    engine_connect_timeout_s: float = Field(
+        default=2.0, gt=0, description="openai-http: connecting to the engine."
+    )
+    engine_first_token_timeout_s: float = Field(
+        default=60.0, gt=0, description="openai-http: from the request to its first token."
+    )
+    engine_token_timeout_s: float = Field(
+        default=30.0, gt=0, description="openai-http: between two tokens of a stream."
+    )
+    engine_health_every_s: float = Field(
+        default=1.0, gt=0, description="openai-http: seconds between health checks."
     )
     heartbeat_s: float = Field(
         default=DEFAULT_HEARTBEAT_S, gt=0, description="Seconds between heartbeats."
@@ -100,3 +123,15 @@ class AgentSettings(SluiceSettings):
         if any(c in v for c in ".*> \t\n"):
             raise ValueError("worker_id may not contain '.', '*', '>' or whitespace")
         return v
+
+    @model_validator(mode="after")
+    def _engine_needs_url(self) -> AgentSettings:
+        if self.engine == "openai-http":
+            url = self.engine_url or ""
+            if not url.startswith(("http://", "https://", "unix://")):
+                raise ValueError(
+                    "engine openai-http needs engine_url: http://host:port or unix:///path"
+                )
+            if self.speed != 1.0:
+                raise ValueError("speed applies to the simulated engine only (leave it at 1)")
+        return self

@@ -1,0 +1,323 @@
+"""The ``openai-http`` engine: any OpenAI-compatible server (vLLM, SGLang, llama.cpp's server)
+behind the agent's :class:`~sluice.agent.engine.Engine` protocol.
+
+Each request is one streaming ``POST /v1/completions`` (SSE, ``stream_options.include_usage``)
+on one pooled httpx client, over TCP (``http://host:port``) or a Unix socket beside the agent
+(``unix:///path/to.sock``). Text chunks become tokens as they arrive (the agent coalesces
+them as for the simulated engine); the final ``usage`` gives the completion's prompt, output
+and cached tokens (``prompt_tokens_details.cached_tokens``, 0 where the engine reports none).
+Cancelling a request closes its stream, and so aborts it in the engine.
+
+Timeouts: connecting, the first token, and between tokens. A request whose engine dies, hangs
+or answers garbage ends as :class:`~sluice.agent.engine.Failed` (the dispatcher runs it
+elsewhere as its next attempt; never dropped). A health check (``GET /health``) runs every
+``health_every_s``; while it fails the engine is not ``available`` and the agent heartbeats no
+free capacity.
+
+The step loop polls: ``step()`` returns what the streams delivered since the last one, with a
+duration of ``poll_s``. Output token ids are positions in the agent's record of this engine's
+output (an OpenAI stream carries text, not the engine's token ids); the text is the engine's.
+The cache digest is the agent's record of the prompts it served (every ``stride``-th block of
+prompts of at least ``digest_min_tokens``, most recent ``max_blocks``), until KV events stand
+in for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from sluice.agent.engine import EngineError, EngineLoad, Failed, Finished, Step, TokensOut
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HttpEngineConfig:
+    url: str
+    """``http://host:port`` or ``unix:///path/to.sock``."""
+    model: str
+    block_tokens: int = 16
+    connect_timeout_s: float = 2.0
+    first_token_timeout_s: float = 60.0
+    token_timeout_s: float = 30.0
+    health_every_s: float = 1.0
+    poll_s: float = 0.002
+    digest_min_tokens: int | None = 256
+    stride: int = 1
+    max_blocks: int = 200_000
+
+
+@dataclass
+class _Run:
+    prompt_tokens: int
+    pieces: list[int] = field(default_factory=list)
+    task: asyncio.Task[None] | None = None
+
+
+class HttpEngine:
+    """An OpenAI-compatible server as the agent's engine (see the module docstring)."""
+
+    def __init__(self, config: HttpEngineConfig) -> None:
+        self.config = c = config
+        if c.url.startswith("unix://"):
+            transport = httpx.AsyncHTTPTransport(uds=c.url[len("unix://") :])
+            base = "http://engine"
+        elif c.url.startswith(("http://", "https://")):
+            transport, base = httpx.AsyncHTTPTransport(), c.url.rstrip("/")
+        else:
+            raise EngineError(f"engine URL must be http://, https:// or unix://, not {c.url!r}")
+        timeout = httpx.Timeout(c.token_timeout_s, connect=c.connect_timeout_s)
+        self._client = httpx.AsyncClient(base_url=base, transport=transport, timeout=timeout)
+        self._runs: dict[str, _Run] = {}
+        self._events: list[TokensOut | Finished | Failed] = []
+        self._text: dict[int, str] = {}
+        self._ids = itertools.count(1)
+        self._ended: list[str] = []
+        self._served: OrderedDict[int, None] = OrderedDict()
+        self._stored: list[int] = []
+        self._evicted: list[int] = []
+        self._healthy = True
+        self._health: asyncio.Task[None] | None = None
+        self.busy_s = 0.0
+        self.failures = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def open(self) -> None:
+        await self._check_health()
+        self._health = asyncio.create_task(self._health_loop(), name="engine-health")
+
+    async def close(self) -> None:
+        if self._health is not None:
+            self._health.cancel()
+        tasks = [r.task for r in self._runs.values() if r.task is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, *(t for t in [self._health] if t), return_exceptions=True)
+        await self._client.aclose()
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_every_s)
+            await self._check_health()
+
+    async def _check_health(self) -> None:
+        try:
+            r = await self._client.get("/health", timeout=self.config.connect_timeout_s)
+            ok = r.status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        if ok != self._healthy:
+            log.warning("engine at %s is %s", self.config.url, "healthy" if ok else "unhealthy")
+        self._healthy = ok
+
+    @property
+    def available(self) -> bool:
+        return self._healthy
+
+    # ------------------------------------------------------------------ the protocol
+
+    @property
+    def block_tokens(self) -> int:
+        return self.config.block_tokens
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._runs or self._events)
+
+    def add(
+        self,
+        request_id: str,
+        prompt_tokens: int,
+        output_tokens: int,
+        hashes: Sequence[int],
+        now_s: float,
+        prompt: str | Sequence[int] | None = None,
+    ) -> None:
+        if prompt is None:
+            raise EngineError("an HTTP engine needs the prompt's text or token ids")
+        if request_id in self._runs:
+            raise EngineError(f"request {request_id} is already on the engine")
+        run = self._runs[request_id] = _Run(prompt_tokens)
+        body: dict[str, Any] = {
+            "model": self.config.model,
+            "prompt": prompt if isinstance(prompt, str) else list(prompt),
+            "max_tokens": output_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        run.task = asyncio.create_task(self._stream(request_id, body), name=f"http-{request_id}")
+        self._record(prompt_tokens, hashes)
+
+    def step(self) -> Step:
+        for rid in self._ended:  # their text was read after the step that ended them
+            for i in self._runs.pop(rid, _Run(0)).pieces:
+                self._text.pop(i, None)
+        self._ended = []
+        events, self._events = self._events, []
+        for ev in events:
+            if not isinstance(ev, TokensOut):
+                self._ended.append(ev.request_id)
+        return Step(self.config.poll_s, events)
+
+    def cancel(self, request_id: str) -> bool:
+        run = self._runs.pop(request_id, None)
+        if run is None:
+            return False
+        if run.task is not None:
+            run.task.cancel()  # closes the stream: the engine aborts the request
+        for i in run.pieces:
+            self._text.pop(i, None)
+        return True
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(
+            running=len(self._runs),
+            waiting=0,
+            pending_prefill_tokens=0,
+            active_decode_tokens=0,
+            kv_blocks_used=0,
+            kv_blocks_total=1,
+            busy_s=self.busy_s,
+        )
+
+    def in_flight(self) -> list[str]:
+        return list(self._runs)
+
+    def cache_changes(self) -> tuple[list[int], list[int]]:
+        out = (self._stored, self._evicted)
+        self._stored, self._evicted = [], []
+        return out
+
+    def cached_blocks(self) -> list[int]:
+        return list(self._served)
+
+    def output_tokens(self, request_id: str, start: int, count: int) -> list[int]:
+        run = self._runs.get(request_id)
+        return [] if run is None else run.pieces[start : start + count]
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return "".join(self._text.get(t, "") for t in tokens)
+
+    # ------------------------------------------------------------------ streaming
+
+    async def _stream(self, rid: str, body: dict[str, Any]) -> None:
+        t0 = time.monotonic()
+        t_first: float | None = None
+        try:
+            async with self._client.stream("POST", "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    detail = (await r.aread())[:300].decode(errors="replace")
+                    raise EngineError(f"the engine answered {r.status_code}: {detail}")
+                usage: dict[str, Any] | None = None
+                async for chunk in self._chunks(r):
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]
+                    for choice in chunk.get("choices") or ():
+                        text = choice.get("text") if isinstance(choice, dict) else None
+                        if text:
+                            if t_first is None:
+                                t_first = time.monotonic()
+                            self._piece(rid, text, first=not self._has(rid))
+            if usage is None:
+                raise EngineError("the stream ended without usage")
+            self._finished(rid, usage, t0, t_first)
+        except asyncio.CancelledError:
+            raise
+        except (httpx.HTTPError, EngineError, TimeoutError, ValueError) as exc:
+            self.failures += 1
+            if isinstance(exc, httpx.TransportError | TimeoutError):
+                # The engine is gone or hangs: take no more work until a health check passes
+                # (its agent refuses assignments and heartbeats no free capacity meanwhile).
+                self._healthy = False
+            if rid in self._runs:
+                self._events.append(Failed(rid, f"engine {self.config.url}: {exc!r}"))
+        finally:
+            self.busy_s += time.monotonic() - t0
+
+    async def _chunks(self, r: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+        """The stream's JSON events, within the first-token and between-token timeouts;
+        raises ``EngineError`` on a malformed line or a stream cut before ``[DONE]``."""
+        lines = r.aiter_lines()
+        timeout = self.config.first_token_timeout_s
+        while True:
+            try:
+                async with asyncio.timeout(timeout):
+                    line = await anext(lines)
+            except StopAsyncIteration:
+                raise EngineError("the stream ended before [DONE]") from None
+            timeout = self.config.token_timeout_s
+            if not line or line.startswith(":"):
+                continue
+            if not line.startswith("data:"):
+                raise EngineError(f"not an SSE data line: {line[:80]!r}")
+            data = line[len("data:") :].strip()
+            if data == "[DONE]":
+                return
+            try:
+                chunk = json.loads(data)
+            except json.JSONDecodeError as exc:
+                raise EngineError(f"a malformed SSE event: {data[:80]!r}") from exc
+            if not isinstance(chunk, dict):
+                raise EngineError("an SSE event that is not an object")
+            if "error" in chunk:
+                raise EngineError(f"the engine reported an error: {chunk['error']}")
+            yield chunk
+
+    def _has(self, rid: str) -> bool:
+        run = self._runs.get(rid)
+        return bool(run and run.pieces)
+
+    def _piece(self, rid: str, text: str, *, first: bool) -> None:
+        run = self._runs.get(rid)
+        if run is None:
+            return
+        i = next(self._ids)
+        self._text[i] = text
+        run.pieces.append(i)
+        self._events.append(TokensOut(rid, 1, first))
+
+    def _finished(self, rid: str, usage: dict[str, Any], t0: float, t_first: float | None) -> None:
+        run = self._runs.get(rid)
+        if run is None:
+            return
+        details = usage.get("prompt_tokens_details") or {}
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        prompt = int(usage.get("prompt_tokens") or run.prompt_tokens)
+        now = time.monotonic()
+        first = t_first if t_first is not None else now
+        self._events.append(
+            Finished(
+                rid,
+                prompt,
+                int(cached or 0),
+                int(usage.get("completion_tokens") or len(run.pieces)),
+                first - t0,
+                now - first,
+            )
+        )
+
+    def _record(self, prompt_tokens: int, hashes: Sequence[int]) -> None:
+        """The digest stand-in: blocks of the prompts this engine served, most recent kept."""
+        c = self.config
+        if c.digest_min_tokens is None or len(hashes) * c.block_tokens < c.digest_min_tokens:
+            return
+        for h in hashes[c.stride - 1 :: c.stride]:
+            if h in self._served:
+                self._served.move_to_end(h)
+                continue
+            self._served[h] = None
+            self._stored.append(h)
+            while len(self._served) > c.max_blocks:
+                old, _ = self._served.popitem(last=False)
+                self._evicted.append(old)

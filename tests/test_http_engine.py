@@ -1,0 +1,135 @@
+"""Agents in front of real engine processes: ``sluice engine`` servers reached with the
+``openai-http`` backend over TCP and over a Unix socket, a real nats-server and dispatcher.
+Tokens stream, results carry the engine's cached tokens, and an engine killed mid-generation
+costs its request one attempt, not the request."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from sluice.agent.engine import Failed
+from sluice.agent.runtime import Agent, AgentSettings
+from sluice.agent.runtime.httpengine import HttpEngine, HttpEngineConfig
+from sluice.client import Client
+from sluice.testing.cluster import LocalCluster
+from sluice.testing.engines import build_engine
+
+from .conftest import FAST_AGENT, cluster_kwargs, eventually
+from .test_engine_server import _free_port, _start, _stop, _wait_healthy
+
+pytestmark = pytest.mark.e2e
+
+PROMPT = list(range(5000, 5000 + 512))
+
+
+def _agent(nats_url: str, worker_id: str, url: str) -> Agent:
+    fast = {k: v for k, v in FAST_AGENT.items() if k != "speed"}  # the engine has the clock
+    settings = AgentSettings(
+        nats_url=nats_url,
+        worker_id=worker_id,
+        models=["sim"],
+        engine="openai-http",
+        engine_url=url,
+        engine_health_every_s=0.2,
+        **fast,
+    )
+    return Agent(settings, build_engine(settings))
+
+
+@pytest.fixture
+async def fleet(nats_url: str, tmp_path: Path) -> AsyncIterator[dict[str, Any]]:
+    """Two engine processes (TCP and a Unix socket) with an agent each, and a dispatcher."""
+    port, sock = _free_port(), str(tmp_path / "e.sock")
+    # Real time (speed 1): a long generation takes seconds, time enough to kill its engine.
+    procs = {
+        "tcp": _start(["--port", str(port), "--speed", "1"]),
+        "uds": _start(["--uds", sock, "--speed", "1"]),
+    }
+    urls = {"tcp": f"http://127.0.0.1:{port}", "uds": f"unix://{sock}"}
+    agents: list[Agent] = []
+    try:
+        with httpx.Client(base_url=urls["tcp"], timeout=30) as c:
+            _wait_healthy(c, procs["tcp"])
+        with httpx.Client(
+            transport=httpx.HTTPTransport(uds=sock), base_url="http://e", timeout=30
+        ) as c:
+            _wait_healthy(c, procs["uds"])
+        async with LocalCluster(nats_url, **cluster_kwargs(workers=0)) as cluster:
+            for name in ("tcp", "uds"):
+                agents.append(_agent(nats_url, f"http-{name}", urls[name]))
+                await agents[-1].start()
+            yield {"cluster": cluster, "procs": procs, "agents": agents}
+            for a in agents:
+                await a.stop(drain=False)
+    finally:
+        for p in procs.values():
+            _stop(p)
+
+
+async def test_tokens_stream_through_http_engines_and_a_repeated_prefix_hits(
+    fleet: dict[str, Any], nats_url: str
+) -> None:
+    async with Client(nats_url) as c:
+        h = await c.submit("sim", PROMPT, max_tokens=12)
+        chunks = [chunk async for chunk in h]
+        first = await h.result(timeout_s=30)
+        assert first.ok and len(first.output_tokens) == 12 and first.cached_tokens == 0
+        assert "".join(ch.text for ch in chunks) == first.text and first.text.strip()
+        again = await (await c.submit("sim", PROMPT, max_tokens=4)).result(timeout_s=30)
+    assert again.ok and again.worker_id == first.worker_id  # its prefix is cached there
+    assert again.cached_tokens == len(PROMPT) - 1  # as the engine reported it
+    assert {a.completed for a in fleet["agents"]} <= {0, 1, 2}
+    assert sum(a.completed for a in fleet["agents"]) == 2
+
+
+async def test_an_engine_killed_mid_generation_costs_an_attempt_not_the_request(
+    fleet: dict[str, Any], nats_url: str
+) -> None:
+    sched = fleet["cluster"].dispatcher.scheduler
+    async with Client(nats_url) as c:
+        h = await c.submit("sim", PROMPT, max_tokens=600)  # about 4 s at speed 1
+
+        async def running() -> bool:
+            return sched.booking(h.request_id) is not None
+
+        await eventually(running)
+        worker = sched.booking(h.request_id).worker_id
+        proc = fleet["procs"]["tcp" if worker == "http-tcp" else "uds"]
+        await asyncio.sleep(0.3)  # mid-generation
+        os.kill(proc.pid, signal.SIGKILL)
+        result = await h.result(timeout_s=60)
+    assert result.ok and result.attempt == 2 and result.worker_id != worker
+    assert len(result.output_tokens) == 600
+
+    async def released() -> bool:
+        return sched.running == 0
+
+    await eventually(released)  # the quota is back
+
+
+async def test_an_unreachable_engine_fails_its_requests_and_is_unavailable() -> None:
+    engine = HttpEngine(
+        HttpEngineConfig(url=f"http://127.0.0.1:{_free_port()}", model="sim", health_every_s=0.05)
+    )
+    await engine.open()
+    try:
+        assert not engine.available  # its agent heartbeats no free capacity
+        engine.add("r1", 3, 2, [], 0.0, "hi")
+        events: list[Any] = []
+        for _ in range(200):
+            events += engine.step().events
+            if events:
+                break
+            await asyncio.sleep(0.01)
+        assert len(events) == 1 and isinstance(events[0], Failed)
+        assert events[0].request_id == "r1" and "engine" in events[0].error
+    finally:
+        await engine.close()
