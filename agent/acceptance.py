@@ -34,8 +34,8 @@ def review(
     outbox_full: bool,
     models: Collection[str],
 ) -> Verdict:
-    """The agent's answer to ``assignment`` (``reported``: finished requests still in its
-    outbox)."""
+    """The agent's answer to ``assignment`` (``reported``: requests that finished here whose
+    successful report is still in its outbox; a failed one is run again if assigned)."""
     rid = assignment.request.request_id
     if rid in running or rid in reported:
         return Verdict("confirm")

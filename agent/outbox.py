@@ -12,7 +12,7 @@ capacity.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from dataclasses import dataclass
 
 from sluice.schemas.models import Completion, Result
@@ -51,6 +51,12 @@ class Outbox:
     def full(self) -> bool:
         return len(self._reports) >= self.max_reports
 
+    @property
+    def succeeded(self) -> Container[str]:
+        """Request ids whose undelivered report is a success (a failure report does not mean
+        it ran: its next attempt may run here)."""
+        return _Succeeded(self._reports)
+
     def put(self, report: Report) -> None:
         self._reports[report.completion.request_id] = report
 
@@ -60,3 +66,12 @@ class Outbox:
     def done(self, request_id: str) -> None:
         """The report was delivered."""
         self._reports.pop(request_id, None)
+
+
+class _Succeeded:
+    def __init__(self, reports: dict[str, Report]) -> None:
+        self._reports = reports
+
+    def __contains__(self, request_id: object) -> bool:
+        report = self._reports.get(request_id) if isinstance(request_id, str) else None
+        return report is not None and report.completion.ok

@@ -86,6 +86,9 @@ class Scheduler:
         # Request id -> the worker whose last heartbeat reports running it: a request that
         # arrives (is redelivered) while a worker runs it is booked there, never run twice.
         self._reported_on: dict[str, str] = {}
+        # Request id -> the worker that reported failing it: a heartbeat it sent before the
+        # failure still lists it, and must not book the retry back onto that worker.
+        self._failed_on: dict[str, str] = {}
         self.flaps = flaps or FlapMeter(key_blocks(DEFAULT_BLOCK_TOKENS))
         """Flaps of booked decisions (:mod:`sluice.dispatcher.flaps`)."""
         self.engine_time = EngineTime(engine_time)
@@ -257,6 +260,10 @@ class Scheduler:
         self._workers[info.worker_id] = info
         self._joined_s.setdefault(info.worker_id, info.reported_s)
         self._books.reported(info.worker_id, info.reported_in_flight)
+        if self._failed_on:
+            for rid in [r for r, w in self._failed_on.items() if w == info.worker_id]:
+                if rid not in info.reported_in_flight:
+                    del self._failed_on[rid]
         self._seen_models.update(info.models)
         self._refused.discard(info.worker_id)
         if old is None or old.draining != info.draining:
@@ -279,6 +286,8 @@ class Scheduler:
             self._note_reported(worker_id, old.reported_in_flight, None)
         self._refused.discard(worker_id)
         self._joined_s.pop(worker_id, None)
+        for rid in [r for r, w in self._failed_on.items() if w == worker_id]:
+            del self._failed_on[rid]
         self.engine_time.remove_worker(worker_id)
         self._set_capacity(self._now_s)
         requeued: list[Request] = []
@@ -407,6 +416,8 @@ class Scheduler:
         request = self._queues.get(request_id)
         if request is None or worker_id not in self._workers:
             return False
+        if self._failed_on.get(request_id) == worker_id:
+            return False  # a heartbeat from before its failure report
         return self.book(Dispatch(request, worker_id), now_s)
 
     def fail(self, request_id: str, worker_id: str, attempt: int) -> Request | Ended | None:
@@ -415,6 +426,7 @@ class Scheduler:
         if booking is None or booking.worker_id != worker_id or booking.request.attempt != attempt:
             return None
         self._release(request_id)
+        self._failed_on[request_id] = worker_id
         return self._retry(booking.request)
 
     def cancel(self, request_id: str) -> Request | None:

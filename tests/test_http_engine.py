@@ -62,7 +62,9 @@ async def fleet(nats_url: str, tmp_path: Path) -> AsyncIterator[dict[str, Any]]:
             transport=httpx.HTTPTransport(uds=sock), base_url="http://e", timeout=30
         ) as c:
             _wait_healthy(c, procs["uds"])
-        async with LocalCluster(nats_url, **cluster_kwargs(workers=0)) as cluster:
+        # No cold-start exploration: a repeated prompt must go where its prefix is cached.
+        kw = cluster_kwargs(workers=0, dispatcher={"routing_explore_share": 0.0})
+        async with LocalCluster(nats_url, **kw) as cluster:
             for name in ("tcp", "uds"):
                 agents.append(_agent(nats_url, f"http-{name}", urls[name]))
                 await agents[-1].start()
@@ -83,6 +85,12 @@ async def test_tokens_stream_through_http_engines_and_a_repeated_prefix_hits(
         first = await h.result(timeout_s=30)
         assert first.ok and len(first.output_tokens) == 12 and first.cached_tokens == 0
         assert "".join(ch.text for ch in chunks) == first.text and first.text.strip()
+        sched = fleet["cluster"].dispatcher.scheduler
+
+        async def released() -> bool:  # else its worker is busy, and the prefix may spread
+            return sched.running == 0
+
+        await eventually(released)
         again = await (await c.submit("sim", PROMPT, max_tokens=4)).result(timeout_s=30)
     assert again.ok and again.worker_id == first.worker_id  # its prefix is cached there
     assert again.cached_tokens == len(PROMPT) - 1  # as the engine reported it

@@ -225,7 +225,7 @@ class Agent:
         verdict = review(
             assignment,
             running=self._running,
-            reported=self._outbox,
+            reported=self._outbox.succeeded,
             draining=self._draining,
             in_flight=len(self._running),
             capacity=self.settings.capacity,
