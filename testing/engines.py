@@ -41,6 +41,9 @@ def build_engine(settings: AgentSettings) -> Engine:
             first_token_timeout_s=settings.engine_first_token_timeout_s,
             token_timeout_s=settings.engine_token_timeout_s,
             health_every_s=settings.engine_health_every_s,
+            metrics_path=settings.engine_metrics_path,
+            metrics_every_s=settings.engine_metrics_every_s,
+            metrics_stale_s=settings.engine_metrics_stale_s,
             digest_min_tokens=settings.digest_min_prefix_tokens,
             stride=index_stride(16, settings.digest_index_tokens),
         )

@@ -141,3 +141,58 @@ async def test_an_unreachable_engine_fails_its_requests_and_is_unavailable() -> 
         assert events[0].request_id == "r1" and "engine" in events[0].error
     finally:
         await engine.close()
+
+
+def test_the_load_parses_from_vllm_and_sglang_pages() -> None:
+    from sluice.agent.runtime.scrape import EngineMetricsError, ScrapedLoad, parse_load
+
+    vllm = (
+        "# TYPE vllm:num_requests_running gauge\n"
+        'vllm:num_requests_running{model_name="a"} 3\n'
+        'vllm:num_requests_running{model_name="b"} 2\n'
+        "# TYPE vllm:num_requests_waiting gauge\n"
+        "vllm:num_requests_waiting 4\n"
+        "# TYPE vllm:gpu_cache_usage_perc gauge\n"
+        "vllm:gpu_cache_usage_perc 0.25\n"
+    )
+    assert parse_load(vllm) == ScrapedLoad(5, 4, 0.25)  # labels summed; the older KV name
+    sglang = "sglang:num_running_reqs 7\nsglang:num_queue_reqs 1\nsglang:token_usage 0.5\n"
+    assert parse_load(sglang) == ScrapedLoad(7, 1, 0.5)
+    for bad in ("no_such_metric 1\n", "vllm:num_requests_running{ 3\n", ""):
+        with pytest.raises(EngineMetricsError):
+            parse_load(bad)
+
+
+async def test_the_engine_reports_its_scraped_load_and_stale_metrics_saturate_it() -> None:
+    port = _free_port()
+    proc = _start(["--port", str(port), "--speed", "1"])
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+            _wait_healthy(c, proc)
+        url = f"http://127.0.0.1:{port}"
+        engine = HttpEngine(HttpEngineConfig(url=url, model="sim", metrics_every_s=0.05))
+        await engine.open()
+        try:
+            assert engine.available and engine.scraped is not None
+            engine.add("r1", 512, 400, [], 0.0, PROMPT)
+
+            async def seen_running() -> bool:
+                engine.step()
+                return engine.scraped is not None and engine.scraped.running == 1
+
+            await eventually(seen_running)
+            assert engine.load().running == 1 and engine.load().kv_blocks_used > 0
+            engine.cancel("r1")
+        finally:
+            await engine.close()
+        blind = HttpEngine(
+            HttpEngineConfig(url=url, model="sim", metrics_path="/nope", metrics_stale_s=0.2)
+        )
+        await blind.open()
+        try:
+            assert blind.scrape_errors >= 1 and blind.metrics_stale and not blind.available
+            assert blind.load().kv_blocks_used == blind.load().kv_blocks_total  # saturated
+        finally:
+            await blind.close()
+    finally:
+        _stop(proc)

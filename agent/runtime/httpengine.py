@@ -12,7 +12,9 @@ Timeouts: connecting, the first token, and between tokens. A request whose engin
 or answers garbage ends as :class:`~sluice.agent.engine.Failed` (the dispatcher runs it
 elsewhere as its next attempt; never dropped). A health check (``GET /health``) runs every
 ``health_every_s``; while it fails the engine is not ``available`` and the agent heartbeats no
-free capacity.
+free capacity. Its load comes from its Prometheus endpoint (:mod:`.scrape`), scraped on a
+jittered interval; figures older than ``metrics_stale_s`` count as a saturated engine, which
+takes no work either.
 
 The step loop polls: ``step()`` returns what the streams delivered since the last one, with a
 duration of ``poll_s``. Output token ids are positions in the agent's record of this engine's
@@ -28,6 +30,8 @@ import asyncio
 import itertools
 import json
 import logging
+import math
+import random
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
@@ -37,6 +41,7 @@ from typing import Any
 import httpx
 
 from sluice.agent.engine import EngineError, EngineLoad, Failed, Finished, Step, TokensOut
+from sluice.agent.runtime.scrape import EngineMetricsError, ScrapedLoad, parse_load
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +56,11 @@ class HttpEngineConfig:
     first_token_timeout_s: float = 60.0
     token_timeout_s: float = 30.0
     health_every_s: float = 1.0
+    metrics_path: str | None = "/metrics"
+    """Where its Prometheus metrics are, on the same server (None: no scraping)."""
+    metrics_every_s: float = 1.0
+    metrics_stale_s: float = 5.0
+    """Figures older than this count as a saturated engine (it takes no work)."""
     poll_s: float = 0.002
     digest_min_tokens: int | None = 256
     stride: int = 1
@@ -88,6 +98,11 @@ class HttpEngine:
         self._evicted: list[int] = []
         self._healthy = True
         self._health: asyncio.Task[None] | None = None
+        self._scraper: asyncio.Task[None] | None = None
+        self.scraped: ScrapedLoad | None = None
+        self.scraped_at_s = -math.inf
+        self.scrape_errors = 0
+        self._rng = random.Random()
         self.busy_s = 0.0
         self.failures = 0
 
@@ -96,15 +111,42 @@ class HttpEngine:
     async def open(self) -> None:
         await self._check_health()
         self._health = asyncio.create_task(self._health_loop(), name="engine-health")
+        if self.config.metrics_path is not None:
+            await self._scrape()
+            self._scraper = asyncio.create_task(self._scrape_loop(), name="engine-metrics")
 
     async def close(self) -> None:
-        if self._health is not None:
-            self._health.cancel()
+        background = [t for t in (self._health, self._scraper) if t is not None]
         tasks = [r.task for r in self._runs.values() if r.task is not None]
-        for t in tasks:
+        for t in [*background, *tasks]:
             t.cancel()
-        await asyncio.gather(*tasks, *(t for t in [self._health] if t), return_exceptions=True)
+        await asyncio.gather(*tasks, *background, return_exceptions=True)
         await self._client.aclose()
+
+    async def _scrape_loop(self) -> None:
+        while True:
+            # Jittered, so that a fleet of agents does not scrape in step.
+            await asyncio.sleep(self.config.metrics_every_s * self._rng.uniform(0.8, 1.2))
+            await self._scrape()
+
+    async def _scrape(self) -> None:
+        assert self.config.metrics_path is not None
+        try:
+            r = await self._client.get(self.config.metrics_path)
+            if r.status_code != 200:
+                raise EngineMetricsError(f"the metrics endpoint answered {r.status_code}")
+            self.scraped = parse_load(r.text)
+            self.scraped_at_s = time.monotonic()
+        except (httpx.HTTPError, EngineMetricsError) as exc:
+            self.scrape_errors += 1
+            log.debug("metrics of %s not read: %s", self.config.url, exc)
+
+    @property
+    def metrics_stale(self) -> bool:
+        """Scraping is on and its last figures are older than their bound."""
+        if self.config.metrics_path is None:
+            return False
+        return time.monotonic() - self.scraped_at_s > self.config.metrics_stale_s
 
     async def _health_loop(self) -> None:
         while True:
@@ -123,7 +165,8 @@ class HttpEngine:
 
     @property
     def available(self) -> bool:
-        return self._healthy
+        """Healthy, and its load known (stale metrics count as a saturated engine)."""
+        return self._healthy and not self.metrics_stale
 
     # ------------------------------------------------------------------ the protocol
 
@@ -181,13 +224,18 @@ class HttpEngine:
         return True
 
     def load(self) -> EngineLoad:
+        """Its scraped load where known (at least what this agent has in flight there)."""
+        m = self.scraped if not self.metrics_stale else None
+        per_mille = 1000 if m is None and self.config.metrics_path else 0
+        if m is not None:
+            per_mille = round(m.kv_usage * 1000)
         return EngineLoad(
-            running=len(self._runs),
-            waiting=0,
+            running=max(len(self._runs), m.running if m else 0),
+            waiting=m.waiting if m else 0,
             pending_prefill_tokens=0,
             active_decode_tokens=0,
-            kv_blocks_used=0,
-            kv_blocks_total=1,
+            kv_blocks_used=per_mille,
+            kv_blocks_total=1000,
             busy_s=self.busy_s,
         )
 

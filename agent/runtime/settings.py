@@ -75,6 +75,16 @@ class AgentSettings(SluiceSettings):
     engine_health_every_s: float = Field(
         default=1.0, gt=0, description="openai-http: seconds between health checks."
     )
+    engine_metrics_path: str | None = Field(
+        default="/metrics",
+        description="openai-http: the engine's Prometheus endpoint on its server (null: off).",
+    )
+    engine_metrics_every_s: float = Field(
+        default=1.0, gt=0, description="openai-http: seconds between scrapes (jittered)."
+    )
+    engine_metrics_stale_s: float = Field(
+        default=5.0, gt=0, description="openai-http: older metrics count as a saturated engine."
+    )
     heartbeat_s: float = Field(
         default=DEFAULT_HEARTBEAT_S, gt=0, description="Seconds between heartbeats."
     )
