@@ -195,6 +195,16 @@ class KVEventTracker:
         self.expected_seq = seq + 1
         self.stats.batches += 1
         self.stats.unknown_events += batch.unknown
+        self._apply_events(batch)
+        return gap
+
+    def fill(self, seq: int, batch: EventBatch) -> None:
+        """Apply a replayed batch ``seq`` that a gap skipped (older than the newest applied)."""
+        self.stats.batches += 1
+        self.stats.unknown_events += batch.unknown
+        self._apply_events(batch)
+
+    def _apply_events(self, batch: EventBatch) -> None:
         for ev in batch.events:
             if isinstance(ev, BlockStored):
                 self._store(ev)
@@ -204,7 +214,6 @@ class KVEventTracker:
             else:
                 for h in list(self._blocks):
                     self._remove(h)
-        return gap
 
     def _store(self, ev: BlockStored) -> None:
         if ev.block_size != self.block_tokens:

@@ -227,6 +227,9 @@ def agent(
     engine_url: Annotated[
         str | None, typer.Option(help="openai-http: http://host:port or unix:///path.")
     ] = None,
+    kv_events: Annotated[
+        str | None, typer.Option(help="openai-http: tcp://host:port of its KV events.")
+    ] = None,
 ) -> None:
     """Run an agent with its engine: simulated in process, or an OpenAI-compatible server
     (settings: SLUICE_AGENT_*, table agent)."""
@@ -242,6 +245,7 @@ def agent(
             "speed": speed,
             "engine": engine,
             "engine_url": engine_url,
+            "engine_kv_events": kv_events,
         }.items()
         if v is not None
     }

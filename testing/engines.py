@@ -44,6 +44,8 @@ def build_engine(settings: AgentSettings) -> Engine:
             metrics_path=settings.engine_metrics_path,
             metrics_every_s=settings.engine_metrics_every_s,
             metrics_stale_s=settings.engine_metrics_stale_s,
+            kv_events=settings.engine_kv_events,
+            kv_replay=settings.engine_kv_replay,
             digest_min_tokens=settings.digest_min_prefix_tokens,
             stride=index_stride(16, settings.digest_index_tokens),
         )

@@ -196,3 +196,46 @@ async def test_the_engine_reports_its_scraped_load_and_stale_metrics_saturate_it
             await blind.close()
     finally:
         _stop(proc)
+
+
+async def test_kv_events_feed_the_digest_and_a_gap_is_replayed() -> None:
+    from sluice.schemas.hashing import block_hashes
+
+    port, kv = _free_port(), _free_port()
+    proc = _start(["--port", str(port), "--kv-events-port", str(kv)])
+    other = list(range(9000, 9000 + 256))
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+            _wait_healthy(c, proc)
+            # Published before the agent follows the events: batch 0, missed.
+            c.post("/v1/completions", json={"prompt": other, "max_tokens": 1})
+        engine = HttpEngine(
+            HttpEngineConfig(
+                url=f"http://127.0.0.1:{port}",
+                model="sim",
+                kv_events=f"tcp://127.0.0.1:{kv}",
+                digest_min_tokens=None,
+            )
+        )
+        await engine.open()
+        try:
+            tracker = engine.kv_tracker
+            assert tracker is not None
+            tracker.expected_seq = 0  # as if it had followed from the start: batch 0 is a gap
+            await asyncio.sleep(0.3)  # a SUB socket misses what is published before it joined
+
+            async def applied() -> bool:
+                engine.step()
+                return tracker.stats.batches >= 2
+
+            engine.add("r1", len(PROMPT), 1, block_hashes(PROMPT), 0.0, PROMPT)
+            await eventually(applied)
+            assert tracker.stats.gaps == 1  # batch 0 came back through the replay socket
+            held = set(engine.cached_blocks())
+            assert set(block_hashes(PROMPT)) <= held and set(block_hashes(other)) <= held
+            stored, _ = engine.cache_changes()
+            assert set(stored) == held and engine.kv_dropped == 0
+        finally:
+            await engine.close()
+    finally:
+        _stop(proc)

@@ -41,6 +41,15 @@ from typing import Any
 import httpx
 
 from sluice.agent.engine import EngineError, EngineLoad, Failed, Finished, Step, TokensOut
+from sluice.agent.errors import KVEventError
+from sluice.agent.kvevents import (
+    REPLAY_END,
+    KVEventTracker,
+    decode_batch,
+    decode_message,
+    decode_seq,
+    encode_seq,
+)
 from sluice.agent.runtime.scrape import EngineMetricsError, ScrapedLoad, parse_load
 
 log = logging.getLogger(__name__)
@@ -61,6 +70,10 @@ class HttpEngineConfig:
     metrics_every_s: float = 1.0
     metrics_stale_s: float = 5.0
     """Figures older than this count as a saturated engine (it takes no work)."""
+    kv_events: str | None = None
+    """``tcp://host:port`` of the engine's KV event publisher (None: the served record)."""
+    kv_replay: str | None = None
+    """Its replay socket (default: the publisher's port + 1)."""
     poll_s: float = 0.002
     digest_min_tokens: int | None = 256
     stride: int = 1
@@ -103,6 +116,11 @@ class HttpEngine:
         self.scraped_at_s = -math.inf
         self.scrape_errors = 0
         self._rng = random.Random()
+        self.kv_tracker: KVEventTracker | None = None
+        self.kv_dropped = 0
+        self._kv_task: asyncio.Task[None] | None = None
+        if c.kv_events is not None:
+            self.kv_tracker = KVEventTracker(c.block_tokens, c.stride)
         self.busy_s = 0.0
         self.failures = 0
 
@@ -114,9 +132,11 @@ class HttpEngine:
         if self.config.metrics_path is not None:
             await self._scrape()
             self._scraper = asyncio.create_task(self._scrape_loop(), name="engine-metrics")
+        if self.kv_tracker is not None:
+            self._kv_task = asyncio.create_task(self._kv_loop(), name="engine-kv-events")
 
     async def close(self) -> None:
-        background = [t for t in (self._health, self._scraper) if t is not None]
+        background = [t for t in (self._health, self._scraper, self._kv_task) if t is not None]
         tasks = [r.task for r in self._runs.values() if r.task is not None]
         for t in [*background, *tasks]:
             t.cancel()
@@ -140,6 +160,61 @@ class HttpEngine:
         except (httpx.HTTPError, EngineMetricsError) as exc:
             self.scrape_errors += 1
             log.debug("metrics of %s not read: %s", self.config.url, exc)
+
+    async def _kv_loop(self) -> None:
+        """Follow the engine's KV events; a gap is filled from its replay socket."""
+        import zmq
+        import zmq.asyncio
+
+        c, tracker = self.config, self.kv_tracker
+        assert c.kv_events is not None and tracker is not None
+        ctx = zmq.asyncio.Context()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(c.kv_events)
+        try:
+            while True:
+                frames = await sub.recv_multipart()
+                try:
+                    seq, batch = decode_message(frames)
+                except KVEventError as exc:
+                    self.kv_dropped += 1
+                    log.debug("KV event from %s dropped: %s", c.kv_events, exc)
+                    continue
+                gap = tracker.apply(seq, batch)
+                if gap is not None:
+                    await self._kv_replay(ctx, gap, seq)
+        finally:
+            sub.close(linger=0)
+            ctx.term()
+
+    async def _kv_replay(self, ctx: Any, start: int, upto: int) -> None:
+        import zmq
+
+        tracker = self.kv_tracker
+        assert tracker is not None and self.config.kv_events is not None
+        host, _, port = self.config.kv_events.rpartition(":")
+        address = self.config.kv_replay or f"{host}:{int(port) + 1}"
+        sock = ctx.socket(zmq.DEALER)
+        sock.connect(address)
+        try:
+            await sock.send(encode_seq(start))
+            while True:
+                async with asyncio.timeout(self.config.connect_timeout_s):
+                    frames = await sock.recv_multipart()
+                try:
+                    seq = decode_seq(frames[-2])
+                    if seq == REPLAY_END or seq >= upto:
+                        return
+                    # Replayed batches are older than the live one applied: apply as a fill.
+                    tracker.fill(seq, decode_batch(frames[-1]))
+                except (KVEventError, IndexError) as exc:
+                    self.kv_dropped += 1
+                    log.debug("KV replay frame dropped: %s", exc)
+        except TimeoutError:
+            log.warning("KV event replay from %s timed out", address)
+        finally:
+            sock.close(linger=0)
 
     @property
     def metrics_stale(self) -> bool:
@@ -243,11 +318,15 @@ class HttpEngine:
         return list(self._runs)
 
     def cache_changes(self) -> tuple[list[int], list[int]]:
+        if self.kv_tracker is not None:
+            return self.kv_tracker.cache_changes()
         out = (self._stored, self._evicted)
         self._stored, self._evicted = [], []
         return out
 
     def cached_blocks(self) -> list[int]:
+        if self.kv_tracker is not None:
+            return self.kv_tracker.cached_blocks()
         return list(self._served)
 
     def output_tokens(self, request_id: str, start: int, count: int) -> list[int]:
@@ -358,6 +437,8 @@ class HttpEngine:
     def _record(self, prompt_tokens: int, hashes: Sequence[int]) -> None:
         """The digest stand-in: blocks of the prompts this engine served, most recent kept."""
         c = self.config
+        if self.kv_tracker is not None:
+            return  # the engine's KV events say what it holds
         if c.digest_min_tokens is None or len(hashes) * c.block_tokens < c.digest_min_tokens:
             return
         for h in hashes[c.stride - 1 :: c.stride]:

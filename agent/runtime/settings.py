@@ -82,6 +82,13 @@ class AgentSettings(SluiceSettings):
     engine_metrics_every_s: float = Field(
         default=1.0, gt=0, description="openai-http: seconds between scrapes (jittered)."
     )
+    engine_kv_events: str | None = Field(
+        default=None,
+        description="openai-http: tcp://host:port of the engine's KV event publisher (vLLM).",
+    )
+    engine_kv_replay: str | None = Field(
+        default=None, description="openai-http: its replay socket (default: port + 1)."
+    )
     engine_metrics_stale_s: float = Field(
         default=5.0, gt=0, description="openai-http: older metrics count as a saturated engine."
     )
