@@ -207,8 +207,9 @@ async def test_kv_events_feed_the_digest_and_a_gap_is_replayed() -> None:
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
             _wait_healthy(c, proc)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as ac:
             # Published before the agent follows the events: batch 0, missed.
-            c.post("/v1/completions", json={"prompt": other, "max_tokens": 1})
+            await ac.post("/v1/completions", json={"prompt": other, "max_tokens": 1})
         engine = HttpEngine(
             HttpEngineConfig(
                 url=f"http://127.0.0.1:{port}",
