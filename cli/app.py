@@ -73,11 +73,17 @@ def demo(
     batch_rate: Annotated[float, typer.Option(help="Batch requests/s.", min=0)] = 5.0,
     speed: Annotated[float, typer.Option(help="Simulated clock speed-up.", min=0.1)] = 1.0,
     seed: Annotated[int, typer.Option(help="Workload seed.")] = 7,
+    engines: Annotated[
+        str, typer.Option(help="sim (in process) or http (a sluice engine process per agent).")
+    ] = "sim",
 ) -> None:
     """Run NATS, a dispatcher and simulated workers in-process under a mixed workload."""
+    from sluice.agent.errors import EngineError
     from sluice.cli.demo import DemoConfig, run_demo, summary_tables
     from sluice.testing.errors import NatsServerError
 
+    if engines not in ("sim", "http"):
+        raise fail(f"--engines is sim or http, not {engines!r}")
     cfg = DemoConfig(
         nats_url=os.environ.get("SLUICE_NATS_URL") or None,
         duration_s=duration,
@@ -87,10 +93,11 @@ def demo(
         batch_rate=batch_rate,
         speed=speed,
         seed=seed,
+        engines=engines,
     )
     try:
         report = _run(run_demo(cfg, console))
-    except NatsServerError as exc:
+    except (NatsServerError, EngineError) as exc:
         raise fail(str(exc)) from exc
     if report.interrupted:
         console.print("[yellow]interrupted: summary of what ran so far[/yellow]")

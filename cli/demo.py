@@ -6,11 +6,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
 import random
+import shutil
 import signal
+import tempfile
 import time
 from collections import Counter, defaultdict
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +39,7 @@ from sluice.schemas.errors import DecodeError
 from sluice.schemas.models import Heartbeat, Result
 from sluice.sim.workload import DemoWorkload
 from sluice.testing.cluster import LocalCluster
+from sluice.testing.engineserver import EngineProcess
 from sluice.testing.natsserver import EmbeddedNats
 
 MODEL = "demo-8b"
@@ -57,6 +61,9 @@ class DemoConfig:
     seed: int = 7
     drain_s: float = 30.0
     nats_url: str | None = None
+    engines: str = "sim"
+    """``sim``: engines in the agents' process; ``http``: one ``sluice engine`` process per
+    agent, reached with the ``openai-http`` backend over a Unix socket."""
 
 
 @dataclass
@@ -210,14 +217,38 @@ async def run_demo(cfg: DemoConfig, console: Console | None = None) -> DemoRepor
         server = EmbeddedNats().start()
         console.print(f"[dim]embedded nats-server pid {server.pid} on {server.url}[/dim]")
     url = cfg.nats_url or (server.url if server else "")
+    engines: list[EngineProcess] = []
+    sockets: str | None = None
     try:
-        return await _run(cfg, url, console)
+        agent_for = None
+        if cfg.engines == "http":
+            sockets = tempfile.mkdtemp(prefix="sluice-demo-")
+            for i in range(cfg.workers):
+                sock = os.path.join(sockets, f"worker-{i}.sock")
+                engines.append(EngineProcess(sock, model=MODEL, speed=cfg.speed).start())
+                pid = engines[-1].proc.pid if engines[-1].proc else 0
+                console.print(f"[dim]sluice engine pid {pid} on {engines[-1].url}[/dim]")
+            urls = {f"worker-{i}": e.url for i, e in enumerate(engines)}
+
+            def agent_for(worker_id: str) -> dict[str, Any]:
+                return {"engine": "openai-http", "engine_url": urls[worker_id], "speed": 1.0}
+
+        return await _run(cfg, url, console, agent_for)
     finally:
+        for e in engines:
+            e.stop()
+        if sockets is not None:
+            shutil.rmtree(sockets, ignore_errors=True)
         if server is not None:
             server.stop()
 
 
-async def _run(cfg: DemoConfig, url: str, console: Console) -> DemoReport:
+async def _run(
+    cfg: DemoConfig,
+    url: str,
+    console: Console,
+    agent_for: Callable[[str], dict[str, Any]] | None = None,
+) -> DemoReport:
     cluster = LocalCluster(
         url,
         workers=cfg.workers,
@@ -230,6 +261,7 @@ async def _run(cfg: DemoConfig, url: str, console: Console) -> DemoReport:
             "tick_s": 0.05,
         },
         agent={"models": [MODEL], "speed": cfg.speed, "capacity": cfg.capacity},
+        agent_for=agent_for,
     )
     interrupted = False
     async with cluster, Client(url) as client:
@@ -248,7 +280,9 @@ async def _run(cfg: DemoConfig, url: str, console: Console) -> DemoReport:
             loop.add_signal_handler(signal.SIGINT, on_signal)
             loop.add_signal_handler(signal.SIGTERM, on_signal)
         console.print(
-            f"[bold]Sluice demo[/bold]: {cfg.workers} simulated workers (reference profile, "
+            f"[bold]Sluice demo[/bold]: {cfg.workers} simulated workers"
+            f"{' behind HTTP (sluice engine)' if cfg.engines == 'http' else ''}"
+            " (reference profile, "
             f"speed x{cfg.speed:g}), {cfg.sessions} chat sessions, RAG {cfg.rag_rate:g}/s, "
             f"batch {cfg.batch_rate:g}/s, for {cfg.duration_s:g} s"
         )

@@ -7,6 +7,7 @@ Used by ``sluice demo`` and the tests; production runs each part as its own proc
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from sluice.agent.runtime import Agent, Observer
@@ -34,17 +35,20 @@ class LocalCluster:
         agent: dict[str, Any] | None = None,
         observer: Observer | None = None,
         policy: RoutingPolicy | None = None,
+        agent_for: Callable[[str], dict[str, Any]] | None = None,
     ) -> None:
         self.nats_url = nats_url
         self.dispatcher_settings = DispatcherSettings(nats_url=nats_url, **(dispatcher or {}))
         self._agent_overrides = dict(agent or {})
+        self._agent_for = agent_for
         self._observer = observer
         self.dispatcher = Dispatcher(self.dispatcher_settings, policy=policy)
         self.agents: list[Agent] = [self._new_agent(f"worker-{i}") for i in range(workers)]
 
     def _new_agent(self, worker_id: str) -> Agent:
+        own = self._agent_for(worker_id) if self._agent_for is not None else {}
         settings = AgentSettings(
-            nats_url=self.nats_url, worker_id=worker_id, **self._agent_overrides
+            nats_url=self.nats_url, worker_id=worker_id, **{**self._agent_overrides, **own}
         )
         return Agent(settings, build_engine(settings), observer=self._observer)
 

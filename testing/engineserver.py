@@ -30,6 +30,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import signal
+import subprocess
+import sys
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Mapping
@@ -597,3 +600,49 @@ def serve(
         app, host=host, port=port or 0, uds=uds, log_level="warning", lifespan="on"
     )
     uvicorn.Server(config).run()
+
+
+class EngineProcess:
+    """A ``sluice engine`` server in its own process on a Unix socket, stopped by its PID."""
+
+    def __init__(self, uds: str, *, model: str, speed: float = 1.0, profile: str = "reference"):
+        self.uds, self.model, self.speed, self.profile = uds, model, speed, profile
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"unix://{self.uds}"
+
+    def start(self, timeout_s: float = 20.0) -> EngineProcess:
+        import httpx
+
+        cmd = [
+            sys.executable, "-m", "sluice.cli", "engine", "--uds", self.uds, "--model",
+            self.model, "--speed", str(self.speed), "--profile", self.profile,
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + timeout_s
+        transport = httpx.HTTPTransport(uds=self.uds)
+        with httpx.Client(transport=transport, base_url="http://engine", timeout=2) as c:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    err = self.proc.stderr.read().decode() if self.proc.stderr else ""
+                    raise EngineError(f"sluice engine on {self.uds} exited: {err.strip()}")
+                try:
+                    if c.get("/health").status_code == 200:
+                        return self
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.05)
+        self.stop()
+        raise EngineError(f"sluice engine on {self.uds} did not start in {timeout_s:g} s")
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()

@@ -240,3 +240,18 @@ async def test_kv_events_feed_the_digest_and_a_gap_is_replayed() -> None:
             await engine.close()
     finally:
         _stop(proc)
+
+
+async def test_the_demo_runs_through_sluice_engine_processes() -> None:
+    """``sluice demo --engines http``: one engine process per agent over Unix sockets, every
+    request done, prefixes reused at the engines, and every engine process stopped."""
+    from sluice.cli.demo import DemoConfig, run_demo
+
+    cfg = DemoConfig(
+        duration_s=4.0, workers=2, sessions=6, rag_rate=1.0, batch_rate=1.0, speed=5.0,
+        drain_s=20.0, engines="http",
+    )  # fmt: skip
+    report = await run_demo(cfg)
+    assert report.done and not report.rejected and report.unfinished == 0
+    assert report.hit_rate() > 0.2  # the engines report what their caches held
+    assert {r.worker_id for r in report.done} == {"worker-0", "worker-1"}

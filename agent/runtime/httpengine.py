@@ -122,6 +122,7 @@ class HttpEngine:
         if c.kv_events is not None:
             self.kv_tracker = KVEventTracker(c.block_tokens, c.stride)
         self.busy_s = 0.0
+        self._last_step_s = time.monotonic()
         self.failures = 0
 
     # ------------------------------------------------------------------ lifecycle
@@ -278,6 +279,10 @@ class HttpEngine:
         self._record(prompt_tokens, hashes)
 
     def step(self) -> Step:
+        now = time.monotonic()
+        if self._runs:  # busy: it has something to do (its utilisation, not summed requests)
+            self.busy_s += now - self._last_step_s
+        self._last_step_s = now
         for rid in self._ended:  # their text was read after the step that ended them
             for i in self._runs.pop(rid, _Run(0)).pieces:
                 self._text.pop(i, None)
@@ -369,8 +374,6 @@ class HttpEngine:
                 self._healthy = False
             if rid in self._runs:
                 self._events.append(Failed(rid, f"engine {self.config.url}: {exc!r}"))
-        finally:
-            self.busy_s += time.monotonic() - t0
 
     async def _chunks(self, r: httpx.Response) -> AsyncIterator[dict[str, Any]]:
         """The stream's JSON events, within the first-token and between-token timeouts;
