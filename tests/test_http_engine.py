@@ -255,3 +255,89 @@ async def test_the_demo_runs_through_sluice_engine_processes() -> None:
     assert report.done and not report.rejected and report.unfinished == 0
     assert report.hit_rate() > 0.2  # the engines report what their caches held
     assert {r.worker_id for r in report.done} == {"worker-0", "worker-1"}
+
+
+class _Misbehaving:
+    """A real HTTP server (uvicorn, loopback) whose completions misbehave as ``mode`` says."""
+
+    def __init__(self, mode: str) -> None:
+        import uvicorn
+        from starlette.applications import Starlette
+        from starlette.responses import PlainTextResponse, StreamingResponse
+        from starlette.routing import Route
+
+        async def completions(_: Any) -> Any:
+            async def body() -> AsyncIterator[bytes]:
+                yield b'data: {"choices": [{"index": 0, "text": " hi"}]}\n\n'
+                if mode == "garbage":
+                    yield b"data: {not json\n\n"
+                elif mode == "hang":
+                    await asyncio.sleep(3600)
+                # "truncated": the stream ends without usage or [DONE]
+
+            return StreamingResponse(body(), media_type="text/event-stream")
+
+        async def health(_: Any) -> Any:
+            return PlainTextResponse("ok")
+
+        async def metrics(_: Any) -> Any:
+            return PlainTextResponse("vllm:num_requests_running{ this is not prometheus\n")
+
+        app = Starlette(
+            routes=[
+                Route("/v1/completions", completions, methods=["POST"]),
+                Route("/health", health),
+                Route("/metrics", metrics),
+            ]
+        )
+        self.port = _free_port()
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error")
+        )
+        self.task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> _Misbehaving:
+        self.task = asyncio.create_task(self.server.serve())
+        while not self.server.started:
+            await asyncio.sleep(0.01)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        if self.task is not None:
+            await self.task
+
+
+@pytest.mark.parametrize(
+    ("mode", "error"),
+    [("garbage", "malformed SSE"), ("truncated", "before [DONE]"), ("hang", "TimeoutError")],
+)
+async def test_a_misbehaving_engine_fails_the_request_with_a_reason(mode: str, error: str) -> None:
+    async with _Misbehaving(mode) as server:
+        engine = HttpEngine(
+            HttpEngineConfig(
+                url=f"http://127.0.0.1:{server.port}",
+                model="sim",
+                token_timeout_s=0.5,
+                metrics_every_s=0.05,
+                metrics_stale_s=0.3,
+            )
+        )
+        await engine.open()
+        try:
+            engine.add("r1", 3, 5, [], 0.0, "hello")
+            events: list[Any] = []
+            for _ in range(300):
+                events += engine.step().events
+                if any(isinstance(e, Failed) for e in events):
+                    break
+                await asyncio.sleep(0.01)
+            failed = [e for e in events if isinstance(e, Failed)]
+            assert len(failed) == 1 and error in failed[0].error, events
+            assert engine.detokenize(engine.output_tokens("r1", 0, 1)) in ("", " hi")
+            # Garbage on /metrics is counted, never raised; stale figures saturate the engine.
+            assert engine.scrape_errors >= 1
+            await asyncio.sleep(0.4)
+            assert not engine.available
+        finally:
+            await engine.close()
