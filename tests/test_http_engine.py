@@ -298,8 +298,11 @@ class _Misbehaving:
 
     async def __aenter__(self) -> _Misbehaving:
         self.task = asyncio.create_task(self.server.serve())
-        while not self.server.started:
-            await asyncio.sleep(0.01)
+
+        async def started() -> bool:
+            return bool(self.server.started)
+
+        await eventually(started)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
