@@ -31,6 +31,7 @@ from sluice.client.errors import (
     rejection_error,
 )
 from sluice.client.settings import ClientSettings
+from sluice.client.tokenizer import PromptTokenizer
 from sluice.common.aio import wait_at_most
 from sluice.common.transport import TransportError, connect
 from sluice.schemas import names
@@ -288,8 +289,11 @@ class Client:
         nc: NATS | None = None,
         publish_timeout_s: float = 5.0,
         queue_full_retry_after_s: float = 1.0,
+        tokenizer: PromptTokenizer | None = None,
     ) -> None:
         self.nats_url = nats_url
+        self.tokenizer = tokenizer
+        """Turns text prompts into token ids before they are sent (:mod:`.tokenizer`)."""
         self.tenant = tenant
         self.band = band
         self.publish_timeout_s = publish_timeout_s
@@ -306,6 +310,11 @@ class Client:
             band=settings.band,
             publish_timeout_s=settings.publish_timeout_s,
             queue_full_retry_after_s=settings.queue_full_retry_after_s,
+            tokenizer=(
+                None
+                if settings.tokenizer is None
+                else PromptTokenizer.from_file(settings.tokenizer)
+            ),
         )
 
     async def connect(self) -> Client:
@@ -399,10 +408,16 @@ class Client:
     ) -> SubmitRequest:
         if deadline_s is not None and deadline_s <= 0:
             raise InvalidRequest(f"deadline_s must be > 0, got {deadline_s}")
+        tokens: list[int] | None
+        text: str | None
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequest("prompt is empty")
             tokens, text = None, prompt
+            if self.tokenizer is not None:
+                tokens, text = self.tokenizer.encode(prompt), None
+                if not tokens:
+                    raise InvalidRequest("the prompt has no tokens for the configured tokenizer")
         else:
             tokens, text = list(prompt), None
             if not tokens:

@@ -27,6 +27,10 @@ class ClientSettings(SluiceSettings):
     tenant: str = Field(default="default", min_length=1, description="Tenant of submissions.")
     band: str = Field(default="standard", min_length=1, description="Default priority band.")
     publish_timeout_s: float = Field(default=5.0, gt=0, description="Submit publish timeout.")
+    tokenizer: str | None = Field(
+        default=None,
+        description="A local tokenizer.json: text prompts are sent as the engine's token ids.",
+    )
     queue_full_retry_after_s: float = Field(
         default=1.0, ge=0, description="Retry-after hint when a queue is full and none is known."
     )
