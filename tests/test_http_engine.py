@@ -344,3 +344,11 @@ async def test_a_misbehaving_engine_fails_the_request_with_a_reason(mode: str, e
             assert not engine.available
         finally:
             await engine.close()
+
+
+async def test_the_engine_benchmark_measures_both_paths() -> None:
+    from sluice.cli.benchengine import bench_engine
+
+    r = await bench_engine(requests=4, max_tokens=4, speed=50.0)
+    assert r.direct_ttft_p50_ms > 0 and r.sluice_ttft_p50_ms > 0
+    assert r.burst_tokens_per_s > 0 and r.direct_burst_tokens_per_s > 0
