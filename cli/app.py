@@ -9,7 +9,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -362,7 +362,6 @@ def submit(
     config: ConfigOpt = None,
 ) -> None:
     """Submit one request and print its tokens and result."""
-    from sluice.client import ClientSettings
 
     given = [p for p in (prompt, prompt_file, tokens) if p is not None]
     if len(given) != 1:
@@ -380,22 +379,45 @@ def submit(
             body = [int(t) for t in (tokens or "").split(",") if t.strip()]
         except ValueError as exc:
             raise fail("--tokens takes comma-separated integers") from exc
-    try:
-        settings = ClientSettings.load(config)
-    except ConfigError as exc:
-        raise fail(str(exc)) from exc
     code = _run(
         _submit(
-            settings, model, body, max_tokens, band, tenant, request_id, deadline_s, timeout_s,
-            stream and not as_json, as_json,
+            _client(config), model, body, max_tokens, band, tenant, request_id, deadline_s,
+            timeout_s, stream and not as_json, as_json,
         )
     )  # fmt: skip
     if code:
         raise typer.Exit(code)
 
 
+def _client(config: Path | None) -> Any:
+    """The client its settings describe; bad settings (a missing tokenizer file, say) stop
+    the command with exit code 2."""
+    from sluice.client import Client, ClientSettings
+
+    try:
+        return Client.from_settings(ClientSettings.load(config))
+    except ConfigError as exc:
+        raise fail(str(exc)) from exc
+
+
+def _with_client(config: Path | None, call: Callable[[Any], Awaitable[Any]]) -> Any:
+    """Run ``call`` with a connected client; its errors stop the command with exit code 2."""
+    from sluice.client import SluiceError
+
+    client = _client(config)
+
+    async def go() -> Any:
+        async with client as c:
+            return await call(c)
+
+    try:
+        return _run(go())
+    except SluiceError as exc:
+        raise fail(str(exc)) from exc
+
+
 async def _submit(
-    settings: Any,
+    client_: Any,
     model: str,
     body: str | list[int],
     max_tokens: int,
@@ -407,10 +429,10 @@ async def _submit(
     stream: bool,
     as_json: bool,
 ) -> int:
-    from sluice.client import Client, QueueFull, Rejected, SluiceError
+    from sluice.client import QueueFull, Rejected, SluiceError
 
     try:
-        async with Client.from_settings(settings) as client:
+        async with client_ as client:
             handle = await client.submit(
                 model,
                 body,
@@ -457,21 +479,7 @@ def stats(
     """Show a dispatcher's queue depths and running counts."""
     from rich.table import Table
 
-    from sluice.client import Client, ClientSettings, SluiceError
-
-    try:
-        settings = ClientSettings.load(config)
-    except ConfigError as exc:
-        raise fail(str(exc)) from exc
-
-    async def go() -> Any:
-        async with Client.from_settings(settings) as c:
-            return await c.stats()
-
-    try:
-        s = _run(go())
-    except SluiceError as exc:
-        raise fail(str(exc)) from exc
+    s = _with_client(config, lambda c: c.stats())
     if as_json:
         print(json.dumps(s.model_dump(mode="json")))
         return
@@ -503,21 +511,7 @@ def cancel(
 ) -> None:
     """Cancel a request: queued, it never runs; running, its worker stops it. Exit code 0 when
     it was cancelled, 1 when it had finished or is unknown (a no-op), 2 on errors."""
-    from sluice.client import Client, ClientSettings, SluiceError
-
-    try:
-        settings = ClientSettings.load(config)
-    except ConfigError as exc:
-        raise fail(str(exc)) from exc
-
-    async def go() -> Any:
-        async with Client.from_settings(settings) as c:
-            return await c.cancel(request_id, tenant=tenant)
-
-    try:
-        reply = _run(go())
-    except SluiceError as exc:
-        raise fail(str(exc)) from exc
+    reply = _with_client(config, lambda c: c.cancel(request_id, tenant=tenant))
     console.print(
         f"{reply.request_id}: {reply.status}" + (f" ({reply.message})" if reply.message else "")
     )

@@ -7,7 +7,7 @@ from sluice.agent.engine import Engine
 from sluice.agent.runtime import AgentSettings
 from sluice.agent.runtime.httpengine import HttpEngine, HttpEngineConfig
 from sluice.common.errors import ConfigError
-from sluice.schemas.hashing import index_stride
+from sluice.schemas.hashing import DEFAULT_BLOCK_TOKENS, index_stride
 from sluice.sim.engine import SimEngine
 from sluice.sim.profiles import get_profile
 
@@ -47,6 +47,7 @@ def build_engine(settings: AgentSettings) -> Engine:
             kv_events=settings.engine_kv_events,
             kv_replay=settings.engine_kv_replay,
             digest_min_tokens=settings.digest_min_prefix_tokens,
-            stride=index_stride(16, settings.digest_index_tokens),
+            block_tokens=DEFAULT_BLOCK_TOKENS,
+            stride=index_stride(DEFAULT_BLOCK_TOKENS, settings.digest_index_tokens),
         )
     )

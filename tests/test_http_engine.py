@@ -94,7 +94,6 @@ async def test_tokens_stream_through_http_engines_and_a_repeated_prefix_hits(
         again = await (await c.submit("sim", PROMPT, max_tokens=4)).result(timeout_s=30)
     assert again.ok and again.worker_id == first.worker_id  # its prefix is cached there
     assert again.cached_tokens == len(PROMPT) - 1  # as the engine reported it
-    assert {a.completed for a in fleet["agents"]} <= {0, 1, 2}
     assert sum(a.completed for a in fleet["agents"]) == 2
 
 

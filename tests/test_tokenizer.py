@@ -59,3 +59,18 @@ async def test_a_tokenized_prompt_runs_end_to_end(nats_url: str, tmp_path: Path)
         h = await c.submit("sim", SYSTEM + "what is a kv cache", max_tokens=4)
         result = await h.result(timeout_s=20)
     assert result.ok and result.prompt_tokens == 65
+
+
+def test_the_command_line_answers_a_bad_tokenizer_with_exit_code_2(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "sluice.toml"
+    cfg.write_text(f'[client]\ntokenizer = "{tmp_path / "missing.json"}"\n')
+    for args in (["stats"], ["submit", "--model", "m", "--prompt", "hi"], ["cancel", "r1"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "sluice.cli", *args, "--config", str(cfg)],
+            capture_output=True,
+            timeout=60,
+        )
+        assert done.returncode == 2 and b"does not exist" in done.stderr, done.stderr
