@@ -26,7 +26,6 @@ def worker_view(hb: Heartbeat, now_s: float) -> WorkerInfo:
         reported_pending_tokens=load.pending_prefill_tokens + load.active_decode_tokens,
         reported_in_flight=frozenset(hb.in_flight),
         reported_prefill_tokens=load.pending_prefill_tokens,
-        reported_running=load.running,
         reported_s=now_s,
     )
 

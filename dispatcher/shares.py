@@ -3,7 +3,7 @@ of each offline band.
 
 A band with a *floor* ``f`` (``AdmissionConfig.band_floors``; by default the ``batch`` band,
 3 %) is offline work. It runs on two budgets of engine time, both token buckets in
-engine-seconds (:mod:`sluice.dispatcher.engine_time` prices each request):
+engine-seconds (:mod:`sluice.dispatcher.enginetime` prices each request):
 
 - its **floor**, refilled at ``f x C`` engine-seconds per second, where ``C`` is the fleet's
   supply (one engine-second per second per live worker). The floor is spent whether or not a

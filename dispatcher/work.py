@@ -53,8 +53,6 @@ class WorkerInfo:
     reported_in_flight: frozenset[str] = frozenset()
     reported_prefill_tokens: int = 0
     """Prompt tokens still to prefill at the heartbeat."""
-    reported_running: int = 0
-    """Sequences the engine was running at the heartbeat."""
     reported_s: float = 0.0
     """When the heartbeat arrived, on the scheduler's clock."""
 

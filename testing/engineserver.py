@@ -350,10 +350,9 @@ class SimServer:
 # ------------------------------------------------------------------------------- HTTP face
 
 
-def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
-    return JSONResponse(body, status_code=status)
+def _bad_request(message: str, param: str | None = None) -> JSONResponse:
+    error = {"message": message, "type": "invalid_request_error", "param": param, "code": None}
+    return JSONResponse({"error": error}, status_code=400)
 
 
 async def _json(request: Request) -> dict[str, Any]:
@@ -528,7 +527,7 @@ def build_app(server: SimServer) -> Starlette:
             try:
                 result: Response = await handler(request)
             except BadRequest as exc:
-                return _error(400, str(exc), exc.param)
+                return _bad_request(str(exc), exc.param)
             return result
 
         return run
