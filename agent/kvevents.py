@@ -66,6 +66,18 @@ class EventBatch:
     """Events of types this decoder does not know (skipped)."""
 
 
+def replay_endpoint(events: str) -> str:
+    """The replay socket beside a KV event publisher at ``events``, by Sluice's convention
+    (vLLM takes both as settings): the next port of ``tcp://host:port``, ``PATH.replay`` beside
+    ``ipc://PATH``. Another address is a ``KVEventError``."""
+    if events.startswith("ipc://") and len(events) > len("ipc://"):
+        return f"{events}.replay"
+    host, _, port = events.rpartition(":")
+    if events.startswith("tcp://") and port.isdigit() and int(port) < 65535:
+        return f"{host}:{int(port) + 1}"
+    raise KVEventError(f"KV events need tcp://host:port or ipc:///path, not {events!r}")
+
+
 def encode_seq(seq: int) -> bytes:
     return _SEQ.pack(seq)
 

@@ -200,17 +200,24 @@ async def _serve_until_signal(start: Any, stop: Any) -> None:
 
 
 @app.command()
-def dispatcher(config: ConfigOpt = None) -> None:
+def dispatcher(
+    config: ConfigOpt = None,
+    tokenizer: Annotated[
+        str | None,
+        typer.Option(help="A local tokenizer.json for text prompts (all models)."),
+    ] = None,
+) -> None:
     """Run a dispatcher (settings: SLUICE_DISPATCHER_*, SLUICE_NATS_URL, table dispatcher)."""
     from sluice.common.transport import TransportError
     from sluice.dispatcher.errors import DispatcherError
     from sluice.dispatcher.runtime import Dispatcher, DispatcherSettings
 
+    overrides = {} if tokenizer is None else {"tokenizer": tokenizer}
     try:
-        settings = DispatcherSettings.load(config)
+        settings = DispatcherSettings.load(config, **overrides)
+        d = Dispatcher(settings)
     except ConfigError as exc:
         raise fail(str(exc)) from exc
-    d = Dispatcher(settings)
     _serve(
         d.start,
         d.stop,
@@ -234,8 +241,16 @@ def agent(
     engine_url: Annotated[
         str | None, typer.Option(help="openai-http: http://host:port or unix:///path.")
     ] = None,
+    engine_metrics_url: Annotated[
+        str | None,
+        typer.Option(help="openai-http: http://host:port/path of its metrics, if elsewhere."),
+    ] = None,
     kv_events: Annotated[
-        str | None, typer.Option(help="openai-http: tcp://host:port of its KV events.")
+        str | None,
+        typer.Option(help="openai-http: tcp://host:port or ipc:///path of its KV events."),
+    ] = None,
+    tokenizer: Annotated[
+        str | None, typer.Option(help="A local tokenizer.json: text prompts as token ids.")
     ] = None,
 ) -> None:
     """Run an agent with its engine: simulated in process, or an OpenAI-compatible server
@@ -252,7 +267,9 @@ def agent(
             "speed": speed,
             "engine": engine,
             "engine_url": engine_url,
+            "engine_metrics_url": engine_metrics_url,
             "engine_kv_events": kv_events,
+            "tokenizer": tokenizer,
         }.items()
         if v is not None
     }
@@ -314,8 +331,16 @@ def engine(
     kv_events_port: Annotated[
         int | None,
         typer.Option(
-            help="Publish vLLM-format KV events here (PUB; replay on the next port).", min=1
+            help="Publish vLLM-format KV events on this port of --host (replay on the next).",
+            min=1,
         ),
+    ] = None,
+    kv_events: Annotated[
+        str | None,
+        typer.Option(help="...or on this ZMQ endpoint: tcp://host:port or ipc:///path."),
+    ] = None,
+    tokenizer: Annotated[
+        str | None, typer.Option(help="A local tokenizer.json for text prompts.")
     ] = None,
 ) -> None:
     """Run the simulated engine as a server speaking vLLM's and SGLang's HTTP protocols
@@ -325,6 +350,10 @@ def engine(
 
     if (port is None) == (uds is None):
         raise fail("give exactly one of --port and --uds")
+    if kv_events_port is not None and kv_events is not None:
+        raise fail("give at most one of --kv-events-port and --kv-events")
+    if kv_events_port is not None:
+        kv_events = f"tcp://{host}:{kv_events_port}"
     try:
         prof = get_profile(profile)
     except KeyError as exc:
@@ -339,8 +368,11 @@ def engine(
             host=host,
             port=port,
             uds=uds,
-            kv_events_port=kv_events_port,
+            kv_events=kv_events,
+            tokenizer=tokenizer,
         )
+    except ConfigError as exc:
+        raise fail(str(exc)) from exc
     except OSError as exc:
         raise fail(f"cannot serve on {where}: {exc}") from exc
 

@@ -63,7 +63,8 @@ class DemoConfig:
     nats_url: str | None = None
     engines: str = "sim"
     """``sim``: engines in the agents' process; ``http``: one ``sluice engine`` process per
-    agent, reached with the ``openai-http`` backend over a Unix socket."""
+    agent, reached with the ``openai-http`` backend over a Unix socket, its KV events on an
+    IPC socket beside it."""
 
 
 @dataclass
@@ -225,13 +226,21 @@ async def run_demo(cfg: DemoConfig, console: Console | None = None) -> DemoRepor
             sockets = tempfile.mkdtemp(prefix="sluice-demo-")
             for i in range(cfg.workers):
                 sock = os.path.join(sockets, f"worker-{i}.sock")
-                engines.append(EngineProcess(sock, model=MODEL, speed=cfg.speed).start())
+                engine = EngineProcess(sock, model=MODEL, speed=cfg.speed, kv_events=True)
+                engines.append(engine.start())
                 pid = engines[-1].proc.pid if engines[-1].proc else 0
-                console.print(f"[dim]sluice engine pid {pid} on {engines[-1].url}[/dim]")
-            urls = {f"worker-{i}": e.url for i, e in enumerate(engines)}
+                where = f"{engine.url}, KV events on {engine.kv_events}"
+                console.print(f"[dim]sluice engine pid {pid} on {where}[/dim]")
+            by_id = {f"worker-{i}": e for i, e in enumerate(engines)}
 
             def agent_for(worker_id: str) -> dict[str, Any]:
-                return {"engine": "openai-http", "engine_url": urls[worker_id], "speed": 1.0}
+                e = by_id[worker_id]
+                return {
+                    "engine": "openai-http",
+                    "engine_url": e.url,
+                    "engine_kv_events": e.kv_events,  # the agent's digest is the engine's cache
+                    "speed": 1.0,
+                }
 
         return await _run(cfg, url, console, agent_for)
     finally:

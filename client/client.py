@@ -31,8 +31,8 @@ from sluice.client.errors import (
     rejection_error,
 )
 from sluice.client.settings import ClientSettings
-from sluice.client.tokenizer import PromptTokenizer
 from sluice.common.aio import wait_at_most
+from sluice.common.tokenizer import PromptTokenizer
 from sluice.common.transport import TransportError, connect
 from sluice.schemas import names
 from sluice.schemas.codec import decode, encode
@@ -293,7 +293,8 @@ class Client:
     ) -> None:
         self.nats_url = nats_url
         self.tokenizer = tokenizer
-        """Turns text prompts into token ids before they are sent (:mod:`.tokenizer`)."""
+        """Turns text prompts into token ids before they are sent
+        (:mod:`sluice.common.tokenizer`)."""
         self.tenant = tenant
         self.band = band
         self.publish_timeout_s = publish_timeout_s

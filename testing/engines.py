@@ -42,6 +42,7 @@ def build_engine(settings: AgentSettings) -> Engine:
             token_timeout_s=settings.engine_token_timeout_s,
             health_every_s=settings.engine_health_every_s,
             metrics_path=settings.engine_metrics_path,
+            metrics_url=settings.engine_metrics_url,
             metrics_every_s=settings.engine_metrics_every_s,
             metrics_stale_s=settings.engine_metrics_stale_s,
             kv_events=settings.engine_kv_events,

@@ -48,7 +48,9 @@ from starlette.routing import Route
 
 from sluice.agent.engine import EngineError, Failed, Finished, TokensOut
 from sluice.agent.errors import KVEventError
-from sluice.agent.kvevents import REPLAY_END, decode_seq, encode_seq
+from sluice.agent.kvevents import REPLAY_END, decode_seq, encode_seq, replay_endpoint
+from sluice.common.errors import ConfigError
+from sluice.common.tokenizer import PromptTokenizer
 from sluice.schemas.hashing import block_hashes, estimate_text_tokens, text_block_hashes
 from sluice.sim.engine import SimEngine
 from sluice.sim.profiles import EngineProfile
@@ -82,14 +84,15 @@ class _Stream:
 
 
 class KVEventPublisher:
-    """vLLM's KV event sockets: PUB on ``port`` (``(topic, sequence, payload)`` messages, the
-    payload a msgpack ``[ts, events, dp_rank]`` with array-like tagged events) and the replay
-    ROUTER on ``port + 1`` (a request of one 8-byte big-endian sequence gets every buffered
-    ``(sequence, payload)`` from it, then sequence -1)."""
+    """vLLM's KV event sockets: PUB on ``endpoint`` (``tcp://host:port`` or ``ipc:///path``;
+    ``(topic, sequence, payload)`` messages, the payload a msgpack ``[ts, events, dp_rank]``
+    with array-like tagged events) and the replay ROUTER beside it
+    (:func:`~sluice.agent.kvevents.replay_endpoint`; a request of one 8-byte big-endian
+    sequence gets every buffered ``(sequence, payload)`` from it, then sequence -1)."""
 
     TOPIC = b"kv-events"
 
-    def __init__(self, host: str, port: int, buffer: int = 10_000) -> None:
+    def __init__(self, endpoint: str, buffer: int = 10_000) -> None:
         import zmq
         import zmq.asyncio
 
@@ -97,9 +100,9 @@ class KVEventPublisher:
         self._sync = zmq.Context()
         self._async = zmq.asyncio.Context()
         self.pub = self._sync.socket(zmq.PUB)
-        self.pub.bind(f"tcp://{host}:{port}")
+        self.pub.bind(endpoint)
         self.router = self._async.socket(zmq.ROUTER)
-        self.router.bind(f"tcp://{host}:{port + 1}")
+        self.router.bind(replay_endpoint(endpoint))
         self.seq = 0
         self.ring: deque[tuple[int, bytes]] = deque(maxlen=buffer)
         self._task: asyncio.Task[None] | None = None
@@ -148,10 +151,12 @@ class SimServer:
         model: str,
         speed: float = 1.0,
         kv_events: KVEventPublisher | None = None,
+        tokenizer: PromptTokenizer | None = None,
     ) -> None:
         if speed <= 0:
             raise ValueError("speed must be > 0")
         self.profile, self.model, self.speed = profile, model, speed
+        self.tokenizer = tokenizer
         self.kv_events = kv_events
         self._pending_events: list[Any] = []
         # Per prompt block hash: the hash before it and its token ids (for BlockStored).
@@ -276,6 +281,11 @@ class SimServer:
         if isinstance(value, str):
             if not value:
                 raise BadRequest(f"{param} must not be empty", param)
+            if self.tokenizer is not None:  # as a real engine: its tokenizer's ids
+                ids = tuple(self.tokenizer.encode(value))
+                if not ids:
+                    raise BadRequest(f"{param} has no tokens for the tokenizer", param)
+                return Prompt(len(ids), tuple(block_hashes(ids, bt)), ids)
             data = value.encode("utf-8")
             ids = tuple(int.from_bytes(data[i : i + 4], "little") for i in range(0, len(data), 4))
             return Prompt(estimate_text_tokens(value), tuple(text_block_hashes(value, bt)), ids)
@@ -585,16 +595,27 @@ def serve(
     host: str = "127.0.0.1",
     port: int | None = None,
     uds: str | None = None,
-    kv_events_port: int | None = None,
+    kv_events: str | None = None,
+    tokenizer: str | None = None,
 ) -> None:
     """Run the server until interrupted (on ``host:port``, or on the Unix socket ``uds``);
-    ``kv_events_port``: publish vLLM-format KV events there (replay on the next port)."""
+    ``kv_events``: publish vLLM-format KV events on this ZMQ endpoint (replay beside it);
+    ``tokenizer``: a ``tokenizer.json`` for text prompts (a bad file is a ``ConfigError``)."""
     import uvicorn
 
     if (port is None) == (uds is None):
         raise ValueError("give exactly one of port and uds")
-    publisher = None if kv_events_port is None else KVEventPublisher(host, kv_events_port)
-    app = build_app(SimServer(profile, model=model, speed=speed, kv_events=publisher))
+    tok = None if tokenizer is None else PromptTokenizer.from_file(tokenizer)
+    publisher = None
+    if kv_events is not None:
+        import zmq
+
+        try:
+            publisher = KVEventPublisher(kv_events)
+        except (KVEventError, zmq.ZMQError) as exc:
+            raise ConfigError(f"cannot publish KV events on {kv_events}: {exc}") from exc
+    server = SimServer(profile, model=model, speed=speed, kv_events=publisher, tokenizer=tok)
+    app = build_app(server)
     config = uvicorn.Config(
         app, host=host, port=port or 0, uds=uds, log_level="warning", lifespan="on"
     )
@@ -602,10 +623,22 @@ def serve(
 
 
 class EngineProcess:
-    """A ``sluice engine`` server in its own process on a Unix socket, stopped by its PID."""
+    """A ``sluice engine`` server in its own process on a Unix socket, stopped by its PID;
+    ``kv_events``: it publishes KV events on ``ipc://UDS.kv`` (replay beside it)."""
 
-    def __init__(self, uds: str, *, model: str, speed: float = 1.0, profile: str = "reference"):
+    def __init__(
+        self,
+        uds: str,
+        *,
+        model: str,
+        speed: float = 1.0,
+        profile: str = "reference",
+        kv_events: bool = False,
+        tokenizer: str | None = None,
+    ):
         self.uds, self.model, self.speed, self.profile = uds, model, speed, profile
+        self.kv_events = f"ipc://{uds}.kv" if kv_events else None
+        self.tokenizer = tokenizer
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -619,6 +652,10 @@ class EngineProcess:
             sys.executable, "-m", "sluice.cli", "engine", "--uds", self.uds, "--model",
             self.model, "--speed", str(self.speed), "--profile", self.profile,
         ]  # fmt: skip
+        if self.kv_events is not None:
+            cmd += ["--kv-events", self.kv_events]
+        if self.tokenizer is not None:
+            cmd += ["--tokenizer", self.tokenizer]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + timeout_s
         transport = httpx.HTTPTransport(uds=self.uds)

@@ -10,8 +10,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from sluice.client import Client, ClientSettings
 from sluice.client.errors import InvalidRequest
-from sluice.client.tokenizer import PromptTokenizer
 from sluice.common.errors import ConfigError
+from sluice.common.tokenizer import PromptTokenizer
 from sluice.schemas.hashing import block_hashes
 from sluice.testing.cluster import LocalCluster
 

@@ -32,6 +32,7 @@ from sluice.agent.runtime import metrics
 from sluice.agent.runtime.settings import AgentSettings
 from sluice.common.aio import finish_tasks, wait_event
 from sluice.common.errors import TransportError, internal_error
+from sluice.common.tokenizer import Tokenizers
 from sluice.common.transport import connect
 from sluice.schemas import names
 from sluice.schemas.codec import decode, encode
@@ -89,6 +90,7 @@ class Agent:
         self.settings = settings
         self.worker_id = settings.worker_id
         self.engine = engine
+        self._tokenizers = Tokenizers(settings.tokenizer)
         stride = index_stride(engine.block_tokens, settings.digest_index_tokens)
         self._digests = reports.DigestBuilder(
             engine.block_tokens * stride,
@@ -246,14 +248,16 @@ class Agent:
             await self._reply(msg, rid, False, verdict.reason)
             return
         bt = self.engine.block_tokens
-        n_prompt = prompt_length(req.prompt_tokens, req.prompt_text)
-        hashes = prompt_hashes(req.prompt_tokens, req.prompt_text, bt)
+        # A text prompt tokenized here goes to the engine as those ids: it caches what we hash.
+        ids = self._tokenizers.prompt_ids(req.model, req.prompt_tokens, req.prompt_text)
+        n_prompt = prompt_length(ids, req.prompt_text)
+        hashes = prompt_hashes(ids, req.prompt_text, bt)
         run = self._running[rid] = _Running(assignment, time.time())
         self._changed()
         # Into the engine before the reply's await: a stop arriving meanwhile finds it there.
         error: str | None = None
         try:
-            prompt = req.prompt_tokens if req.prompt_tokens is not None else req.prompt_text
+            prompt = list(ids) if ids is not None else req.prompt_text
             self.engine.add(rid, n_prompt, req.max_tokens, hashes, time.monotonic(), prompt)
             self._wake.set()
         except EngineError as exc:

@@ -49,6 +49,7 @@ from sluice.agent.kvevents import (
     decode_message,
     decode_seq,
     encode_seq,
+    replay_endpoint,
 )
 from sluice.agent.runtime.scrape import EngineMetricsError, ScrapedLoad, parse_load
 
@@ -67,13 +68,17 @@ class HttpEngineConfig:
     health_every_s: float = 1.0
     metrics_path: str | None = "/metrics"
     """Where its Prometheus metrics are, on the same server (None: no scraping)."""
+    metrics_url: str | None = None
+    """``http(s)://host:port/path`` of its metrics when they are served apart from the engine's
+    server (over ``metrics_path``)."""
     metrics_every_s: float = 1.0
     metrics_stale_s: float = 5.0
     """Figures older than this count as a saturated engine (it takes no work)."""
     kv_events: str | None = None
-    """``tcp://host:port`` of the engine's KV event publisher (None: the served record)."""
+    """``tcp://host:port`` or ``ipc:///path`` of the engine's KV event publisher (None: the
+    served record)."""
     kv_replay: str | None = None
-    """Its replay socket (default: the publisher's port + 1)."""
+    """Its replay socket (default: :func:`~sluice.agent.kvevents.replay_endpoint`)."""
     poll_s: float = 0.002
     digest_min_tokens: int | None = 256
     stride: int = 1
@@ -101,6 +106,12 @@ class HttpEngine:
             raise EngineError(f"engine URL must be http://, https:// or unix://, not {c.url!r}")
         timeout = httpx.Timeout(c.token_timeout_s, connect=c.connect_timeout_s)
         self._client = httpx.AsyncClient(base_url=base, transport=transport, timeout=timeout)
+        self._metrics_client = self._client
+        if c.metrics_url is not None:
+            if not c.metrics_url.startswith(("http://", "https://")):
+                raise EngineError(f"metrics URL must be http:// or https://, not {c.metrics_url!r}")
+            self._metrics_client = httpx.AsyncClient(timeout=timeout)
+        self._scrapes = c.metrics_url is not None or c.metrics_path is not None
         self._runs: dict[str, _Run] = {}
         self._events: list[TokensOut | Finished | Failed] = []
         self._text: dict[int, str] = {}
@@ -130,7 +141,7 @@ class HttpEngine:
     async def open(self) -> None:
         await self._check_health()
         self._health = asyncio.create_task(self._health_loop(), name="engine-health")
-        if self.config.metrics_path is not None:
+        if self._scrapes:
             await self._scrape()
             self._scraper = asyncio.create_task(self._scrape_loop(), name="engine-metrics")
         if self.kv_tracker is not None:
@@ -143,6 +154,8 @@ class HttpEngine:
             t.cancel()
         await asyncio.gather(*tasks, *background, return_exceptions=True)
         await self._client.aclose()
+        if self._metrics_client is not self._client:
+            await self._metrics_client.aclose()
 
     async def _scrape_loop(self) -> None:
         while True:
@@ -151,9 +164,10 @@ class HttpEngine:
             await self._scrape()
 
     async def _scrape(self) -> None:
-        assert self.config.metrics_path is not None
+        where = self.config.metrics_url or self.config.metrics_path
+        assert where is not None
         try:
-            r = await self._client.get(self.config.metrics_path)
+            r = await self._metrics_client.get(where)
             if r.status_code != 200:
                 raise EngineMetricsError(f"the metrics endpoint answered {r.status_code}")
             self.scraped = parse_load(r.text)
@@ -194,8 +208,7 @@ class HttpEngine:
 
         tracker = self.kv_tracker
         assert tracker is not None and self.config.kv_events is not None
-        host, _, port = self.config.kv_events.rpartition(":")
-        address = self.config.kv_replay or f"{host}:{int(port) + 1}"
+        address = self.config.kv_replay or replay_endpoint(self.config.kv_events)
         sock = ctx.socket(zmq.DEALER)
         sock.connect(address)
         try:
@@ -220,7 +233,7 @@ class HttpEngine:
     @property
     def metrics_stale(self) -> bool:
         """Scraping is on and its last figures are older than their bound."""
-        if self.config.metrics_path is None:
+        if not self._scrapes:
             return False
         return time.monotonic() - self.scraped_at_s > self.config.metrics_stale_s
 
@@ -306,7 +319,7 @@ class HttpEngine:
     def load(self) -> EngineLoad:
         """Its scraped load where known (at least what this agent has in flight there)."""
         m = self.scraped if not self.metrics_stale else None
-        per_mille = 1000 if m is None and self.config.metrics_path else 0
+        per_mille = 1000 if m is None and self._scrapes else 0
         if m is not None:
             per_mille = round(m.kv_usage * 1000)
         return EngineLoad(

@@ -10,6 +10,8 @@ from typing import ClassVar, Literal
 from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from sluice.agent.errors import KVEventError
+from sluice.agent.kvevents import replay_endpoint
 from sluice.agent.outbox import DEFAULT_MAX_REPORTS
 from sluice.agent.reports import (
     DEFAULT_DIGEST_MAX_BLOCKS,
@@ -79,18 +81,27 @@ class AgentSettings(SluiceSettings):
         default="/metrics",
         description="openai-http: the engine's Prometheus endpoint on its server (null: off).",
     )
+    engine_metrics_url: str | None = Field(
+        default=None,
+        description="openai-http: http://host:port/path of its metrics when not on its server.",
+    )
     engine_metrics_every_s: float = Field(
         default=1.0, gt=0, description="openai-http: seconds between scrapes (jittered)."
     )
     engine_kv_events: str | None = Field(
         default=None,
-        description="openai-http: tcp://host:port of the engine's KV event publisher (vLLM).",
+        description="openai-http: tcp://host:port or ipc:///path of its KV events (vLLM).",
     )
     engine_kv_replay: str | None = Field(
-        default=None, description="openai-http: its replay socket (default: port + 1)."
+        default=None,
+        description="openai-http: its replay socket (default: port + 1, or PATH.replay).",
     )
     engine_metrics_stale_s: float = Field(
         default=5.0, gt=0, description="openai-http: older metrics count as a saturated engine."
+    )
+    tokenizer: str | None = Field(
+        default=None,
+        description="A local tokenizer.json: text prompts are hashed (and sent) as token ids.",
     )
     heartbeat_s: float = Field(
         default=DEFAULT_HEARTBEAT_S, gt=0, description="Seconds between heartbeats."
@@ -149,6 +160,14 @@ class AgentSettings(SluiceSettings):
                 raise ValueError(
                     "engine openai-http needs engine_url: http://host:port or unix:///path"
                 )
+            if self.engine_kv_events is not None:
+                try:
+                    replay_endpoint(self.engine_kv_events)
+                except KVEventError as exc:
+                    raise ValueError(str(exc)) from None
+            murl = self.engine_metrics_url
+            if murl is not None and not murl.startswith(("http://", "https://")):
+                raise ValueError("engine_metrics_url must be http://host:port/path")
             if self.speed != 1.0:
                 raise ValueError("speed applies to the simulated engine only (leave it at 1)")
         return self

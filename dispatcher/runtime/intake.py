@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 
 import nats.errors
 from nats.aio.msg import Msg
@@ -90,7 +91,8 @@ class Intake:
         if await self._seen(req, msg, now):
             return
         rid = req.request_id
-        outcome = st.scheduler.enqueue(_request(req, msg, now), now)
+        ids = st.tokenizers.prompt_ids(req.model, req.prompt_tokens, req.prompt_text)
+        outcome = st.scheduler.enqueue(_request(req, msg, now, ids), now)
         if outcome.status in ("queued", "adopted"):
             st.hold(Held(msg, req, meta.sequence.stream))
             if outcome.status == "queued":
@@ -141,9 +143,10 @@ class Intake:
         return True
 
 
-def _request(req: SubmitRequest, msg: Msg, now: float) -> Request:
+def _request(req: SubmitRequest, msg: Msg, now: float, ids: Sequence[int] | None) -> Request:
     """The scheduler's view of a submitted request, on the monotonic clock: it arrived when
-    the broker stored it, and its deadline is the producer's wall-clock deadline."""
+    the broker stored it, and its deadline is the producer's wall-clock deadline. ``ids``: its
+    prompt's token ids (given or tokenized here), None for the byte fallback."""
     wall = time.time()
     stamp = msg.metadata.timestamp
     stored_s = stamp.timestamp() if stamp else wall
@@ -155,9 +158,9 @@ def _request(req: SubmitRequest, msg: Msg, now: float) -> Request:
         band=req.band,
         model=req.model,
         tenant=req.tenant,
-        prompt_tokens=prompt_length(req.prompt_tokens, req.prompt_text),
+        prompt_tokens=prompt_length(ids, req.prompt_text),
         max_tokens=req.max_tokens,
         arrived_s=now - max(0.0, wall - stored_s),
         deadline_s=deadline_s,
-        block_hashes=tuple(prompt_hashes(req.prompt_tokens, req.prompt_text)),
+        block_hashes=tuple(prompt_hashes(ids, req.prompt_text)),
     )

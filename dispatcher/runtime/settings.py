@@ -151,6 +151,13 @@ class DispatcherSettings(SluiceSettings):
         ge=0,
         description="Discovery (models empty): how long an unannounced model waits (one lease).",
     )
+    tokenizer: str | None = Field(
+        default=None,
+        description="A local tokenizer.json for text prompts of every model (off: byte blocks).",
+    )
+    model_tokenizers: dict[str, str] = Field(
+        default_factory=dict, description="Per model: its tokenizer.json (over tokenizer)."
+    )
     quotas: dict[str, QuotaSpec] = Field(
         default_factory=dict,
         description="Per model: limit, band_limits, tenant_limits, default_tenant_limit, unit.",

@@ -16,6 +16,7 @@ from nats.aio.msg import Msg
 from nats.js.client import JetStreamContext
 
 from sluice.common.errors import internal_error
+from sluice.common.tokenizer import Tokenizers
 from sluice.dispatcher.decisions import DecisionLog
 from sluice.dispatcher.feedback import Feedback, ScaleAdvisor
 from sluice.dispatcher.leases import LeaseTable
@@ -97,6 +98,8 @@ class State:
             flaps=flap_meter(routing),
             engine_time=s.engine_time(),
         )
+        self.tokenizers = Tokenizers(s.tokenizer, s.model_tokenizers)
+        """Text prompts become token ids here, as the engines tokenize them."""
         self.leases = LeaseTable(s.lease_s)
         self.held: dict[str, Held] = {}
         self.cancelled = Tombstones(s.duplicate_window_s)

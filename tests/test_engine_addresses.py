@@ -1,0 +1,77 @@
+"""Where an agent finds its engine's parts: the KV event replay socket beside its publisher,
+metrics served apart from the engine (a real ``sluice engine`` on a Unix socket, its metrics
+read over TCP from a second one), and settings that refuse an address they cannot use."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+from sluice.agent.engine import EngineError
+from sluice.agent.errors import KVEventError
+from sluice.agent.kvevents import replay_endpoint
+from sluice.agent.runtime import AgentSettings
+from sluice.agent.runtime.httpengine import HttpEngine, HttpEngineConfig
+from sluice.common.errors import ConfigError
+from sluice.testing.engineserver import EngineProcess
+
+from .test_engine_server import _free_port, _start, _stop, _wait_healthy
+
+
+def test_the_replay_socket_is_beside_the_publisher() -> None:
+    assert replay_endpoint("tcp://127.0.0.1:5557") == "tcp://127.0.0.1:5558"
+    assert replay_endpoint("ipc:///run/e0.kv") == "ipc:///run/e0.kv.replay"
+    for bad in ("udp://h:1", "tcp://h", "tcp://h:65535", "ipc://", "127.0.0.1:5557"):
+        with pytest.raises(KVEventError):
+            replay_endpoint(bad)
+
+
+def test_agent_settings_refuse_addresses_they_cannot_use() -> None:
+    http = {"engine": "openai-http", "engine_url": "unix:///run/e.sock"}
+    AgentSettings(**http, engine_kv_events="ipc:///run/e.kv", engine_metrics_url="http://h:9/m")
+    with pytest.raises(ValueError, match="tcp://host:port or ipc:///path"):
+        AgentSettings(**http, engine_kv_events="localhost:5557")
+    with pytest.raises(ValueError, match="engine_metrics_url"):
+        AgentSettings(**http, engine_metrics_url="unix:///run/m.sock")
+
+
+async def test_metrics_are_read_where_the_metrics_url_says(tmp_path: Path) -> None:
+    """The engine on a Unix socket, its metrics from another server: the scraped load is
+    that server's (it runs a request; the engine the agent talks to runs none)."""
+    engine = EngineProcess(str(tmp_path / "e.sock"), model="sim").start()
+    port = _free_port()
+    other = _start(["--port", str(port), "--speed", "1"])
+    try:
+        base = f"http://127.0.0.1:{port}"
+        with httpx.Client(base_url=base, timeout=30) as c:
+            _wait_healthy(c, other)
+        async with httpx.AsyncClient(base_url=base, timeout=30) as busy:
+            body = {"prompt": list(range(512)), "max_tokens": 2000, "stream": True}
+            async with busy.stream("POST", "/v1/completions", json=body) as r:
+                async for _ in r.aiter_lines():
+                    break  # running there now
+                config = HttpEngineConfig(
+                    url=engine.url, model="sim", metrics_url=f"{base}/metrics"
+                )
+                http = HttpEngine(config)
+                await http.open()
+                try:
+                    assert http.scraped is not None and http.scraped.running == 1
+                    assert http.scrape_errors == 0 and http.available
+                finally:
+                    await http.close()
+    finally:
+        _stop(other)
+        engine.stop()
+    with pytest.raises(EngineError, match="metrics URL"):
+        HttpEngine(HttpEngineConfig(url="http://h:1", model="sim", metrics_url="ftp://h/m"))
+
+
+def test_the_engine_refuses_a_kv_endpoint_it_cannot_bind(tmp_path: Path) -> None:
+    from sluice.sim.profiles import get_profile
+    from sluice.testing.engineserver import serve
+
+    with pytest.raises(ConfigError, match="cannot publish KV events"):
+        serve(get_profile("reference"), model="sim", uds=str(tmp_path / "s"), kv_events="x://")
