@@ -50,8 +50,10 @@ async def test_metrics_are_read_where_the_metrics_url_says(tmp_path: Path) -> No
         async with httpx.AsyncClient(base_url=base, timeout=30) as busy:
             body = {"prompt": list(range(512)), "max_tokens": 2000, "stream": True}
             async with busy.stream("POST", "/v1/completions", json=body) as r:
-                async for _ in r.aiter_lines():
-                    break  # running there now
+                lines = r.aiter_lines()  # held: a dropped iterator closes the stream
+                async for line in lines:
+                    if line.startswith("data: {"):
+                        break  # its first token: running there now
                 config = HttpEngineConfig(
                     url=engine.url, model="sim", metrics_url=f"{base}/metrics"
                 )

@@ -167,7 +167,7 @@ class HttpEngine:
         where = self.config.metrics_url or self.config.metrics_path
         assert where is not None
         try:
-            r = await self._metrics_client.get(where)
+            r = await self._metrics_client.get(where, timeout=self.config.connect_timeout_s)
             if r.status_code != 200:
                 raise EngineMetricsError(f"the metrics endpoint answered {r.status_code}")
             self.scraped = parse_load(r.text)

@@ -66,7 +66,9 @@ class AgentSettings(SluiceSettings):
         default=None, description="openai-http: the model name to ask for (default: models[0])."
     )
     engine_connect_timeout_s: float = Field(
-        default=2.0, gt=0, description="openai-http: connecting to the engine."
+        default=2.0,
+        gt=0,
+        description="openai-http: connecting to the engine; a health check or scrape at most.",
     )
     engine_first_token_timeout_s: float = Field(
         default=60.0, gt=0, description="openai-http: from the request to its first token."
