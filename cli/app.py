@@ -299,25 +299,17 @@ def bench_engine_cmd(
     max_tokens: Annotated[int, typer.Option(help="Output tokens per request.", min=2)] = 32,
     speed: Annotated[float, typer.Option(help="The engine's clock speed-up.", min=0.01)] = 1.0,
 ) -> None:
-    """What an agent adds in front of an HTTP engine: the same sluice engine process reached
-    directly and through Sluice, alternating, in one run."""
-    from sluice.cli.benchengine import bench_engine
+    """What the sluice engine server adds to the simulated engine in process, and what an agent
+    adds in front of that server: the three paths alternating, in one run."""
+    from sluice.cli.benchengine import bench_engine, table, verdict
 
     err.print(
         f"[dim]{requests} requests per path, {max_tokens} output tokens each, "
         f"engine speed x{speed:g}[/dim]"
     )
     r = _run(bench_engine(requests=requests, max_tokens=max_tokens, speed=speed))
-    console.print(
-        f"TTFT p50: direct {r.direct_ttft_p50_ms:.1f} ms, through Sluice "
-        f"{r.sluice_ttft_p50_ms:.1f} ms (+{r.added_ttft_ms:.1f} ms, "
-        f"x{r.sluice_ttft_p50_ms / r.direct_ttft_p50_ms:.2f})\n"
-        f"per token p50: direct {r.direct_token_ms:.2f} ms, through Sluice "
-        f"{r.sluice_token_ms:.2f} ms\n"
-        f"burst of 32 x 128 tokens: direct {r.direct_burst_tokens_per_s:,.0f} tokens/s, "
-        f"one agent forwarding {r.burst_tokens_per_s:,.0f} tokens/s "
-        f"(x{r.burst_tokens_per_s / r.direct_burst_tokens_per_s:.2f})"
-    )
+    console.print(table(r))
+    console.print(verdict(r))
 
 
 @app.command()

@@ -346,8 +346,29 @@ async def test_a_misbehaving_engine_fails_the_request_with_a_reason(mode: str, e
 
 
 async def test_the_engine_benchmark_measures_both_paths() -> None:
-    from sluice.cli.benchengine import bench_engine
+    """The three paths are measured: the in-process baseline (the server's engine and stepping
+    loop in this event loop, no HTTP), the sluice engine process reached directly, and that
+    process through Sluice. The in-process figures are bounded below by the profile's simulated
+    step durations at this speed (asyncio's default loop never wakes a sleep early; uvloop,
+    which the command uses, rounds timers down to whole milliseconds): removing the sleep from
+    ``SimServer._run``, or timing the in-process path without streaming its events, fails them."""
+    from rich.console import Console
 
-    r = await bench_engine(requests=4, max_tokens=4, speed=50.0)
-    assert r.direct_ttft_p50_ms > 0 and r.sluice_ttft_p50_ms > 0
-    assert r.burst_tokens_per_s > 0 and r.direct_burst_tokens_per_s > 0
+    from sluice.cli.benchengine import PROMPT_TOKENS, bench_engine, table, verdict
+    from sluice.sim.profiles import get_profile
+
+    speed, max_tokens = 50.0, 4
+    r = await bench_engine(requests=4, max_tokens=max_tokens, speed=speed)
+    p = get_profile("reference")
+    prefill_s = PROMPT_TOKENS / p.prefill_tokens_per_s / speed  # one chunk: the whole prompt
+    decode_s = (p.decode_base_s + p.decode_per_seq_s) / speed  # a batch of one
+    assert r.inproc.ttft_p50_ms >= prefill_s * 1000, r
+    assert r.inproc.token_ms >= decode_s * 1000, r
+    assert r.direct.ttft_p50_ms > 0 and r.sluice.ttft_p50_ms > 0, r
+    for path in (r.inproc, r.direct, r.sluice):
+        assert path.burst_tokens_per_s > 0, r
+    console = Console(record=True, width=200)
+    console.print(table(r))
+    console.print(verdict(r))
+    out = console.export_text()
+    assert f"{r.inproc.ttft_p50_ms:.1f} ms" in out and f"{r.server_added_ttft_ms:+.1f} ms" in out
