@@ -21,6 +21,7 @@ from sluice.client.errors import (
     SluiceError,
 )
 from sluice.client.settings import ClientSettings
+from sluice.client.subscriptions import ResultSubscription
 from sluice.schemas.models import QueuedNotice, RejectReason, Result, Timings, TokenChunk
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "Rejected",
     "RequestHandle",
     "Result",
+    "ResultSubscription",
     "ResultTimeout",
     "Retry",
     "ServiceUnavailable",

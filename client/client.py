@@ -31,6 +31,7 @@ from sluice.client.errors import (
     rejection_error,
 )
 from sluice.client.settings import ClientSettings
+from sluice.client.subscriptions import ResultSubscription
 from sluice.common.aio import wait_at_most
 from sluice.common.tokenizer import PromptTokenizer
 from sluice.common.transport import TransportError, connect
@@ -362,6 +363,7 @@ class Client:
         request_id: str | None = None,
         deadline_s: float | None = None,
         retry: Retry | int | None = None,
+        session_id: str | None = None,
     ) -> RequestHandle:
         """Queue a request and return its handle.
 
@@ -372,12 +374,15 @@ class Client:
         queue is at its bound, unless ``retry`` (a :class:`Retry`, or a number of retries)
         says to submit again after the queue's retry-after, with jitter, a bounded number of
         times; ``InvalidRequest`` for bad arguments; ``ServiceUnavailable`` when no dispatcher
-        serves the band.
+        serves the band. ``session_id``: the requests of one session (a conversation) stick
+        to the workers that served it.
         """
         if retry is not None and not isinstance(retry, Retry | int):
             raise InvalidRequest(f"retry must be a Retry or a number of retries, not {retry!r}")
         policy = Retry(attempts=retry) if isinstance(retry, int) else retry or Retry(attempts=0)
-        request = self._build(model, prompt, max_tokens, band, tenant, request_id, deadline_s)
+        request = self._build(
+            model, prompt, max_tokens, band, tenant, request_id, deadline_s, session_id
+        )
         handle = RequestHandle(self, request)
         await handle._subscribe(self.nc)
         started = time.monotonic()
@@ -406,6 +411,7 @@ class Client:
         tenant: str | None,
         request_id: str | None,
         deadline_s: float | None,
+        session_id: str | None = None,
     ) -> SubmitRequest:
         if deadline_s is not None and deadline_s <= 0:
             raise InvalidRequest(f"deadline_s must be > 0, got {deadline_s}")
@@ -437,6 +443,7 @@ class Client:
                 max_tokens=max_tokens,
                 submitted_unix_ms=now_ms,
                 deadline_unix_ms=None if deadline_s is None else now_ms + int(deadline_s * 1000),
+                session_id=session_id,
             )
         except ValidationError as exc:
             raise InvalidRequest(str(exc)) from exc
@@ -480,6 +487,31 @@ class Client:
     async def fetch_result(self, request_id: str, *, tenant: str | None = None) -> Result | None:
         """The stored result of an earlier request, or None if there is none (yet)."""
         return await self._lookup_result(tenant or self.tenant, request_id)
+
+    def results(
+        self,
+        *,
+        tenant: str | None = None,
+        batch_id: str | None = None,
+        group: str | None = None,
+        name: str | None = None,
+        idle_timeout_s: float | None = None,
+    ) -> ResultSubscription:
+        """Every result of ``tenant`` (default: the client's), or of one batch (``batch_id``)
+        or request group (``group``: request ids ``GROUP:KEY``) of it, stored and future, as
+        a durable async iterator that resumes where the last subscription under ``name``
+        stopped (default: one name per tenant and group). Use it as ``async with
+        client.results(batch_id=b) as sub: async for result in sub: ...``
+        (:mod:`sluice.client.subscriptions`)."""
+        if batch_id is not None and group is not None and batch_id != group:
+            raise InvalidRequest("give batch_id or group, not both")
+        return ResultSubscription(
+            self.nc,
+            tenant or self.tenant,
+            batch_id if batch_id is not None else group,
+            name=name,
+            idle_timeout_s=idle_timeout_s,
+        )
 
     async def _lookup_result(self, tenant: str, request_id: str) -> Result | None:
         try:

@@ -173,7 +173,7 @@ class CacheAware:
         hashes = request.block_hashes
         indexed = self._indexed(hashes)
         matches = self.index.match(indexed, now_s) if indexed else {}
-        key = prefix_key(hashes, self._key_blocks)
+        key = self._key(request)
         fleet = max(len(self._fleet), len(candidates))
         reps = self.affinity.replicas(key, now_s) if key is not None else []
         if key is not None and self.config.sticky_cached:
@@ -246,6 +246,12 @@ class CacheAware:
             terms = tuple(_terms(s, s in allowed) for s in scored)
         return Choice(best.candidate.worker_id, best.hit_tokens, reason, terms)
 
+    def _key(self, request: RouteRequest) -> int | None:
+        """What the request sticks by: its session, or its prompt prefix."""
+        if request.affinity_key is not None:
+            return request.affinity_key
+        return prefix_key(request.block_hashes, self._key_blocks)
+
     def _indexed(self, hashes: Sequence[int]) -> Sequence[int]:
         s = self._stride
         return hashes if s == 1 else hashes[s - 1 :: s]
@@ -262,7 +268,7 @@ class CacheAware:
         indexed = self._indexed(hashes)
         if indexed:
             self.index.guess(worker_id, indexed, now_s)
-        key = prefix_key(hashes, self._key_blocks)
+        key = self._key(request)
         if key is None:
             return
         fleet = max(len(self._fleet), 1)

@@ -60,6 +60,9 @@ class RouteRequest:
     prompt_tokens: int
     max_tokens: int
     block_hashes: tuple[int, ...] = ()
+    affinity_key: int | None = None
+    """A session's key (:func:`~sluice.schemas.hashing.session_key`): it sticks by this instead
+    of its prompt prefix."""
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,8 @@ class Request:
     engine_ms: int = 0
     """Its estimated engine time at a median worker without cache hits, in milliseconds
     (priced by the scheduler when it is queued; what ``engine_ms`` quotas count)."""
+    affinity_key: int | None = None
+    """Its session's key, when the producer named a session."""
 
     @property
     def work_tokens(self) -> int:
@@ -37,7 +39,12 @@ class Request:
 
     def route_view(self) -> RouteRequest:
         return RouteRequest(
-            self.request_id, self.model, self.prompt_tokens, self.max_tokens, self.block_hashes
+            self.request_id,
+            self.model,
+            self.prompt_tokens,
+            self.max_tokens,
+            self.block_hashes,
+            self.affinity_key,
         )
 
 

@@ -28,6 +28,7 @@ and memory (see :func:`index_stride`)."""
 TEXT_BYTES_PER_TOKEN = 4
 _TOKEN_SEED = 0x5A1C_E000
 _TEXT_SEED = 0x5A1C_E001
+_SESSION_SEED = 0x5A1C_E002
 _PREV = struct.Struct("<Q")
 
 
@@ -72,6 +73,12 @@ def text_block_hashes(text: str, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> li
         )
         out.append(prev)
     return out
+
+
+def session_key(tenant: str, session_id: str) -> int:
+    """The affinity key of a tenant's session (a conversation): requests that carry it stick
+    to the same workers, as requests with the same prompt prefix do."""
+    return xxhash.xxh64_intdigest(f"{tenant}\x00{session_id}".encode(), _SESSION_SEED)
 
 
 def estimate_text_tokens(text: str) -> int:

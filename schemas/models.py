@@ -48,7 +48,11 @@ class SubmitRequest(_Wire):
     """What a producer publishes on ``sluice.req.<band>.<model>.<tenant>``.
 
     Exactly one of ``prompt_tokens`` (token ids) and ``prompt_text`` is set.
-    ``request_id`` is the idempotency key (it is also the ``Nats-Msg-Id``).
+    ``request_id`` is the idempotency key (it is also the ``Nats-Msg-Id``); an id
+    ``GROUP:KEY`` puts its result in a group (a batch's requests:
+    :func:`~sluice.schemas.names.result_subject`).
+    ``session_id``: an affinity hint: the requests of one session (a conversation) of a tenant
+    stick to the workers that served it, as a shared prompt prefix does.
     """
 
     request_id: RequestId
@@ -60,6 +64,7 @@ class SubmitRequest(_Wire):
     max_tokens: int = Field(default=256, ge=1, le=1_000_000)
     submitted_unix_ms: int = Field(ge=0)
     deadline_unix_ms: int | None = Field(default=None, ge=0)
+    session_id: Name | None = None
 
     @model_validator(mode="after")
     def _one_prompt(self) -> SubmitRequest:
@@ -137,7 +142,8 @@ class Rejection(_Wire):
 
 
 class Result(_Wire):
-    """The final answer for a request on ``sluice.result.<tenant>.<request_id>``.
+    """The final answer for a request on ``sluice.result.<tenant>.<group>.<request_id>``
+    (:func:`sluice.schemas.names.result_subject`).
 
     ``ok`` tells whether it ran to its end. If not, ``rejection`` says why, and the output
     fields are empty, except for a request cancelled while it ran: they hold what it produced

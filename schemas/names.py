@@ -104,9 +104,34 @@ RESULT_STREAM = "SLUICE_RESULTS"
 RESULT_SUBJECTS = f"{PREFIX}.result.>"
 
 
+#: The separator of a request id's group: ``GROUP:KEY`` (a batch's requests are
+#: ``<batch id>:<key>``); an id without one is in no group.
+GROUP_SEPARATOR = ":"
+NO_GROUP = "_"
+
+
+def request_group(request_id: str) -> str | None:
+    """The group of a request id (``GROUP:KEY``), None for an ungrouped id."""
+    group, sep, key = request_id.partition(GROUP_SEPARATOR)
+    return group if sep and group and key else None
+
+
 def result_subject(tenant: str, request_id: str) -> str:
-    """Where the final result (or a typed rejection) of a request is published."""
-    return f"{PREFIX}.result.{subject_token(tenant)}.{subject_token(request_id)}"
+    """Where the final result (or a typed rejection) of a request is published:
+    ``sluice.result.<tenant>.<group>.<request_id>``, so that a tenant's results, and a group's
+    (a batch's), can be followed with one subject filter."""
+    group = request_group(request_id) or NO_GROUP
+    return (
+        f"{PREFIX}.result.{subject_token(tenant)}.{subject_token(group)}."
+        f"{subject_token(request_id)}"
+    )
+
+
+def results_filter(tenant: str, group: str | None = None) -> str:
+    """The result subjects of one tenant, or of one group (a batch) of that tenant."""
+    if group is None:
+        return f"{PREFIX}.result.{subject_token(tenant)}.>"
+    return f"{PREFIX}.result.{subject_token(tenant)}.{subject_token(group)}.*"
 
 
 # --- dead letters (undecodable input without a request id, poisoned requests) ----------------

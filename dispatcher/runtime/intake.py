@@ -22,7 +22,7 @@ from sluice.dispatcher.scheduler import Request
 from sluice.schemas import names
 from sluice.schemas.codec import decode
 from sluice.schemas.errors import DecodeError
-from sluice.schemas.hashing import prompt_hashes, prompt_length
+from sluice.schemas.hashing import prompt_hashes, prompt_length, session_key
 from sluice.schemas.models import Rejection, RejectReason, SubmitRequest
 
 log = logging.getLogger("sluice.dispatcher")
@@ -163,4 +163,5 @@ def _request(req: SubmitRequest, msg: Msg, now: float, ids: Sequence[int] | None
         arrived_s=now - max(0.0, wall - stored_s),
         deadline_s=deadline_s,
         block_hashes=tuple(prompt_hashes(ids, req.prompt_text)),
+        affinity_key=None if req.session_id is None else session_key(req.tenant, req.session_id),
     )
