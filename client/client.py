@@ -31,7 +31,7 @@ from sluice.client.errors import (
     rejection_error,
 )
 from sluice.client.settings import ClientSettings
-from sluice.client.subscriptions import ResultSubscription
+from sluice.client.subscriptions import DEFAULT_ACK_WAIT_S, ResultSubscription
 from sluice.common.aio import wait_at_most
 from sluice.common.tokenizer import PromptTokenizer
 from sluice.common.transport import TransportError, connect
@@ -496,11 +496,14 @@ class Client:
         group: str | None = None,
         name: str | None = None,
         idle_timeout_s: float | None = None,
+        ack_wait_s: float = DEFAULT_ACK_WAIT_S,
     ) -> ResultSubscription:
         """Every result of ``tenant`` (default: the client's), or of one batch (``batch_id``)
         or request group (``group``: request ids ``GROUP:KEY``) of it, stored and future, as
         a durable async iterator that resumes where the last subscription under ``name``
-        stopped (default: one name per tenant and group). Use it as ``async with
+        stopped (default: one name per tenant and group); results taken by a subscriber that
+        died unacked come again after ``ack_wait_s`` (fixed when the subscription is first
+        made). Use it as ``async with
         client.results(batch_id=b) as sub: async for result in sub: ...``
         (:mod:`sluice.client.subscriptions`)."""
         if batch_id is not None and group is not None and batch_id != group:
@@ -511,6 +514,7 @@ class Client:
             batch_id if batch_id is not None else group,
             name=name,
             idle_timeout_s=idle_timeout_s,
+            ack_wait_s=ack_wait_s,
         )
 
     async def _lookup_result(self, tenant: str, request_id: str) -> Result | None:

@@ -34,6 +34,8 @@ from sluice.schemas.models import Result
 
 DEFAULT_INACTIVE_S = 24 * 3600.0
 """A subscription nobody reads for this long is removed by the broker."""
+DEFAULT_ACK_WAIT_S = 30.0
+"""Results a subscriber fetched and never acked (it died) come again after this long."""
 _SEEN_MAX = 100_000
 _ACK_TRIES = 10
 _NATS_ERRORS = (nats.errors.Error, OSError)
@@ -66,6 +68,7 @@ class ResultSubscription:
         idle_timeout_s: float | None = None,
         fetch_batch: int = 64,
         inactive_s: float = DEFAULT_INACTIVE_S,
+        ack_wait_s: float = DEFAULT_ACK_WAIT_S,
     ) -> None:
         self.tenant, self.group = tenant, group
         self.name = name or subscription_name(tenant, group)
@@ -75,6 +78,7 @@ class ResultSubscription:
         self._nc = nc
         self._fetch_batch = fetch_batch
         self._inactive_s = inactive_s
+        self._ack_wait_s = ack_wait_s
         self._psub: JetStreamContext.PullSubscription | None = None
         self._pending: Msg | None = None
         """The last result handed out: acked when the next is asked for, or on close."""
@@ -89,6 +93,7 @@ class ResultSubscription:
                 ack_policy=api.AckPolicy.EXPLICIT,
                 deliver_policy=api.DeliverPolicy.ALL,
                 inactive_threshold=self._inactive_s,
+                ack_wait=self._ack_wait_s,
                 max_ack_pending=self._fetch_batch * 4,
             )
             try:
