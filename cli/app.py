@@ -9,14 +9,13 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
 
-from sluice.cli.console import err, fail
+from sluice.cli.console import err, fail, make_client, run, with_client
 from sluice.common.settings import ConfigError
 
 T = TypeVar("T")
@@ -33,26 +32,19 @@ console = Console(width=None if sys.stdout.isatty() else 150)
 
 
 def _register_replay() -> None:
+    from sluice.cli.batch import app as batch_app
     from sluice.cli.quota import app as quota_app
     from sluice.cli.replay import app as replay_app
 
     app.add_typer(replay_app, name="replay")
     app.add_typer(quota_app, name="quota")
+    app.add_typer(batch_app, name="batch")
 
 
 ConfigOpt = Annotated[
     Path | None,
     typer.Option("--config", "-c", help="TOML config file (else $SLUICE_CONFIG_FILE)."),
 ]
-
-
-def _run(coro: Coroutine[Any, Any, T]) -> T:
-    try:
-        import uvloop
-
-        return uvloop.run(coro)
-    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux and macOS
-        return asyncio.run(coro)
 
 
 @app.callback()
@@ -96,7 +88,7 @@ def demo(
         engines=engines,
     )
     try:
-        report = _run(run_demo(cfg, console))
+        report = run(run_demo(cfg, console))
     except (NatsServerError, EngineError) as exc:
         raise fail(str(exc)) from exc
     if report.interrupted:
@@ -125,7 +117,7 @@ def bench(
         )
     if skip_live:
         return
-    live = _run(bench_live(requests=live_requests))
+    live = run(bench_live(requests=live_requests))
     console.print(
         f"live ({live.requests} sequential requests, idle cluster): dispatch latency "
         f"(submit -> worker accepted) p50 {live.dispatch_p50_ms:.2f} ms, "
@@ -181,7 +173,7 @@ def _serve(
             raise fail(f"cannot serve metrics on {metrics_host}:{metrics_port}: {exc}") from exc
     err.print(banner)
     try:
-        _run(_serve_until_signal(start, stop))
+        run(_serve_until_signal(start, stop))
     except errors as exc:
         raise fail(str(exc)) from exc
 
@@ -307,7 +299,7 @@ def bench_engine_cmd(
         f"[dim]{requests} requests per path, {max_tokens} output tokens each, "
         f"engine speed x{speed:g}[/dim]"
     )
-    r = _run(bench_engine(requests=requests, max_tokens=max_tokens, speed=speed))
+    r = run(bench_engine(requests=requests, max_tokens=max_tokens, speed=speed))
     console.print(table(r))
     console.print(verdict(r))
 
@@ -403,41 +395,14 @@ def submit(
             body = [int(t) for t in (tokens or "").split(",") if t.strip()]
         except ValueError as exc:
             raise fail("--tokens takes comma-separated integers") from exc
-    code = _run(
+    code = run(
         _submit(
-            _client(config), model, body, max_tokens, band, tenant, request_id, deadline_s,
+            make_client(config), model, body, max_tokens, band, tenant, request_id, deadline_s,
             timeout_s, stream and not as_json, as_json,
         )
     )  # fmt: skip
     if code:
         raise typer.Exit(code)
-
-
-def _client(config: Path | None) -> Any:
-    """The client its settings describe; bad settings (a missing tokenizer file, say) stop
-    the command with exit code 2."""
-    from sluice.client import Client, ClientSettings
-
-    try:
-        return Client.from_settings(ClientSettings.load(config))
-    except ConfigError as exc:
-        raise fail(str(exc)) from exc
-
-
-def _with_client(config: Path | None, call: Callable[[Any], Awaitable[Any]]) -> Any:
-    """Run ``call`` with a connected client; its errors stop the command with exit code 2."""
-    from sluice.client import SluiceError
-
-    client = _client(config)
-
-    async def go() -> Any:
-        async with client as c:
-            return await call(c)
-
-    try:
-        return _run(go())
-    except SluiceError as exc:
-        raise fail(str(exc)) from exc
 
 
 async def _submit(
@@ -503,7 +468,7 @@ def stats(
     """Show a dispatcher's queue depths and running counts."""
     from rich.table import Table
 
-    s = _with_client(config, lambda c: c.stats())
+    s = with_client(config, lambda c: c.stats())
     if as_json:
         print(json.dumps(s.model_dump(mode="json")))
         return
@@ -535,7 +500,7 @@ def cancel(
 ) -> None:
     """Cancel a request: queued, it never runs; running, its worker stops it. Exit code 0 when
     it was cancelled, 1 when it had finished or is unknown (a no-op), 2 on errors."""
-    reply = _with_client(config, lambda c: c.cancel(request_id, tenant=tenant))
+    reply = with_client(config, lambda c: c.cancel(request_id, tenant=tenant))
     console.print(
         f"{reply.request_id}: {reply.status}" + (f" ({reply.message})" if reply.message else "")
     )

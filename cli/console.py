@@ -1,11 +1,20 @@
-"""The command line's shared error output: one stderr console and one way to fail."""
+"""The command line's shared parts: one stderr console, one way to fail, one way to run a
+coroutine, and one way to get a client from the settings."""
 
 from __future__ import annotations
 
+import asyncio
 import sys
+from collections.abc import Awaitable, Callable, Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
 
 import typer
 from rich.console import Console
+
+from sluice.common.settings import ConfigError
+
+T = TypeVar("T")
 
 # Piped output (CI logs) gets wide lines instead of 80 columns of wrapped cells.
 err = Console(stderr=True, width=None if sys.stderr.isatty() else 150)
@@ -15,3 +24,40 @@ def fail(message: str, code: int = 2) -> typer.Exit:
     """Print ``error: message`` on stderr; raise the result to exit with ``code``."""
     err.print(f"[red]error:[/red] {message}")
     return typer.Exit(code)
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine on uvloop (asyncio where it is missing)."""
+    try:
+        import uvloop
+
+        return uvloop.run(coro)
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux and macOS
+        return asyncio.run(coro)
+
+
+def make_client(config: Path | None) -> Any:
+    """The client its settings describe; bad settings (a missing tokenizer file, say) stop
+    the command with exit code 2."""
+    from sluice.client import Client, ClientSettings
+
+    try:
+        return Client.from_settings(ClientSettings.load(config))
+    except ConfigError as exc:
+        raise fail(str(exc)) from exc
+
+
+def with_client(config: Path | None, call: Callable[[Any], Awaitable[T]]) -> T:
+    """Run ``call`` with a connected client; its errors stop the command with exit code 2."""
+    from sluice.client import SluiceError
+
+    client = make_client(config)
+
+    async def go() -> T:
+        async with client as c:
+            return await call(c)
+
+    try:
+        return run(go())
+    except SluiceError as exc:
+        raise fail(str(exc)) from exc

@@ -7,10 +7,14 @@ async with Client("nats://127.0.0.1:4222") as client:
     result = await handle.result()
 """
 
+from sluice.client.batches import Batches
 from sluice.client.client import Client, RequestHandle, Retry
 from sluice.client.errors import (
+    BatchNotFound,
+    BatchStateError,
     Cancelled,
     DeadlineExceeded,
+    FileNotFound,
     InvalidRequest,
     MalformedResult,
     NotConnected,
@@ -25,10 +29,14 @@ from sluice.client.subscriptions import ResultSubscription
 from sluice.schemas.models import QueuedNotice, RejectReason, Result, Timings, TokenChunk
 
 __all__ = [
+    "BatchNotFound",
+    "BatchStateError",
+    "Batches",
     "Cancelled",
     "Client",
     "ClientSettings",
     "DeadlineExceeded",
+    "FileNotFound",
     "InvalidRequest",
     "MalformedResult",
     "NotConnected",

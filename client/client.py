@@ -448,6 +448,27 @@ class Client:
         except ValidationError as exc:
             raise InvalidRequest(str(exc)) from exc
 
+    async def enqueue(
+        self,
+        model: str,
+        prompt: str | Sequence[int],
+        *,
+        max_tokens: int = 256,
+        band: str | None = None,
+        tenant: str | None = None,
+        request_id: str | None = None,
+        deadline_s: float | None = None,
+        session_id: str | None = None,
+    ) -> str:
+        """Queue a request without following it (offline work: its result is picked up
+        later, with :meth:`fetch_result` or :meth:`results`); returns its request id. Raises
+        as :meth:`submit` does (``QueueFull`` at once: no retry here)."""
+        request = self._build(
+            model, prompt, max_tokens, band, tenant, request_id, deadline_s, session_id
+        )
+        await self._publish(request)
+        return request.request_id
+
     async def _publish(self, r: SubmitRequest) -> None:
         subject = names.request_subject(r.band, r.model, r.tenant)
         try:

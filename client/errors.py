@@ -97,3 +97,30 @@ def rejection_error(
     if rejection.reason is RejectReason.CANCELLED:
         return Cancelled(request_id, rejection, result)
     return Rejected(request_id, rejection, result)
+
+
+class BatchNotFound(SluiceError, KeyError):
+    """No batch of that id belongs to this tenant (another tenant's batch is not found
+    either)."""
+
+    def __init__(self, batch_id: str) -> None:
+        self.batch_id = batch_id
+        super().__init__(f"no batch {batch_id!r}")
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class FileNotFound(SluiceError, KeyError):
+    """No stored file of that id belongs to this tenant."""
+
+    def __init__(self, file_id: str) -> None:
+        self.file_id = file_id
+        super().__init__(f"no file {file_id!r}")
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class BatchStateError(SluiceError):
+    """The batch cannot do that in its state (cancelling a completed batch)."""

@@ -382,3 +382,72 @@ class DispatcherStats(_Wire):
     held: dict[str, int] = Field(default_factory=dict)
     """Queued requests by the layer that holds them (see :class:`QueuedNotice`)."""
     bands: list[BandStats]
+
+
+# --- offline batches (stored in the batch bucket, names.BATCH_BUCKET) --------------------------
+
+BatchState = Literal[
+    "validating",
+    "in_progress",
+    "finalizing",
+    "completed",
+    "failed",
+    "expired",
+    "cancelling",
+    "cancelled",
+]
+TERMINAL_BATCH_STATES: Final = frozenset({"completed", "failed", "expired", "cancelled"})
+
+
+class BatchCounts(_Wire):
+    """A batch's requests: ``total`` valid input lines; ``completed`` and ``failed`` have a
+    result; ``invalid`` lines were never submitted (they are in the error file)."""
+
+    total: int = Field(default=0, ge=0)
+    completed: int = Field(default=0, ge=0)
+    failed: int = Field(default=0, ge=0)
+    invalid: int = Field(default=0, ge=0)
+
+
+class BatchRecord(_Wire):
+    """One offline batch: what it runs, where it stands, and where its files are. Times are
+    Unix seconds (OpenAI's batch object counts in seconds)."""
+
+    id: Name
+    tenant: Name
+    status: BatchState
+    endpoint: str = "/v1/chat/completions"
+    """What a line of the OpenAI Batch format runs (its ``url``), as OpenAI's batch says."""
+    input_file_id: Name
+    band: Name = "batch"
+    completion_window_s: float = Field(gt=0)
+    created_at: int = Field(ge=0)
+    expires_at: int = Field(ge=0)
+    counts: BatchCounts = Field(default_factory=BatchCounts)
+    submitted: int = Field(default=0, ge=0)
+    """Input lines handled by the submitter so far (a restarted submitter resumes here)."""
+    submitter_done: bool = False
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    in_progress_at: int | None = None
+    finalizing_at: int | None = None
+    completed_at: int | None = None
+    failed_at: int | None = None
+    expired_at: int | None = None
+    cancelling_at: int | None = None
+    cancelled_at: int | None = None
+    errors: list[str] = Field(default_factory=list)
+    """Why the batch failed as a whole (not per line: those are in the error file)."""
+    metadata: dict[str, str] = Field(default_factory=dict)
+
+
+class FileRecord(_Wire):
+    """A stored file (a batch's input, output or errors): its bytes are in the file store
+    (``names.FILE_STORE``) under its ``id``."""
+
+    id: Name
+    tenant: Name
+    filename: str
+    purpose: str
+    bytes: int = Field(ge=0)
+    created_at: int = Field(ge=0)

@@ -134,6 +134,25 @@ def results_filter(tenant: str, group: str | None = None) -> str:
     return f"{PREFIX}.result.{subject_token(tenant)}.{subject_token(group)}.*"
 
 
+# --- offline batches (a JetStream KV bucket and an object store) ------------------------------
+
+BATCH_BUCKET = "SLUICE_BATCHES"
+"""Batch records (``batch.<id>``) and file records (``file.<id>``)."""
+FILE_STORE = "SLUICE_FILES"
+"""The bytes of stored files (batch input, output and error files), by file id."""
+
+
+BATCH_KEY_PREFIX = "batch."
+
+
+def batch_key(batch_id: str) -> str:
+    return f"{BATCH_KEY_PREFIX}{subject_token(batch_id)}"
+
+
+def file_key(file_id: str) -> str:
+    return f"file.{subject_token(file_id)}"
+
+
 # --- dead letters (undecodable input without a request id, poisoned requests) ----------------
 
 DEAD_LETTER_STREAM = "SLUICE_DLQ"

@@ -1,0 +1,85 @@
+"""OpenAI's response shapes for Sluice results: completion and chat completion bodies, usage,
+error objects and the HTTP status of each rejection. One definition for the gateway's answers
+and for the lines of a batch's output and error files."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from sluice.schemas.models import Rejection, RejectReason, Result
+
+Kind = Literal["chat", "text"]
+
+ENDPOINT_KINDS: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "text"}
+
+_STATUS: dict[RejectReason, int] = {
+    RejectReason.MALFORMED: 400,
+    RejectReason.UNKNOWN_BAND: 400,
+    RejectReason.PROMPT_TOO_LONG: 400,
+    RejectReason.UNKNOWN_MODEL: 404,
+    RejectReason.DEADLINE_EXCEEDED: 408,
+    RejectReason.QUEUE_FULL: 429,
+    RejectReason.CANCELLED: 499,
+    RejectReason.MAX_ATTEMPTS: 503,
+    RejectReason.UNDELIVERABLE: 503,
+    RejectReason.INTERNAL: 500,
+}
+_TYPE = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error"}
+
+
+def http_status(reason: RejectReason) -> int:
+    """The HTTP status that answers a rejection."""
+    return _STATUS.get(reason, 500)
+
+
+def error_object(
+    message: str, status: int, code: str | None = None, param: str | None = None
+) -> dict[str, Any]:
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+    kind = _TYPE.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def rejection_error(rejection: Rejection) -> dict[str, Any]:
+    return error_object(rejection.message, http_status(rejection.reason), rejection.reason.value)
+
+
+def usage(result: Result) -> dict[str, Any]:
+    completion = len(result.output_tokens)
+    return {
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": result.prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
+    }
+
+
+def finish_reason(result: Result, max_tokens: int) -> str:
+    """``length`` when the output reached ``max_tokens``, else ``stop``."""
+    return "length" if len(result.output_tokens) >= max_tokens else "stop"
+
+
+def completion_body(
+    kind: Kind, result: Result, *, model: str, created: int, max_tokens: int
+) -> dict[str, Any]:
+    """A ``chat.completion`` or ``text_completion`` object for a finished request."""
+    reason = finish_reason(result, max_tokens)
+    if kind == "chat":
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": result.text},
+            "logprobs": None,
+            "finish_reason": reason,
+        }
+        prefix, obj = "chatcmpl", "chat.completion"
+    else:
+        choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": reason}
+        prefix, obj = "cmpl", "text_completion"
+    return {
+        "id": f"{prefix}-{result.request_id}",
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": usage(result),
+    }

@@ -1,0 +1,222 @@
+"""Offline batches: OpenAI Batch files (and native lines) through a real nats-server,
+dispatcher and agents; the submitter as a real ``sluice batch`` process, killed mid-batch and
+run again."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sluice.client import BatchNotFound, Batches, BatchStateError, Client, FileNotFound
+from sluice.client.batchfile import parse_lines, parse_window, request_id_of
+from sluice.schemas import names
+from sluice.testing.cluster import LocalCluster
+
+from .conftest import cluster_kwargs, eventually
+
+
+def _chat(i: int, max_tokens: int = 2) -> dict[str, Any]:
+    return {
+        "custom_id": f"req-{i}",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {
+            "model": "sim",
+            "messages": [{"role": "user", "content": f"question {i} " * 8}],
+            "max_tokens": max_tokens,
+        },
+    }
+
+
+def _file(n: int, bad_every: int = 0) -> tuple[bytes, set[int]]:
+    """``n`` lines, every ``bad_every``-th malformed; the bad line numbers."""
+    lines, bad = [], set()
+    for i in range(1, n + 1):
+        if bad_every and i % bad_every == 0:
+            lines.append(b'{"custom_id": "broken", "body": ' if i % 2 else b'{"url": "/v1/x"}')
+            bad.add(i)
+        else:
+            lines.append(json.dumps(_chat(i)).encode())
+    return b"\n".join(lines) + b"\n", bad
+
+
+def test_lines_in_both_formats_and_their_errors() -> None:
+    data = b"\n".join(
+        [
+            json.dumps(_chat(1)).encode(),
+            b"",
+            json.dumps({"model": "sim", "prompt": "hello", "max_tokens": 3}).encode(),
+            json.dumps({"custom_id": "t", "model": "sim", "tokens": [1, 2, 3]}).encode(),
+            b"{not json",
+            json.dumps(_chat(1)).encode(),  # the custom_id repeats
+            json.dumps({"custom_id": "x", "url": "/v1/embeddings", "body": {}}).encode(),
+            json.dumps({"custom_id": "y", "model": "sim", "prompt": "", "max_tokens": 1}).encode(),
+            json.dumps({"custom_id": "z", "model": "sim", "prompt": "a", "max_tokens": 0}).encode(),
+        ]
+    )
+    good, bad = parse_lines(data, "batch_1")
+    assert [(g.line, g.custom_id, g.kind) for g in good] == [
+        (1, "req-1", "chat"),
+        (3, "line-3", "text"),
+        (4, "t", "text"),
+    ]
+    assert good[0].prompt == "<|user|>\n" + "question 1 " * 8 + "\n<|assistant|>\n"
+    assert good[2].prompt == [1, 2, 3] and good[1].max_tokens == 3
+    assert good[0].request_id == request_id_of("batch_1", "req-1")
+    assert parse_lines(data, "batch_1")[0] == good  # the same ids on every run
+    assert [(e.line, e.code) for e in bad] == [
+        (5, "invalid_json"),
+        (6, "duplicate_custom_id"),
+        (7, "invalid_request"),
+        (8, "invalid_request"),
+        (9, "invalid_request"),
+    ]
+    assert all(e.message.startswith(f"line {e.line}: ") for e in bad)
+    assert parse_window("24h") == 86400 and parse_window("90m") == 5400
+    for text in ("0h", "soon", "-5s"):
+        with pytest.raises(ValueError, match="completion window"):
+            parse_window(text)
+
+
+pytestmark_e2e = pytest.mark.e2e
+
+
+def _lines(data: bytes) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in data.splitlines() if x.strip()]
+
+
+@pytestmark_e2e
+async def test_a_batch_of_1000_lines_ends_with_1000_lines(nats_url: str) -> None:
+    data, bad = _file(1000, bad_every=97)
+    kw = cluster_kwargs(agent={"capacity": 64})
+    async with LocalCluster(nats_url, **kw), Client(nats_url, tenant="acme") as c:
+        b = Batches(c)
+        f = await b.upload(data, "in.jsonl")
+        record = await b.create(f.id)
+        assert record.status == "validating" and record.counts.total == 1000 - len(bad)
+        await b.submit(record.id)
+        record = await b.wait(record.id, every_s=0.5, timeout_s=120)
+        assert record.status == "completed", record
+        assert record.output_file_id and record.error_file_id
+        out = _lines(await b.content(record.output_file_id))
+        errs = _lines(await b.content(record.error_file_id))
+    assert len(out) + len(errs) == 1000
+    assert record.counts.completed == len(out) == 1000 - len(bad)
+    assert sorted(e["error"]["line"] for e in errs) == sorted(bad)  # with their line numbers
+    assert [o["custom_id"] for o in out] == [f"req-{i}" for i in range(1, 1001) if i not in bad]
+    body = out[0]["response"]["body"]
+    assert out[0]["response"]["status_code"] == 200 and body["object"] == "chat.completion"
+    assert body["choices"][0]["message"]["role"] == "assistant"
+    assert body["usage"]["prompt_tokens"] > 0 and body["model"] == "sim"
+
+
+def _sluice(args: list[str], nats_url: str, **kw: Any) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "SLUICE_NATS_URL": nats_url, "SLUICE_CLIENT_TENANT": "acme"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "sluice.cli", "batch", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        **kw,
+    )
+
+
+@pytestmark_e2e
+async def test_a_submitter_killed_mid_batch_and_run_again_submits_nothing_twice(
+    nats_url: str, tmp_path: Path
+) -> None:
+    data, _ = _file(1500)
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(data)
+    kw = cluster_kwargs(agent={"capacity": 64})
+    async with LocalCluster(nats_url, **kw), Client(nats_url, tenant="acme") as c:
+        b = Batches(c)
+        first = _sluice(["submit", str(path)], nats_url)
+        try:
+            from sluice.client.batches import batch_id_for
+
+            bid = batch_id_for("acme", data)
+
+            async def partway() -> bool:
+                try:
+                    return (await b.get(bid)).submitted >= 256
+                except BatchNotFound:
+                    return False
+
+            await eventually(partway, timeout_s=60)
+            first.send_signal(signal.SIGKILL)  # mid-batch: no chance to clean up
+            first.wait(10)
+            assert (await b.get(bid)).submitted < 1500
+        finally:
+            if first.poll() is None:
+                first.kill()
+                first.wait()
+        second = _sluice(["submit", str(path), "--wait"], nats_url)
+        try:
+            stdout, stderr = await asyncio.to_thread(second.communicate, timeout=180)
+        finally:
+            if second.poll() is None:
+                second.kill()
+                second.wait()
+        assert second.returncode == 0, stderr.decode()
+        assert stdout.decode().strip() == bid and b"resuming" in stderr
+        record = await b.get(bid)
+        assert record.status == "completed" and record.counts.completed == 1500
+        out = _lines(await b.content(record.output_file_id or ""))
+        js = c.nc.jetstream()
+        info = await js.stream_info(names.RESULT_STREAM, names.results_filter("acme", bid))
+        ran = info.state.subjects or {}
+    assert sorted(o["custom_id"] for o in out) == sorted(f"req-{i}" for i in range(1, 1501))
+    assert len(ran) == 1500 and set(ran.values()) == {1}  # every request ran exactly once
+
+
+@pytestmark_e2e
+async def test_a_tenant_cannot_read_another_tenants_batch(nats_url: str) -> None:
+    async with LocalCluster(nats_url, **cluster_kwargs()), Client(nats_url, tenant="a") as c:
+        mine = Batches(c)
+        f = await mine.upload(_file(3)[0], "in.jsonl")
+        record = await mine.create(f.id)
+        theirs = Batches(c, tenant="b")
+        with pytest.raises(BatchNotFound):
+            await theirs.get(record.id)
+        with pytest.raises(BatchNotFound):
+            await theirs.cancel(record.id)
+        with pytest.raises(FileNotFound):
+            await theirs.content(f.id)
+        assert [r.id for r in await mine.recent()] == [record.id]
+        assert await theirs.recent() == []
+
+
+@pytestmark_e2e
+async def test_a_cancelled_batch_and_an_expired_one_account_for_every_line(
+    nats_url: str,
+) -> None:
+    kw = cluster_kwargs(workers=0)  # nothing runs: every request waits in its queue
+    async with LocalCluster(nats_url, **kw), Client(nats_url, tenant="acme") as c:
+        b = Batches(c)
+        f = await b.upload(_file(20)[0], "in.jsonl")
+        cancelled = await b.create(f.id)
+        await b.submit(cancelled.id)
+        record = await b.cancel(cancelled.id)
+        record = await b.wait(cancelled.id, every_s=0.3, timeout_s=40)
+        assert record.status == "cancelled"
+        errs = _lines(await b.content(record.error_file_id or ""))
+        assert len(errs) == 20 and not _lines(await b.content(record.output_file_id or ""))
+        with pytest.raises(BatchStateError):
+            await b.cancel(cancelled.id)
+
+        late = await b.create(f.id, window_s=1.0)
+        await b.submit(late.id)
+        await asyncio.sleep(1.5)
+        record = await b.wait(late.id, every_s=0.3, timeout_s=40)
+        assert record.status == "expired" and record.expired_at is not None
+        errs = _lines(await b.content(record.error_file_id or ""))
+        assert len(errs) == 20 and record.counts.completed == 0
