@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from sluice.client import BatchNotFound, Batches, BatchStateError, Client, FileNotFound
+from sluice.client import Batches, BatchNotFound, BatchStateError, Client, FileNotFound
 from sluice.client.batchfile import parse_lines, parse_window, request_id_of
 from sluice.schemas import names
 from sluice.testing.cluster import LocalCluster
