@@ -6,11 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import os
 import random
-import shutil
 import signal
-import tempfile
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Coroutine
@@ -40,6 +37,7 @@ from sluice.schemas.models import Heartbeat, Result
 from sluice.sim.workload import DemoWorkload
 from sluice.testing.cluster import LocalCluster
 from sluice.testing.engineserver import EngineProcess
+from sluice.testing.fleet import HttpEngineFleet
 from sluice.testing.natsserver import EmbeddedNats
 
 MODEL = "demo-8b"
@@ -218,36 +216,24 @@ async def run_demo(cfg: DemoConfig, console: Console | None = None) -> DemoRepor
         server = EmbeddedNats().start()
         console.print(f"[dim]embedded nats-server pid {server.pid} on {server.url}[/dim]")
     url = cfg.nats_url or (server.url if server else "")
-    engines: list[EngineProcess] = []
-    sockets: str | None = None
+    fleet: HttpEngineFleet | None = None
     try:
         agent_for = None
         if cfg.engines == "http":
-            sockets = tempfile.mkdtemp(prefix="sluice-demo-")
-            for i in range(cfg.workers):
-                sock = os.path.join(sockets, f"worker-{i}.sock")
-                engine = EngineProcess(sock, model=MODEL, speed=cfg.speed, kv_events=True)
-                engines.append(engine.start())
-                pid = engines[-1].proc.pid if engines[-1].proc else 0
+
+            def started(worker_id: str, engine: EngineProcess) -> None:
+                pid = engine.proc.pid if engine.proc else 0
                 where = f"{engine.url}, KV events on {engine.kv_events}"
                 console.print(f"[dim]sluice engine pid {pid} on {where}[/dim]")
-            by_id = {f"worker-{i}": e for i, e in enumerate(engines)}
 
-            def agent_for(worker_id: str) -> dict[str, Any]:
-                e = by_id[worker_id]
-                return {
-                    "engine": "openai-http",
-                    "engine_url": e.url,
-                    "engine_kv_events": e.kv_events,  # the agent's digest is the engine's cache
-                    "speed": 1.0,
-                }
-
+            fleet = HttpEngineFleet(
+                cfg.workers, model=MODEL, speed=cfg.speed, on_start=started
+            ).start()
+            agent_for = fleet.agent_for
         return await _run(cfg, url, console, agent_for)
     finally:
-        for e in engines:
-            e.stop()
-        if sockets is not None:
-            shutil.rmtree(sockets, ignore_errors=True)
+        if fleet is not None:
+            fleet.stop()
         if server is not None:
             server.stop()
 

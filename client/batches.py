@@ -62,6 +62,8 @@ from sluice.schemas.models import (
 DEFAULT_WINDOW_S = 24 * 3600.0
 CHUNK = 64
 """Lines published at once, and between two progress records."""
+FINALIZE_MARGIN_S = 3600.0
+"""Results must be kept this much longer than a batch's window (to write its output)."""
 CANCEL_GRACE_S = 30.0
 """A cancelled batch waits this long for its running requests' cancelled results."""
 MAX_FILE_BYTES = 200 * 1024 * 1024
@@ -200,6 +202,7 @@ class Batches:
     ) -> BatchRecord:
         """A new batch of a stored input file (``validating``, counted; nothing submitted
         yet). An existing batch of that id is returned as it is."""
+        await self._check_window(window_s)
         data = await self.content(input_file_id)
         bid = batch_id or f"batch_{uuid.uuid4().hex[:24]}"
         existing = await self._get(bid)
@@ -233,6 +236,23 @@ class Batches:
         except _NATS_ERRORS as exc:
             raise ServiceUnavailable(f"cannot store batch {bid}: {exc}") from exc
         return record
+
+    async def _check_window(self, window_s: float) -> None:
+        """Results must outlive the window until the output is written: refuse a window the
+        results stream does not keep its results for."""
+        try:
+            info = await self.client.nc.jetstream().stream_info(names.RESULT_STREAM)
+        except nats.js.errors.NotFoundError as exc:
+            raise ServiceUnavailable("no dispatcher has created the results stream") from exc
+        except _NATS_ERRORS as exc:
+            raise ServiceUnavailable(f"cannot read the results stream: {exc}") from exc
+        kept_s = info.config.max_age or 0.0
+        if kept_s and window_s + FINALIZE_MARGIN_S > kept_s:
+            raise InvalidRequest(
+                f"a completion window of {window_s:g} s needs results kept "
+                f"{window_s + FINALIZE_MARGIN_S:g} s, and they are kept {kept_s:g} s "
+                "(the dispatchers' result_ttl_s)"
+            )
 
     async def _get(self, batch_id: str) -> tuple[BatchRecord, int] | None:
         try:

@@ -15,7 +15,14 @@ from typing import Any
 
 import pytest
 
-from sluice.client import Batches, BatchNotFound, BatchStateError, Client, FileNotFound
+from sluice.client import (
+    Batches,
+    BatchNotFound,
+    BatchStateError,
+    Client,
+    FileNotFound,
+    InvalidRequest,
+)
 from sluice.client.batchfile import parse_lines, parse_window, request_id_of
 from sluice.schemas import names
 from sluice.testing.cluster import LocalCluster
@@ -179,7 +186,9 @@ async def test_a_submitter_killed_mid_batch_and_run_again_submits_nothing_twice(
 
 
 @pytestmark_e2e
-async def test_a_tenant_cannot_read_another_tenants_batch(nats_url: str) -> None:
+async def test_a_tenant_cannot_read_another_tenants_batch_and_a_window_must_fit(
+    nats_url: str,
+) -> None:
     async with LocalCluster(nats_url, **cluster_kwargs()), Client(nats_url, tenant="a") as c:
         mine = Batches(c)
         f = await mine.upload(_file(3)[0], "in.jsonl")
@@ -193,6 +202,9 @@ async def test_a_tenant_cannot_read_another_tenants_batch(nats_url: str) -> None
             await theirs.content(f.id)
         assert [r.id for r in await mine.recent()] == [record.id]
         assert await theirs.recent() == []
+        # Results are kept 26 h by default: a 30 h window would lose its first results.
+        with pytest.raises(InvalidRequest, match="results kept"):
+            await mine.create(f.id, window_s=30 * 3600)
 
 
 @pytestmark_e2e

@@ -189,7 +189,11 @@ class DispatcherSettings(SluiceSettings):
     stream_replicas: int = Field(
         default=1, ge=1, le=5, description="JetStream replicas of every stream (3 in a cluster)."
     )
-    result_ttl_s: float = Field(default=3600.0, gt=0, description="How long results are kept.")
+    result_ttl_s: float = Field(
+        default=26 * 3600.0,
+        gt=0,
+        description="How long results are kept (a batch's window must end 1 h before).",
+    )
     duplicate_window_s: float = Field(
         default=120.0, gt=0, description="Request-id deduplication window of the streams."
     )

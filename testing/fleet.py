@@ -1,0 +1,76 @@
+"""A fleet of ``sluice engine`` processes for local runs: one per worker, each on a Unix socket
+in a temporary directory with its KV events on an IPC socket beside it, stopped by PID (also
+when starting one of them fails)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+from sluice.testing.engineserver import EngineProcess
+
+
+class HttpEngineFleet:
+    """``with HttpEngineFleet(4, model="m") as fleet:`` starts ``worker-0`` … ``worker-3``'s
+    engines; ``fleet.agent_for`` gives each agent its ``openai-http`` settings."""
+
+    def __init__(
+        self,
+        workers: int,
+        *,
+        model: str,
+        speed: float = 1.0,
+        tokenizer: str | None = None,
+        on_start: Callable[[str, EngineProcess], None] | None = None,
+    ) -> None:
+        self.workers, self.model, self.speed, self.tokenizer = workers, model, speed, tokenizer
+        self.on_start = on_start
+        self.engines: dict[str, EngineProcess] = {}
+        self._dir: str | None = None
+
+    def start(self) -> HttpEngineFleet:
+        self._dir = tempfile.mkdtemp(prefix="sluice-engines-")
+        try:
+            for i in range(self.workers):
+                worker_id = f"worker-{i}"
+                engine = EngineProcess(
+                    os.path.join(self._dir, f"{worker_id}.sock"),
+                    model=self.model,
+                    speed=self.speed,
+                    kv_events=True,
+                    tokenizer=self.tokenizer,
+                )
+                self.engines[worker_id] = engine.start()
+                if self.on_start is not None:
+                    self.on_start(worker_id, engine)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def agent_for(self, worker_id: str) -> dict[str, Any]:
+        """The agent settings that drive ``worker_id``'s engine."""
+        e = self.engines[worker_id]
+        return {
+            "engine": "openai-http",
+            "engine_url": e.url,
+            "engine_kv_events": e.kv_events,  # the agent's digest is the engine's cache
+            "speed": 1.0,
+        }
+
+    def stop(self) -> None:
+        for e in self.engines.values():
+            e.stop()
+        self.engines.clear()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    def __enter__(self) -> HttpEngineFleet:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
