@@ -301,6 +301,13 @@ class Batches:
 
     async def recent(self, limit: int = 100) -> list[BatchRecord]:
         """This tenant's batches, newest first."""
+        return (await self._records(self.tenant))[:limit]
+
+    async def every_tenant(self) -> list[BatchRecord]:
+        """Every tenant's batches, newest first (for the sweeps that move batches on)."""
+        return await self._records(None)
+
+    async def _records(self, tenant: str | None) -> list[BatchRecord]:
         kv, _ = await self._stores()
         try:
             # nats-py's key filters match substrings, not subjects: filter here.
@@ -318,10 +325,10 @@ class Batches:
                 record = decode(found[0], BatchRecord)
             except DecodeError:
                 continue  # a corrupt record is reported when it is read by its id
-            if record.tenant == self.tenant:
+            if tenant is None or record.tenant == tenant:
                 out.append(record)
         out.sort(key=lambda r: r.created_at, reverse=True)
-        return out[:limit]
+        return out
 
     # ---------------------------------------------------------------------- submitting
 
