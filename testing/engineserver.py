@@ -56,6 +56,9 @@ from sluice.schemas.hashing import block_hashes, estimate_text_tokens, text_bloc
 from sluice.sim.engine import SimEngine
 from sluice.sim.profiles import EngineProfile
 
+_MAX_LAG_S = 0.05
+"""A server that fell further behind its clock than this (a busy machine) does not race to
+catch up: it drops the lag."""
 MAX_TOKENS_DEFAULT = 16
 """Output tokens of a request that names none (OpenAI's completions default)."""
 
@@ -207,12 +210,18 @@ class SimServer:
         while True:
             await self._wake.wait()
             self._wake.clear()
+            loop = asyncio.get_running_loop()
+            due = loop.time()
             while self.engine.has_work:
                 step = self.engine.step()
                 self._flush_kv()
-                # An engine that cannot admit its waiting request (its KV cache is full of
-                # running ones) returns an empty step: yield instead of spinning.
-                await asyncio.sleep(step.duration_s / self.speed if step.duration_s else 0.001)
+                # Steps are paced to a clock, not slept one after another: the time spent
+                # streaming tokens between two steps does not lengthen every step. An engine
+                # that cannot admit its waiting request (its KV cache is full of running ones)
+                # returns an empty step: yield instead of spinning.
+                due = max(due, loop.time() - _MAX_LAG_S)
+                due += step.duration_s / self.speed if step.duration_s else 0.001
+                await asyncio.sleep(max(0.0, due - loop.time()))
                 for ev in step.events:
                     s = self._streams.get(ev.request_id)
                     if s is not None:
