@@ -49,6 +49,7 @@ from starlette.routing import Route
 from sluice.agent.engine import EngineError, Failed, Finished, TokensOut
 from sluice.agent.errors import KVEventError
 from sluice.agent.kvevents import REPLAY_END, decode_seq, encode_seq, replay_endpoint
+from sluice.common.chat import ChatError, render_chat
 from sluice.common.errors import ConfigError
 from sluice.common.tokenizer import PromptTokenizer
 from sluice.schemas.hashing import block_hashes, estimate_text_tokens, text_block_hashes
@@ -398,21 +399,6 @@ def _usage(fin: Finished) -> dict[str, Any]:
     }
 
 
-def render_chat(messages: Any) -> str:
-    """The prompt of a chat: one deterministic template, so a conversation keeps its prefix."""
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("messages must be a non-empty list", "messages")
-    parts = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise BadRequest(f"messages[{i}] needs a role", "messages")
-        content = m.get("content")
-        if not isinstance(content, str):
-            raise BadRequest(f"messages[{i}].content must be a string", "messages")
-        parts.append(f"<|{m['role']}|>\n{content}\n")
-    return "".join(parts) + "<|assistant|>\n"
-
-
 class _OpenAI:
     """The OpenAI completions and chat completions endpoints."""
 
@@ -426,7 +412,10 @@ class _OpenAI:
 
     async def chat(self, request: Request) -> Response:
         body = await _json(request)
-        text = render_chat(body.get("messages"))
+        try:
+            text = render_chat(body.get("messages"))
+        except ChatError as exc:
+            raise BadRequest(str(exc), exc.param) from exc
         return await self._answer(body, self.server.prompt(text, "messages"), chat=True)
 
     async def _answer(self, body: Mapping[str, Any], prompt: Prompt, *, chat: bool) -> Response:
