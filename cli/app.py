@@ -293,6 +293,46 @@ def agent(
     )
 
 
+@app.command()
+def gateway(
+    config: ConfigOpt = None,
+    host: Annotated[str | None, typer.Option(help="Address to bind (default 127.0.0.1).")] = None,
+    port: Annotated[
+        int | None, typer.Option(help="Port to bind (default 8080; 0: any free).", min=0)
+    ] = None,
+    tokenizer: Annotated[
+        str | None, typer.Option(help="A local tokenizer.json: prompts as the engine's ids.")
+    ] = None,
+) -> None:
+    """Run the OpenAI-compatible gateway: /v1/chat/completions, /v1/completions, /v1/models
+    over the fleet (settings: SLUICE_GATEWAY_*, table gateway; docs/gateway.md)."""
+    from sluice.client import ServiceUnavailable
+    from sluice.gateway import BindError, GatewayServer, GatewaySettings, serve
+
+    overrides = {
+        k: v
+        for k, v in {"host": host, "port": port, "tokenizer": tokenizer}.items()
+        if v is not None
+    }
+    try:
+        settings = GatewaySettings.load(config, **overrides)
+    except ConfigError as exc:
+        raise fail(str(exc)) from exc
+
+    def started(server: GatewayServer) -> None:
+        keys = len(server.gateway.keys)
+        who = f"{keys} API key{'s' if keys != 1 else ''}" if keys else "OPEN, no API keys"
+        err.print(
+            f"gateway on {server.url} ({who}) over {settings.nats_url}; Ctrl-C stops it",
+            markup=False,
+        )
+
+    try:
+        _run(serve(settings, on_start=started))
+    except (ConfigError, BindError, ServiceUnavailable) as exc:
+        raise fail(str(exc)) from exc
+
+
 @app.command("bench-engine")
 def bench_engine_cmd(
     requests: Annotated[int, typer.Option(help="Requests per path.", min=4)] = 40,

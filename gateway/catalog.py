@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sluice.client import Client, ServiceUnavailable
-from sluice.gateway.errors import BadRequest, Unavailable, model_not_found
+from sluice.client import Client
+from sluice.gateway.errors import BadRequest, model_not_found
 from sluice.gateway.keys import PRIORITY_HEADER
 
 MISS_REFRESH_S = 0.5
@@ -49,7 +49,7 @@ class Catalog:
 
     async def fleet(self, max_age_s: float | None = None) -> Fleet:
         """The fleet, looked up again if older than ``max_age_s`` (default ``ttl_s``); raises
-        ``Unavailable`` (503) when no dispatcher answers."""
+        the client's ``ServiceUnavailable`` (a 503) when no dispatcher answers."""
         limit = self._ttl_s if max_age_s is None else max_age_s
         fleet = self._fleet
         if fleet is not None and self._clock() - fleet.at_s < limit:
@@ -58,10 +58,7 @@ class Catalog:
             fleet = self._fleet
             if fleet is not None and self._clock() - fleet.at_s < limit:
                 return fleet
-            try:
-                stats = await self._client.stats(timeout_s=STATS_TIMEOUT_S)
-            except ServiceUnavailable as exc:
-                raise Unavailable(f"no Sluice dispatcher answers: {exc}") from exc
+            stats = await self._client.stats(timeout_s=STATS_TIMEOUT_S)
             self._fleet = Fleet(
                 tuple(stats.models), tuple(b.band for b in stats.bands), self._clock()
             )

@@ -61,10 +61,11 @@ async def race(aw: Awaitable[T], receive: Receive, deadline: float) -> T:
     except TimeoutError as exc:
         raise GatewayTimeout("the request did not finish in time; it was cancelled") from exc
     finally:
+        finished = work.done()  # before anything is cancelled
         await _cancel_quietly(gone)
-        if not work.done():
+        if not finished:
             await _cancel_quietly(work)
-    if work.done():
+    if finished:
         return work.result()
     raise ClientGone
 

@@ -129,20 +129,28 @@ async def serve(
     routes: Sequence[BaseRoute] = (),
     on_start: Callable[[GatewayServer], None] | None = None,
 ) -> None:
-    """Serve the gateway until SIGINT or SIGTERM; ``on_start`` is called once it listens."""
+    """Serve the gateway until SIGINT or SIGTERM (also while it is still connecting);
+    ``on_start`` is called once it listens."""
     server = GatewayServer(settings, routes=routes)
     loop = asyncio.get_running_loop()
     signalled = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, signalled.set)
-    await server.start()
+    stop = asyncio.ensure_future(signalled.wait())
     try:
+        start = asyncio.ensure_future(server.start())
+        await asyncio.wait({start, stop}, return_when=asyncio.FIRST_COMPLETED)
+        if not start.done():  # stopped while connecting
+            start.cancel()
+            await asyncio.gather(start, return_exceptions=True)
+            return
+        start.result()  # its error, if it failed
         if on_start is not None:
             on_start(server)
-        waits = {asyncio.ensure_future(signalled.wait()), asyncio.ensure_future(server.wait())}
-        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        for w in waits:
-            w.cancel()
+        ended = asyncio.ensure_future(server.wait())
+        await asyncio.wait({ended, stop}, return_when=asyncio.FIRST_COMPLETED)
+        ended.cancel()
     finally:
+        stop.cancel()
         await server.stop()
