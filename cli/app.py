@@ -352,6 +352,32 @@ def bench_engine_cmd(
     console.print(verdict(r))
 
 
+@app.command("bench-gateway")
+def bench_gateway_cmd(
+    requests: Annotated[int, typer.Option(help="Sequential requests per path.", min=2)] = 200,
+    burst: Annotated[int, typer.Option(help="Requests per throughput run.", min=2)] = 1000,
+    concurrency: Annotated[int, typer.Option(help="In flight at once.", min=1)] = 64,
+    max_tokens: Annotated[int, typer.Option(help="Output tokens per request.", min=2)] = 16,
+    speed: Annotated[float, typer.Option(help="The engines' clock speed-up.", min=0.01)] = 50.0,
+    workers: Annotated[int, typer.Option(help="Simulated workers.", min=1, max=64)] = 4,
+) -> None:
+    """What sluice gateway adds to the client library: the first-token time (alternating) and
+    the requests per second relayed at a concurrency, in one run."""
+    from sluice.cli.benchgateway import BenchError, bench_gateway, table, verdict
+    from sluice.testing.errors import LocalRunError
+
+    err.print(
+        f"[dim]{requests} sequential requests per path, bursts of {burst} at concurrency "
+        f"{concurrency}, {max_tokens} output tokens, {workers} workers at speed x{speed:g}[/dim]"
+    )
+    try:
+        r = _run(bench_gateway(requests, burst, concurrency, max_tokens, speed, workers))
+    except (BenchError, LocalRunError) as exc:
+        raise fail(str(exc)) from exc
+    console.print(table(r))
+    console.print(verdict(r))
+
+
 @app.command()
 def engine(
     port: Annotated[int | None, typer.Option(help="TCP port (with --host).", min=1)] = None,

@@ -133,7 +133,9 @@ def completion_job(body: Mapping[str, Any], default_max_tokens: int) -> Job:
     if (
         isinstance(prompt, list)
         and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in prompt)
+        and all(type(t) is int for t in prompt)  # not bool, which is an int too
+        and min(prompt) >= 0
+        and max(prompt) < 2**32
     ):
         return Job(prompt=list(prompt), **fields)
     raise BadRequest(

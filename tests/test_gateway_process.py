@@ -90,3 +90,28 @@ def test_bad_gateway_settings_exit_with_code_2_and_never_print_a_key(tmp_path: P
         said.append(out.stderr)
     assert "keys.0.tenant" in said[0] and "keys.0.tennant" in said[0]  # names what is wrong
     assert "config file not found" in said[1]
+
+
+async def test_the_gateway_benchmark_measures_both_paths() -> None:
+    """Both paths run: the gateway process answered every request of its path (its own
+    metrics say so: a gateway path that bypassed the gateway fails), and each first token
+    comes no sooner than the simulated prefill of its prompt (timing a path without waiting
+    for its tokens fails). Figures are printed as the command prints them."""
+    from rich.console import Console
+
+    from sluice.cli.benchgateway import PROMPT_TOKENS, bench_gateway, table, verdict
+    from sluice.sim.profiles import get_profile
+
+    speed, requests, burst = 50.0, 3, 12
+    r = await bench_gateway(
+        requests=requests, burst=burst, concurrency=4, max_tokens=4, speed=speed, workers=2
+    )
+    assert r.relayed == 8 + requests + 2 * burst  # warm-ups, sequential, two bursts
+    prefill_ms = PROMPT_TOKENS / get_profile("reference").prefill_tokens_per_s / speed * 1000
+    for path in (r.client, r.gateway):
+        assert path.ttft_p50_ms >= prefill_ms and path.rps > 0, r
+    console = Console(record=True, width=200)
+    console.print(table(r))
+    console.print(verdict(r))
+    out = console.export_text()
+    assert f"{r.gateway.ttft_p50_ms:.2f} ms" in out and f"{r.added_ttft_p50_ms:+.2f} ms" in out

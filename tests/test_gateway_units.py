@@ -186,3 +186,12 @@ def test_the_session_is_the_header_else_the_user_field() -> None:
 def test_retry_after_is_whole_seconds_rounded_up_and_at_least_one() -> None:
     assert [retry_after_s_header(s) for s in (0.0, 0.2, 1.0, 1.01, 2.5)] == [1, 1, 1, 2, 3]
     assert retry_after_s_header(None) == 1 and retry_after_s_header(float("inf")) == 1
+
+
+def test_the_example_config_has_a_gateway_table() -> None:
+    example = Path(__file__).parent.parent / "deploy" / "sluice.example.toml"
+    try:
+        settings = GatewaySettings.load(example)
+    finally:
+        GatewaySettings.load(None)  # later settings in this process read no file
+    assert settings.port == 8080 and settings.keys == [] and settings.host == "127.0.0.1"
