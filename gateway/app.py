@@ -27,7 +27,7 @@ from starlette.routing import BaseRoute, Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sluice.client import Client, RequestHandle, SluiceError
-from sluice.common.aio import finish_tasks
+from sluice.common.aio import finish_tasks, wait_event
 from sluice.common.errors import internal_error
 from sluice.common.tokenizer import PromptTokenizer
 from sluice.gateway import metrics
@@ -84,6 +84,10 @@ class Gateway:
         self.started_unix_s = int(time.time())
         self._tasks: set[asyncio.Task[None]] = set()
         self._running = False
+        self.answering = 0
+        """HTTP requests being answered now (the metering middleware counts them)."""
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     async def start(self) -> None:
         """Connect to NATS (``ServiceUnavailable`` if it cannot); warns when it is open."""
@@ -95,10 +99,22 @@ class Gateway:
             log.warning(OPEN_WARNING, self.settings.open_tenant)
 
     async def stop(self) -> None:
-        """Let the background cancels finish (bounded), then close the connection."""
+        """Let the answers still unwinding (a stopping server cancelled them) and the
+        background cancels finish, each for at most ``CANCEL_GRACE_S``, then close the
+        connection."""
+        await wait_event(self._idle, CANCEL_GRACE_S)
         await finish_tasks(list(self._tasks), CANCEL_GRACE_S)
         await self.client.close()
         self._running = False
+
+    def answer_started(self) -> None:
+        self.answering += 1
+        self._idle.clear()
+
+    def answer_ended(self) -> None:
+        self.answering -= 1
+        if self.answering == 0:
+            self._idle.set()
 
     def authenticate(self, request: Request) -> Principal:
         """Who sent ``request`` (``Unauthorized`` for a missing or unknown key)."""
@@ -205,10 +221,14 @@ class _Completions:
             cancel=gw.cancel_later,
         )
         headers = {REQUEST_ID_HEADER: handle.request_id}
-        first = await relay.first(request.receive)
-        if job.stream:
-            return stream_response(relay, first, headers)
-        result = await relay.result(request.receive)
+        try:
+            first = await relay.first(request.receive)
+            if job.stream:
+                return stream_response(relay, first, headers)
+            result = await relay.result(request.receive)
+        except ApiError as exc:  # it was submitted: the answer names it
+            exc.headers.update(headers)
+            raise
         return JSONResponse(completion(job, result, relay.created), headers=headers)
 
 
@@ -254,11 +274,13 @@ async def _http_error(_: Request, exc: Exception) -> Response:
 
 
 class _Metered:
-    """ASGI middleware: every HTTP request counted by route and status, and in flight."""
+    """ASGI middleware: every HTTP request counted by route and status, and in flight (also
+    for the gateway, whose ``stop`` waits for the answers still unwinding)."""
 
-    def __init__(self, app: ASGIApp, routes: Sequence[BaseRoute]) -> None:
+    def __init__(self, app: ASGIApp, routes: Sequence[BaseRoute], gateway: Gateway) -> None:
         self.app = app
         self.routes = list(routes)
+        self.gateway = gateway
 
     def _route(self, scope: Scope) -> str:
         for route in self.routes:
@@ -281,9 +303,11 @@ class _Metered:
             await send(message)
 
         metrics.IN_FLIGHT.labels(route).inc()
+        self.gateway.answer_started()
         try:
             await self.app(scope, receive, sent)
         finally:
+            self.gateway.answer_ended()
             metrics.IN_FLIGHT.labels(route).dec()
             metrics.REQUESTS.labels(route, str(status)).inc()
 
@@ -314,7 +338,7 @@ def build_app(gateway: Gateway, *, routes: Sequence[BaseRoute] = ()) -> Starlett
     app = Starlette(
         routes=all_routes,
         lifespan=lifespan,
-        middleware=[Middleware(_Metered, routes=all_routes)],
+        middleware=[Middleware(_Metered, routes=all_routes, gateway=gateway)],
         exception_handlers={HTTPException: _http_error},
     )
     app.state.gateway = gateway

@@ -26,6 +26,7 @@ IN_FLIGHT = Gauge(
 )
 CANCELLED = Counter(
     "sluice_gateway_cancelled_total",
-    "Requests the gateway cancelled: its client left (disconnect) or it ran out of time (timeout)",
+    "Requests the gateway cancelled: their client left (disconnect), their time ran out "
+    "(timeout), or the gateway stopped while it answered them (shutdown)",
     ["reason"],
 )

@@ -9,7 +9,8 @@ relays every chunk as it arrives; one that does not stream waits for the result.
 (``http.disconnect`` on the ASGI receive channel): a client that disconnects while its request
 is queued or running, streaming or not, has it cancelled (``RequestHandle.cancel()``), so no
 worker keeps running work nobody reads. So is a request that is not finished within
-``request_timeout_s`` (504, or an error event on a stream that had started).
+``request_timeout_s`` (504, or an error event on a stream that had started), and one still
+being answered when the server stops.
 """
 
 from __future__ import annotations
@@ -117,6 +118,9 @@ class Relay:
         except GatewayTimeout:
             self.abort("timeout")
             raise
+        except asyncio.CancelledError:  # the server is stopping: nobody will read the answer
+            self.abort("shutdown")
+            raise
         except SluiceError as exc:
             raise from_client_error(exc, self.job.model) from exc
 
@@ -150,8 +154,9 @@ class Relay:
 
 class EventStream(Response):
     """A ``text/event-stream`` answer that watches its client: when the client disconnects
-    (or ``deadline`` passes) before the last event, the stream stops and ``on_abort`` is
-    called with ``disconnect`` (or ``timeout``; an error event is sent then)."""
+    (or ``deadline`` passes, or the server stops) before the last event, the stream stops and
+    ``on_abort`` is called with ``disconnect`` (``timeout``: an error event is sent then;
+    ``shutdown``)."""
 
     media_type = "text/event-stream"
 
@@ -190,9 +195,10 @@ class EventStream(Response):
         try:
             await asyncio.wait({pump, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            left = gone.done()  # else the server is stopping (this task was cancelled)
             await _cancel_quietly(gone)
             if not pump.done():
-                self.on_abort("disconnect")
+                self.on_abort("disconnect" if left else "shutdown")
                 await _cancel_quietly(pump)
             aclose = getattr(self.events, "aclose", None)
             if aclose is not None:

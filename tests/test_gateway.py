@@ -403,3 +403,59 @@ async def test_metrics_count_requests_by_route_and_status(nats_url: str) -> None
     assert value(after, bad) == value(before, bad) + 1
     assert value(after, ttft) == value(before, ttft) + 1
     assert "sluice_gateway_in_flight_requests" in after
+
+
+async def test_a_request_past_its_time_is_cancelled_with_a_504(nats_url: str) -> None:
+    """``request_timeout_s`` = 1: a whole answer that would take a minute is a 504, a stream
+    that had started ends with an error event, and both requests are cancelled. Mutation:
+    Relay._guarded or EventStream not aborting on their timeouts."""
+    async with (
+        LocalCluster(nats_url, **cluster_kwargs(workers=1)),
+        Client(nats_url) as c,
+        serving(nats_url, request_timeout_s=1.0) as (gw, _),
+        httpx.AsyncClient(base_url=gw.url, timeout=30) as http,
+    ):
+        body = {"model": "sim", "prompt": "a long one", "max_tokens": 200_000}
+        r = await http.post("/v1/completions", json=body)
+        assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+        whole = r.headers["x-sluice-request-id"]  # it was submitted: the answer names it
+        async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+            streamed = s.headers["x-sluice-request-id"]
+            events = [line async for line in s.aiter_lines() if line.startswith("data: ")]
+        assert '"code":"timeout"' in events[-1] and "[DONE]" not in events[-1]
+
+        async def both_cancelled() -> bool:
+            results = [await c.fetch_result(rid) for rid in (whole, streamed)]
+            return all(r is not None and r.rejection is not None for r in results)
+
+        await eventually(both_cancelled, timeout_s=10)
+        for rid in (whole, streamed):
+            result = await c.fetch_result(rid)
+            assert result is not None and result.rejection is not None
+            assert result.rejection.reason is RejectReason.CANCELLED
+
+
+async def test_a_gateway_that_stops_cancels_what_it_was_still_answering(nats_url: str) -> None:
+    """The gateway is stopped while a long stream is open: once its grace for open answers has
+    passed, the request is cancelled, not left running for nobody. Mutations: EventStream not
+    calling on_abort when it is cancelled; Gateway.stop closing its connection without waiting
+    for the answers still unwinding (the cancel then finds it closed)."""
+    async with (
+        LocalCluster(nats_url, **cluster_kwargs(workers=1)),
+        Client(nats_url) as c,
+        httpx.AsyncClient(timeout=30) as http,
+    ):
+        gs = GatewaySettings(nats_url=nats_url, host="127.0.0.1", port=0)
+        server = await GatewayServer(gs).start()
+        try:
+            body = {"model": "sim", "prompt": "long", "max_tokens": 200_000, "stream": True}
+            async with http.stream("POST", f"{server.url}/v1/completions", json=body) as s:
+                rid = s.headers["x-sluice-request-id"]
+                lines = aiter(s.aiter_lines())
+                assert (await anext(lines)).startswith("data: {")
+                await server.stop()
+        finally:
+            await server.stop()
+        result = await c.fetch_result(rid)
+        assert result is not None and result.rejection is not None
+        assert result.rejection.reason is RejectReason.CANCELLED
