@@ -32,7 +32,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	rm -rf .lint && mkdir -p .lint/sluice
-	for d in schemas common client dispatcher agent sim testing cli; do ln -s ../../$$d .lint/sluice/$$d; done
+	for d in schemas common client dispatcher agent sim testing gateway cli; do ln -s ../../$$d .lint/sluice/$$d; done
 	for f in sluice/*.py sluice/py.typed; do ln -s ../../$$f .lint/sluice/; done
 	cd .lint && ../$(BIN)/mypy --config-file ../pyproject.toml -p sluice
 	cd .lint && PYTHONPATH=. ../$(BIN)/lint-imports ../pyproject.toml

@@ -285,6 +285,46 @@ def agent(
     )
 
 
+@app.command()
+def gateway(
+    config: ConfigOpt = None,
+    host: Annotated[str | None, typer.Option(help="Address to bind (default 127.0.0.1).")] = None,
+    port: Annotated[
+        int | None, typer.Option(help="Port to bind (default 8080; 0: any free).", min=0)
+    ] = None,
+    tokenizer: Annotated[
+        str | None, typer.Option(help="A local tokenizer.json: prompts as the engine's ids.")
+    ] = None,
+) -> None:
+    """Run the OpenAI-compatible gateway: /v1/chat/completions, /v1/completions, /v1/models
+    over the fleet (settings: SLUICE_GATEWAY_*, table gateway; docs/gateway.md)."""
+    from sluice.client import ServiceUnavailable
+    from sluice.gateway import BindError, GatewayServer, GatewaySettings, serve
+
+    overrides = {
+        k: v
+        for k, v in {"host": host, "port": port, "tokenizer": tokenizer}.items()
+        if v is not None
+    }
+    try:
+        settings = GatewaySettings.load(config, **overrides)
+    except ConfigError as exc:
+        raise fail(str(exc)) from exc
+
+    def started(server: GatewayServer) -> None:
+        keys = len(server.gateway.keys)
+        who = f"{keys} API key{'s' if keys != 1 else ''}" if keys else "OPEN, no API keys"
+        err.print(
+            f"gateway on {server.url} ({who}) over {settings.nats_url}; Ctrl-C stops it",
+            markup=False,
+        )
+
+    try:
+        _run(serve(settings, on_start=started))
+    except (ConfigError, BindError, ServiceUnavailable) as exc:
+        raise fail(str(exc)) from exc
+
+
 @app.command("bench-engine")
 def bench_engine_cmd(
     requests: Annotated[int, typer.Option(help="Requests per path.", min=4)] = 40,
@@ -300,6 +340,32 @@ def bench_engine_cmd(
         f"engine speed x{speed:g}[/dim]"
     )
     r = run(bench_engine(requests=requests, max_tokens=max_tokens, speed=speed))
+    console.print(table(r))
+    console.print(verdict(r))
+
+
+@app.command("bench-gateway")
+def bench_gateway_cmd(
+    requests: Annotated[int, typer.Option(help="Sequential requests per path.", min=2)] = 200,
+    burst: Annotated[int, typer.Option(help="Requests per throughput run.", min=2)] = 1000,
+    concurrency: Annotated[int, typer.Option(help="In flight at once.", min=1)] = 64,
+    max_tokens: Annotated[int, typer.Option(help="Output tokens per request.", min=2)] = 16,
+    speed: Annotated[float, typer.Option(help="The engines' clock speed-up.", min=0.01)] = 50.0,
+    workers: Annotated[int, typer.Option(help="Simulated workers.", min=1, max=64)] = 4,
+) -> None:
+    """What sluice gateway adds to the client library: the first-token time (alternating) and
+    the requests per second relayed at a concurrency, in one run."""
+    from sluice.cli.benchgateway import BenchError, bench_gateway, table, verdict
+    from sluice.testing.errors import LocalRunError
+
+    err.print(
+        f"[dim]{requests} sequential requests per path, bursts of {burst} at concurrency "
+        f"{concurrency}, {max_tokens} output tokens, {workers} workers at speed x{speed:g}[/dim]"
+    )
+    try:
+        r = _run(bench_gateway(requests, burst, concurrency, max_tokens, speed, workers))
+    except (BenchError, LocalRunError) as exc:
+        raise fail(str(exc)) from exc
     console.print(table(r))
     console.print(verdict(r))
 

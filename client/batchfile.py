@@ -30,7 +30,7 @@ from sluice.client.oaiformat import (
     error_object,
     http_status,
 )
-from sluice.common.chat import InvalidChat, render_chat
+from sluice.common.chat import ChatError, render_chat
 from sluice.schemas.models import Result
 
 DEFAULT_MAX_TOKENS = 256
@@ -133,7 +133,7 @@ def _line(n: int, cid: str, obj: Mapping[str, Any], batch_id: str) -> BatchLine:
         if kind == "chat":
             try:
                 prompt: str | list[int] = render_chat(body.get("messages"))
-            except InvalidChat as exc:
+            except ChatError as exc:
                 raise _Bad(str(exc)) from exc
         else:
             prompt = _prompt(body.get("prompt"), "body.prompt")

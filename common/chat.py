@@ -1,9 +1,14 @@
-"""The chat template: chat messages rendered into one prompt, the same way everywhere (the
-gateway, offline batches, ``sluice engine``), so that a conversation keeps its prefix turn
-after turn (and, through a tokenizer, its token ids), and so its worker.
+"""The one chat template: an OpenAI ``messages`` list rendered into one prompt.
 
-Each message becomes ``<|role|>\\ncontent\\n``; the prompt ends with ``<|assistant|>\\n``. Content
-is a string or OpenAI's list of parts, of which the ``text`` parts are joined.
+``sluice gateway`` (the producers' OpenAI face) and ``sluice engine`` (the simulated engine's
+server) both render chats with :func:`render_chat`, so a chat renders to the same text in
+either place, and the same text always: a conversation's next turn starts with the whole text
+of the turn before it (its messages, then the ``<|assistant|>`` cue the reply followed), so it
+keeps its prefix, and with a tokenizer its token ids, for the prefix caches of the fleet.
+
+The template, per message ``<|ROLE|>\\nCONTENT\\n``, then ``<|assistant|>\\n``. ``content`` is a
+string, or a list of text parts (``{"type": "text", "text": ...}``) joined without a separator,
+as OpenAI accepts them; anything else (images, audio, tool calls without text) is refused.
 """
 
 from __future__ import annotations
@@ -12,38 +17,44 @@ from typing import Any
 
 from sluice.common.errors import CommonError
 
+ASSISTANT_CUE = "<|assistant|>\n"
+"""What every rendered chat ends with: the reply follows it."""
 
-class InvalidChat(CommonError, ValueError):
-    """Chat messages that cannot be rendered; ``param`` names the field."""
+
+class ChatError(CommonError, ValueError):
+    """Messages that cannot be rendered (its message says which and why); ``param`` names the
+    request field at fault (``messages``)."""
 
     def __init__(self, message: str, param: str = "messages") -> None:
         super().__init__(message)
         self.param = param
 
 
-def _content(value: Any, i: int) -> str:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        texts = []
-        for j, part in enumerate(value):
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise InvalidChat(f"messages[{i}].content[{j}] must be a text part")
-            text = part.get("text")
-            if not isinstance(text, str):
-                raise InvalidChat(f"messages[{i}].content[{j}].text must be a string")
-            texts.append(text)
-        return "".join(texts)
-    raise InvalidChat(f"messages[{i}].content must be a string or a list of text parts")
+def _content(i: int, content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
+                raise ChatError(f"messages[{i}].content[{j}] must be a text part")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise ChatError(f"messages[{i}].content must be a string or a list of text parts")
 
 
 def render_chat(messages: Any) -> str:
-    """The prompt of a chat (``InvalidChat`` for messages that are not a chat)."""
+    """The prompt of a chat: one deterministic template (see the module docstring), so a
+    conversation keeps its prefix. Raises :class:`ChatError` for messages it cannot render."""
     if not isinstance(messages, list) or not messages:
-        raise InvalidChat("messages must be a non-empty list")
+        raise ChatError("messages must be a non-empty list")
     parts = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"]:
-            raise InvalidChat(f"messages[{i}] needs a role")
-        parts.append(f"<|{m['role']}|>\n{_content(m.get('content'), i)}\n")
-    return "".join(parts) + "<|assistant|>\n"
+            raise ChatError(f"messages[{i}] needs a role")
+        parts.append(f"<|{m['role']}|>\n{_content(i, m.get('content'))}\n")
+    return "".join(parts) + ASSISTANT_CUE

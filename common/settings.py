@@ -28,6 +28,10 @@ class SluiceSettings(BaseSettings):
 
     model_config = SettingsConfigDict(extra="forbid", validate_default=True)
     toml_section: ClassVar[str] = ""
+    redact_inputs: ClassVar[bool] = False
+    """Leave the given values out of the message of invalid settings (a part whose settings
+    hold secrets, such as the gateway's API keys, sets it): the message names each setting
+    and what is wrong with it, never its value."""
     _config_file: ClassVar[Path | None] = None
 
     @classmethod
@@ -58,9 +62,19 @@ class SluiceSettings(BaseSettings):
         try:
             return cls(**overrides)
         except ValidationError as exc:
-            raise ConfigError(f"invalid {cls.__name__}:\n{exc}") from exc
+            raise ConfigError(f"invalid {cls.__name__}:\n{cls._describe(exc)}") from exc
         except ValueError as exc:  # TOML syntax errors and similar
             raise ConfigError(f"cannot read settings for {cls.__name__}: {exc}") from exc
+
+    @classmethod
+    def _describe(cls, exc: ValidationError) -> str:
+        if not cls.redact_inputs:
+            return str(exc)
+        lines = []
+        for e in exc.errors(include_input=False, include_url=False, include_context=False):
+            loc = ".".join(str(p) for p in e["loc"]) or "(settings)"
+            lines.append(f"{loc}\n  {e['msg']}")
+        return "\n".join(lines)
 
     @classmethod
     def _reject_unknown_environment(cls) -> None:

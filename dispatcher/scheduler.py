@@ -141,6 +141,11 @@ class Scheduler:
         """What runs at every per-model quota level now."""
         return self._books.usage.snapshot()
 
+    def known_models(self) -> list[str]:
+        """The models it serves (configured, or announced by a worker), sorted: what
+        ``known_model`` accepts."""
+        return sorted(self._configured_models or self._seen_models)
+
     def known_model(self, model: str) -> bool:
         if self._configured_models:
             return model in self._configured_models
@@ -227,7 +232,7 @@ class Scheduler:
         return None
 
     def _unknown_model(self, model: str) -> Rejection:
-        known = sorted(self._configured_models or self._seen_models)
+        known = self.known_models()
         return Rejection(
             reason=RejectReason.UNKNOWN_MODEL,
             message=f"no worker serves model {model!r}; known models: {known}",

@@ -382,6 +382,9 @@ class DispatcherStats(_Wire):
     held: dict[str, int] = Field(default_factory=dict)
     """Queued requests by the layer that holds them (see :class:`QueuedNotice`)."""
     bands: list[BandStats]
+    models: list[str] = Field(default_factory=list)
+    """The models it serves: its configured ``models``, or (discovering) every model a worker
+    announced; a request for another model is rejected ``unknown_model``."""
 
 
 # --- offline batches (stored in the batch bucket, names.BATCH_BUCKET) --------------------------

@@ -3,7 +3,8 @@
 The parts, bottom up: ``sluice.schemas`` (the wire), the pure core of ``sluice.dispatcher``
 and ``sluice.agent``, ``sluice.sim`` (the simulator), the runtimes (``sluice.common``,
 ``sluice.dispatcher.runtime``, ``sluice.agent.runtime``, ``sluice.client``), ``sluice.testing``
-(a local cluster) and ``sluice.cli`` (the command line). docs/architecture.md has the layers.
+(a local cluster), ``sluice.gateway`` (the OpenAI-compatible HTTP face over the client) and
+``sluice.cli`` (the command line). docs/architecture.md has the layers.
 """
 
 __version__ = "0.1.0"

@@ -1,5 +1,6 @@
-"""Running Sluice locally: an embedded ``nats-server`` and an in-process cluster (a dispatcher
-and simulated agents). Used by the tests, ``sluice demo`` and ``sluice nats``."""
+"""Running Sluice locally: an embedded ``nats-server``, an in-process cluster (a dispatcher
+and simulated agents) and ``sluice gateway`` as a child process. Used by the tests,
+``sluice demo``, ``sluice nats`` and the benchmarks."""
 
 from sluice.testing.cluster import LocalCluster
 from sluice.testing.errors import NatsServerError

@@ -49,7 +49,7 @@ from starlette.routing import Route
 from sluice.agent.engine import EngineError, Failed, Finished, TokensOut
 from sluice.agent.errors import KVEventError
 from sluice.agent.kvevents import REPLAY_END, decode_seq, encode_seq, replay_endpoint
-from sluice.common.chat import InvalidChat, render_chat
+from sluice.common.chat import ChatError, render_chat
 from sluice.common.errors import ConfigError
 from sluice.common.tokenizer import PromptTokenizer
 from sluice.schemas.hashing import block_hashes, estimate_text_tokens, text_block_hashes
@@ -423,7 +423,7 @@ class _OpenAI:
         body = await _json(request)
         try:
             text = render_chat(body.get("messages"))
-        except InvalidChat as exc:
+        except ChatError as exc:
             raise BadRequest(str(exc), exc.param) from exc
         return await self._answer(body, self.server.prompt(text, "messages"), chat=True)
 

@@ -9,3 +9,7 @@ class LocalRunError(Exception):
 
 class NatsServerError(LocalRunError, RuntimeError):
     """The embedded ``nats-server`` is missing, did not start, or is not running."""
+
+
+class GatewayProcessError(LocalRunError, RuntimeError):
+    """A ``sluice gateway`` child process did not start, or is not running."""

@@ -150,5 +150,6 @@ class Gauges:
                 )
                 for b in st.scheduler.band_snapshots(now)
             ],
+            models=st.scheduler.known_models(),
         )
         await respond(msg, encode(stats))

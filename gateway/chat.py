@@ -1,0 +1,153 @@
+"""The OpenAI request bodies the gateway reads: ``/v1/chat/completions`` and
+``/v1/completions`` become one :class:`Job` (model, prompt, output bound, streaming).
+
+A chat's messages are rendered by the fleet's one template (:func:`sluice.common.chat.render_chat`,
+as ``sluice engine`` renders them), so every turn of a conversation starts with the text of the
+turn before it. A completion's prompt is a string or a list of token ids.
+
+Sluice relays a prompt and an output bound, nothing else: fields that would change what the
+engine returns in ways the caller relies on (``n`` > 1, ``stop``, ``tools``, ``logprobs``, a
+``response_format`` other than text, ``echo``, ``suffix``, ``best_of`` > 1) are refused with a
+400 rather than ignored; sampling knobs (``temperature``, ``top_p``, ``seed``, penalties, ...)
+and fields the gateway does not know are accepted and have no effect.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from sluice.common.chat import ChatError, render_chat
+from sluice.gateway.errors import BadRequest
+
+Kind = Literal["chat", "completion"]
+
+SESSION_HEADER = "x-session-id"
+"""The request header naming a session (a conversation): its requests stick to the workers
+that hold its history. Without it, the body's ``user`` field is the session."""
+SESSION_MAX_CHARS = 128
+"""The longest session id (the wire's limit on names)."""
+
+
+@dataclass(frozen=True)
+class Job:
+    """One completion request, as the gateway relays it."""
+
+    kind: Kind
+    model: str
+    prompt: str | list[int]
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+    user: str | None
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object; ``BadRequest`` otherwise."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"the body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    return body
+
+
+def _positive_int(body: Mapping[str, Any], key: str, default: int) -> int:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 1_000_000:
+        raise BadRequest(f"{key} must be an integer from 1 to 1000000", param=key)
+    return value
+
+
+def _flag(body: Mapping[str, Any], key: str) -> bool:
+    value = body.get(key, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise BadRequest(f"{key} must be a boolean", param=key)
+    return value
+
+
+def _unsupported(body: Mapping[str, Any], kind: Kind) -> None:
+    """Refuse what Sluice cannot honour (see the module docstring)."""
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise BadRequest("n must be 1: the gateway returns one choice", param="n")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != 1:
+        raise BadRequest("best_of is not supported", param="best_of")
+    for key in ("stop", "tools", "functions", "logprobs", "suffix", "echo", "top_logprobs"):
+        if body.get(key):
+            raise BadRequest(f"{key} is not supported by the Sluice gateway", param=key)
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise BadRequest("only the text response_format is supported", param="response_format")
+
+
+def _common(body: Mapping[str, Any], kind: Kind, default_max_tokens: int) -> dict[str, Any]:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("model must be a non-empty string", param="model")
+    _unsupported(body, kind)
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise BadRequest("stream_options must be an object", param="stream_options")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise BadRequest("user must be a string", param="user")
+    return {
+        "kind": kind,
+        "model": model,
+        "max_tokens": _positive_int(body, key, default_max_tokens),
+        "stream": _flag(body, "stream"),
+        "include_usage": _flag(options or {}, "include_usage"),
+        "user": user or None,
+    }
+
+
+def chat_job(body: Mapping[str, Any], default_max_tokens: int) -> Job:
+    """The job of a ``/v1/chat/completions`` body."""
+    fields = _common(body, "chat", default_max_tokens)
+    try:
+        prompt = render_chat(body.get("messages"))
+    except ChatError as exc:
+        raise BadRequest(str(exc), param=exc.param) from exc
+    return Job(prompt=prompt, **fields)
+
+
+def completion_job(body: Mapping[str, Any], default_max_tokens: int) -> Job:
+    """The job of a ``/v1/completions`` body: ``prompt`` is a string or token ids (a list of
+    one of either is taken as that one)."""
+    fields = _common(body, "completion", default_max_tokens)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
+        return Job(prompt=prompt, **fields)
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(type(t) is int for t in prompt)  # not bool, which is an int too
+        and min(prompt) >= 0
+        and max(prompt) < 2**32
+    ):
+        return Job(prompt=list(prompt), **fields)
+    raise BadRequest(
+        "prompt must be a non-empty string or a list of token ids (one prompt per request)",
+        param="prompt",
+    )
+
+
+def session_of(header: str | None, job: Job) -> str | None:
+    """The request's session: the ``x-session-id`` header, else the body's ``user``."""
+    session = header.strip() if header is not None and header.strip() else job.user
+    if session is not None and len(session) > SESSION_MAX_CHARS:
+        param = SESSION_HEADER if header else "user"
+        raise BadRequest(f"a session id has at most {SESSION_MAX_CHARS} characters", param=param)
+    return session

@@ -1,0 +1,216 @@
+"""One request relayed from its HTTP client to Sluice and back.
+
+The request is submitted through the client library; then the gateway waits for its first
+token (or its end) before it answers, so that a request the dispatcher refuses (an unknown
+model, a prompt too long, a full tenant queue) still gets its HTTP status. A streamed answer
+relays every chunk as it arrives; one that does not stream waits for the result.
+
+**A client that leaves cancels its request.** Every wait watches the connection
+(``http.disconnect`` on the ASGI receive channel): a client that disconnects while its request
+is queued or running, streaming or not, has it cancelled (``RequestHandle.cancel()``), so no
+worker keeps running work nobody reads. So is a request that is not finished within
+``request_timeout_s`` (504, or an error event on a stream that had started), and one still
+being answered when the server stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any, TypeVar
+
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from sluice.client import RequestHandle, Result, SluiceError, TokenChunk
+from sluice.gateway import metrics
+from sluice.gateway.chat import Job
+from sluice.gateway.errors import GatewayTimeout, from_client_error
+from sluice.gateway.shapes import Chunks, sse
+
+log = logging.getLogger("sluice.gateway")
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer was complete."""
+
+
+async def until_disconnect(receive: Receive) -> None:
+    """Return when the client disconnects (read the request body first)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _cancel_quietly(task: asyncio.Future[Any]) -> None:
+    if not task.done():
+        task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+async def race(aw: Awaitable[T], receive: Receive, deadline: float) -> T:
+    """``aw``'s value, unless the client disconnects first (``ClientGone``) or the event
+    loop's clock passes ``deadline`` (``GatewayTimeout``); ``aw`` is then cancelled."""
+    work: asyncio.Future[T] = asyncio.ensure_future(aw)
+    gone = asyncio.ensure_future(until_disconnect(receive))
+    both: set[asyncio.Future[Any]] = {work, gone}
+    try:
+        async with asyncio.timeout_at(deadline):
+            await asyncio.wait(both, return_when=asyncio.FIRST_COMPLETED)
+    except TimeoutError as exc:
+        raise GatewayTimeout("the request did not finish in time; it was cancelled") from exc
+    finally:
+        finished = work.done()  # before anything is cancelled
+        await _cancel_quietly(gone)
+        if not finished:
+            await _cancel_quietly(work)
+    if finished:
+        return work.result()
+    raise ClientGone
+
+
+class Relay:
+    """The relay of one submitted request: its first event, then its stream or its result.
+
+    ``cancel(handle, reason)`` is called (once) when the request must stop because its
+    client left or its time ran out; the gateway runs it in the background."""
+
+    def __init__(
+        self,
+        handle: RequestHandle,
+        job: Job,
+        *,
+        route: str,
+        arrived: float,
+        deadline: float,
+        created: int,
+        cancel: Callable[[RequestHandle, str], None],
+    ) -> None:
+        self.handle = handle
+        self.job = job
+        self.route = route
+        self.arrived = arrived
+        """``time.perf_counter()`` when the HTTP request arrived (for the first-token time)."""
+        self.deadline = deadline
+        """The event loop's time by which the request must be finished."""
+        self.created = created
+        self._cancel = cancel
+        self._stopped = False
+        self._chunks = aiter(handle)
+
+    def abort(self, reason: str) -> None:
+        """Stop the request in Sluice (its client left, or its time ran out) unless it ended."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if not self.handle.done:
+            metrics.CANCELLED.labels(reason).inc()
+            self._cancel(self.handle, reason)
+
+    async def _guarded(self, aw: Awaitable[T], receive: Receive) -> T:
+        try:
+            return await race(aw, receive, self.deadline)
+        except ClientGone:
+            self.abort("disconnect")
+            raise
+        except GatewayTimeout:
+            self.abort("timeout")
+            raise
+        except asyncio.CancelledError:  # the server is stopping: nobody will read the answer
+            self.abort("shutdown")
+            raise
+        except SluiceError as exc:
+            raise from_client_error(exc, self.job.model) from exc
+
+    async def first(self, receive: Receive) -> TokenChunk | None:
+        """The first chunk of tokens (None: the request ended without output); raises the
+        ``GatewayError`` of a request that was refused."""
+        chunk = await self._guarded(anext(self._chunks, None), receive)
+        if chunk is not None:
+            metrics.TTFT.labels(self.route).observe(time.perf_counter() - self.arrived)
+        return chunk
+
+    async def result(self, receive: Receive) -> Result:
+        """The final result (for an answer that does not stream)."""
+        return await self._guarded(self.handle.result(), receive)
+
+    async def events(self, first: TokenChunk | None) -> AsyncIterator[bytes]:
+        """The server-sent events of the answer, from its first chunk to ``[DONE]``; an error
+        after the stream started is an error event (``data: {"error": ...}``) that ends it."""
+        chunks = Chunks(self.job, self.handle.request_id, self.created)
+        try:
+            if first is not None:
+                yield chunks.text(first.text)
+            async for chunk in self._chunks:
+                yield chunks.text(chunk.text)
+            result = await self.handle.result()
+        except SluiceError as exc:
+            yield sse(from_client_error(exc, self.job.model).body())
+            return
+        yield chunks.end(result)
+
+
+class EventStream(Response):
+    """A ``text/event-stream`` answer that watches its client: when the client disconnects
+    (or ``deadline`` passes, or the server stops) before the last event, the stream stops and
+    ``on_abort`` is called with ``disconnect`` (``timeout``: an error event is sent then;
+    ``shutdown``)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(
+        self,
+        events: AsyncIterator[bytes],
+        *,
+        deadline: float,
+        on_abort: Callable[[str], None],
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        self.events = events
+        self.deadline = deadline
+        self.on_abort = on_abort
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"cache-control": "no-cache", **(headers or {})})
+
+    async def _pump(self, send: Send) -> None:
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
+        try:
+            async with asyncio.timeout_at(self.deadline):
+                async for event in self.events:
+                    await send({"type": "http.response.body", "body": event, "more_body": True})
+        except TimeoutError:
+            self.on_abort("timeout")
+            late = GatewayTimeout("the request did not finish in time; it was cancelled")
+            await send({"type": "http.response.body", "body": sse(late.body()), "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        pump = asyncio.ensure_future(self._pump(send))
+        gone = asyncio.ensure_future(until_disconnect(receive))
+        try:
+            await asyncio.wait({pump, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            left = gone.done()  # else the server is stopping (this task was cancelled)
+            await _cancel_quietly(gone)
+            if not pump.done():
+                self.on_abort("disconnect" if left else "shutdown")
+                await _cancel_quietly(pump)
+            aclose = getattr(self.events, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        if not pump.cancelled() and pump.exception() is not None:
+            raise pump.exception()  # type: ignore[misc]
+
+
+def stream_response(
+    relay: Relay, first: TokenChunk | None, headers: Mapping[str, str]
+) -> EventStream:
+    """The streamed answer of ``relay``."""
+    return EventStream(
+        relay.events(first), deadline=relay.deadline, on_abort=relay.abort, headers=headers
+    )

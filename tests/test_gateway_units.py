@@ -1,0 +1,197 @@
+"""The gateway's parts that need no broker: the key table, bands, the chat template, request
+parsing, the retry-after header, and settings that never echo a key."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+from sluice.common.chat import ChatError, render_chat
+from sluice.common.settings import ConfigError
+from sluice.common.tokenizer import PromptTokenizer
+from sluice.gateway.chat import chat_job, completion_job, session_of
+from sluice.gateway.errors import (
+    BadRequest,
+    Forbidden,
+    Unauthorized,
+    retry_after_s_header,
+)
+from sluice.gateway.keys import KeyTable
+from sluice.gateway.settings import ApiKey, GatewaySettings, is_loopback
+from sluice.testing import engineserver
+
+SECRET = "sk-test-8b1f5c0e-never-print-me"
+
+
+def _settings(**kw: object) -> GatewaySettings:
+    return GatewaySettings(**kw)  # type: ignore[arg-type]
+
+
+def test_keys_plain_and_digested_authenticate_and_others_do_not() -> None:
+    other = "sk-other-key"
+    table = KeyTable.from_settings(
+        _settings(
+            keys=[
+                ApiKey(key=SECRET, tenant="acme", bands=["standard"], default_band="standard"),
+                ApiKey(key_sha256=hashlib.sha256(other.encode()).hexdigest(), tenant="beta"),
+            ]
+        )
+    )
+    assert not table.open and len(table) == 2
+    assert table.authenticate(f"Bearer {SECRET}").tenant == "acme"
+    assert table.authenticate(f"bearer  {other} ").tenant == "beta"
+    for bad in (None, "", "Bearer", "Basic abc", f"Bearer {SECRET}x", "Bearer " + SECRET[:-1]):
+        with pytest.raises(Unauthorized) as info:
+            table.authenticate(bad)
+        assert SECRET not in str(info.value) and info.value.status == 401
+
+
+def test_the_same_key_twice_is_a_config_error_that_does_not_name_it() -> None:
+    digest = hashlib.sha256(SECRET.encode()).hexdigest()
+    settings = _settings(
+        keys=[
+            ApiKey(name="first", key=SECRET, tenant="a"),
+            ApiKey(key_sha256=digest.upper(), tenant="b"),
+        ]
+    )
+    with pytest.raises(ConfigError, match="same key as 'first'") as info:
+        KeyTable.from_settings(settings)
+    assert SECRET not in str(info.value) and digest not in str(info.value).lower()
+
+
+def test_a_key_may_use_its_bands_and_its_default_and_nothing_else() -> None:
+    table = KeyTable.from_settings(
+        _settings(keys=[ApiKey(key=SECRET, tenant="acme", bands=["batch"])])
+    )
+    who = table.authenticate(f"Bearer {SECRET}")
+    assert who.band(None) == "interactive"  # the gateway's default_band
+    assert who.band("batch") == "batch" and who.band("interactive") == "interactive"
+    with pytest.raises(Forbidden) as info:
+        who.band("standard")
+    assert info.value.status == 403 and info.value.param == "x-sluice-priority"
+    with pytest.raises(BadRequest):
+        who.band(" ")
+
+
+def test_an_open_gateway_is_one_tenant_with_any_band() -> None:
+    table = KeyTable.from_settings(_settings(open_tenant="lab", default_band="standard"))
+    who = table.authenticate(None)
+    assert table.open and who.tenant == "lab" and who.band(None) == "standard"
+    assert who.band("anything") == "anything"  # the fleet's bands are checked elsewhere
+
+
+def test_open_on_a_network_address_is_refused_unless_allowed() -> None:
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("example.com")
+    with pytest.raises(ConfigError, match="allow_open_non_loopback"):
+        GatewaySettings.load(host="0.0.0.0")
+    assert GatewaySettings.load(host="0.0.0.0", allow_open_non_loopback=True).host == "0.0.0.0"
+    keyed = GatewaySettings.load(host="0.0.0.0", keys=[{"key": SECRET, "tenant": "a"}])
+    assert SECRET not in repr(keyed) and SECRET not in str(keyed.model_dump())
+
+
+def test_invalid_key_settings_never_echo_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutation: ``redact_inputs = False`` on GatewaySettings prints the misspelt entry's
+    value, the key."""
+    bad = [
+        f'[{{"key": "{SECRET}", "tenant": ""}}]',  # a field error
+        f'[{{"key": "{SECRET}", "key_sha256": "{"a" * 64}", "tenant": "t"}}]',  # the entry's
+        f'[{{"kye": "{SECRET}", "tenant": "t"}}]',  # a misspelt field: pydantic shows its value
+    ]
+    for value in bad:
+        monkeypatch.setenv("SLUICE_GATEWAY_KEYS", value)
+        with pytest.raises(ConfigError) as info:
+            GatewaySettings.load()
+        assert "keys" in str(info.value) and SECRET not in str(info.value), str(info.value)
+
+
+def test_a_conversation_keeps_its_prefix_turn_after_turn(tmp_path: Path) -> None:
+    """The template is deterministic and a turn's text is a prefix of the next turn's; with a
+    tokenizer, so are its token ids (mutation: a per-call salt in render_chat)."""
+    turns = [
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "alpha beta"}],
+    ]
+    turns.append([*turns[0], {"role": "assistant", "content": " gamma"}])
+    turns[1].append({"role": "user", "content": [{"type": "text", "text": "beta alpha"}]})
+    first, second = render_chat(turns[0]), render_chat(turns[1])
+    assert render_chat(turns[0]) == first and second.startswith(first)
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(
+        ["alpha beta gamma Be brief . < | > system user assistant"],
+        trainers.WordLevelTrainer(special_tokens=["[UNK]"]),
+    )
+    tok.save(str(tmp_path / "t.json"))
+    ids = PromptTokenizer.from_file(tmp_path / "t.json")
+    a, b = ids.encode(first), ids.encode(second)
+    assert ids.encode(first) == a and b[: len(a)] == a and len(b) > len(a)
+    # The gateway's prompt is the template's; sluice engine renders with the same function.
+    assert chat_job({"model": "m", "messages": turns[1]}, 16).prompt == second
+    assert engineserver.render_chat is render_chat
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [[], "hi", [{"content": "x"}], [{"role": "user", "content": [{"type": "image_url"}]}]],
+)
+def test_messages_that_cannot_be_rendered(messages: object) -> None:
+    with pytest.raises(ChatError):
+        render_chat(messages)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": [{"role": "user", "content": "x"}]}, "model"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ["\n"]}, "stop"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, None),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}, None),
+        ({"model": "m", "messages": "x"}, "messages"),
+    ],
+)
+def test_chat_fields_that_are_refused(body: dict[str, object], param: str | None) -> None:
+    with pytest.raises(BadRequest) as info:
+        chat_job(body, 16)
+    assert info.value.status == 400
+    if param is not None:
+        assert info.value.param == param
+
+
+def test_completion_prompts_and_defaults() -> None:
+    job = completion_job({"model": "m", "prompt": "hi", "temperature": 0.2}, 16)
+    assert job.prompt == "hi" and job.max_tokens == 16 and not job.stream
+    assert completion_job({"model": "m", "prompt": [[1, 2]]}, 16).prompt == [1, 2]
+    chat = chat_job(
+        {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5},
+        16,
+    )
+    assert chat.max_tokens == 5
+    for bad in ([], [1, -1], ["a", "b"], 3, [True]):
+        with pytest.raises(BadRequest):
+            completion_job({"model": "m", "prompt": bad}, 16)
+
+
+def test_the_session_is_the_header_else_the_user_field() -> None:
+    job = completion_job({"model": "m", "prompt": "hi", "user": "u-1"}, 16)
+    assert session_of(None, job) == "u-1" and session_of("s-9", job) == "s-9"
+    assert session_of(" ", job) == "u-1"
+    with pytest.raises(BadRequest):
+        session_of("x" * 129, job)
+
+
+def test_retry_after_is_whole_seconds_rounded_up_and_at_least_one() -> None:
+    assert [retry_after_s_header(s) for s in (0.0, 0.2, 1.0, 1.01, 2.5)] == [1, 1, 1, 2, 3]
+    assert retry_after_s_header(None) == 1 and retry_after_s_header(float("inf")) == 1
+
+
+def test_the_example_config_has_a_gateway_table() -> None:
+    example = Path(__file__).parent.parent / "deploy" / "sluice.example.toml"
+    try:
+        settings = GatewaySettings.load(example)
+    finally:
+        GatewaySettings.load(None)  # later settings in this process read no file
+    assert settings.port == 8080 and settings.keys == [] and settings.host == "127.0.0.1"
