@@ -320,8 +320,45 @@ def gateway(
         )
 
     try:
-        _run(serve(settings, on_start=started))
+        run(serve(settings, on_start=started))
     except (ConfigError, BindError, ServiceUnavailable) as exc:
+        raise fail(str(exc)) from exc
+
+
+@app.command()
+def up(
+    workers: Annotated[int, typer.Option(help="Simulated GPU workers.", min=1)] = 4,
+    engines: Annotated[
+        str, typer.Option(help="inproc (in the agents) or http (a sluice engine process each).")
+    ] = "inproc",
+    port: Annotated[int, typer.Option(help="The gateway's port (0: any free).", min=0)] = 8080,
+    nats_port: Annotated[int, typer.Option(help="The NATS port (-1: any free).", min=-1)] = 4222,
+    host: Annotated[str, typer.Option(help="The gateway's address.")] = "127.0.0.1",
+    model: Annotated[str, typer.Option(help="The model the workers serve.")] = "demo-8b",
+    speed: Annotated[float, typer.Option(help="Simulated clock speed-up.", min=0.01)] = 1.0,
+) -> None:
+    """The whole stack in the foreground: embedded NATS, a dispatcher, N simulated workers and
+    the gateway; prints the URLs and a snippet; Ctrl-C stops everything it started."""
+    from sluice.agent.engine import EngineError
+    from sluice.cli.up import UpConfig, run_up
+    from sluice.client import ServiceUnavailable
+    from sluice.gateway import BindError
+    from sluice.testing.errors import LocalRunError
+
+    if engines not in ("inproc", "sim", "http"):
+        raise fail(f"--engines is inproc or http, not {engines!r}")
+    cfg = UpConfig(
+        workers=workers,
+        engines="http" if engines == "http" else "inproc",
+        model=model,
+        speed=speed,
+        host=host,
+        port=port,
+        nats_port=nats_port,
+    )
+    try:
+        run(run_up(cfg, console))
+    except (ConfigError, BindError, ServiceUnavailable, LocalRunError, EngineError) as exc:
         raise fail(str(exc)) from exc
 
 
@@ -363,7 +400,7 @@ def bench_gateway_cmd(
         f"{concurrency}, {max_tokens} output tokens, {workers} workers at speed x{speed:g}[/dim]"
     )
     try:
-        r = _run(bench_gateway(requests, burst, concurrency, max_tokens, speed, workers))
+        r = run(bench_gateway(requests, burst, concurrency, max_tokens, speed, workers))
     except (BenchError, LocalRunError) as exc:
         raise fail(str(exc)) from exc
     console.print(table(r))

@@ -81,6 +81,10 @@ class Gateway:
             )
         self.client = client
         self.catalog = Catalog(client, settings.models_ttl_s)
+        from sluice.gateway.batchapi import BatchApi  # it builds on this module
+
+        self.batches = BatchApi(settings.batch_sweep_every_s, settings.max_file_bytes)
+        """The Files and Batches APIs, their submitters and their sweep."""
         self.started_unix_s = int(time.time())
         self._tasks: set[asyncio.Task[None]] = set()
         self._running = False
@@ -94,6 +98,7 @@ class Gateway:
         if self._running:
             return
         await self.client.connect()
+        await self.batches.start(self)
         self._running = True
         if self.keys.open:
             log.warning(OPEN_WARNING, self.settings.open_tenant)
@@ -104,6 +109,7 @@ class Gateway:
         connection."""
         await wait_event(self._idle, CANCEL_GRACE_S)
         await finish_tasks(list(self._tasks), CANCEL_GRACE_S)
+        await self.batches.stop()
         await self.client.close()
         self._running = False
 
@@ -324,6 +330,7 @@ def build_app(gateway: Gateway, *, routes: Sequence[BaseRoute] = ()) -> Starlett
         Route("/v1/models/{model:path}", guarded(_model), methods=["GET"]),
         Route("/health", guarded(_health), methods=["GET"]),
         Route("/metrics", _metrics, methods=["GET"]),
+        *gateway.batches.routes(),
         *routes,
     ]
 

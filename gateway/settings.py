@@ -23,6 +23,7 @@ from typing import ClassVar
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from sluice.client.batches import MAX_FILE_BYTES
 from sluice.common.settings import SluiceSettings
 
 DEFAULT_BAND = "interactive"
@@ -118,6 +119,14 @@ class GatewaySettings(SluiceSettings):
     )
     request_timeout_s: float = Field(
         default=600.0, gt=0, description="A request not finished by then is cancelled (504)."
+    )
+    max_file_bytes: int = Field(
+        default=MAX_FILE_BYTES, ge=1024, description="Largest file upload (POST /v1/files)."
+    )
+    batch_sweep_every_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="How often unfinished batches are moved on (and dead submitters resumed).",
     )
     max_body_bytes: int = Field(
         default=8 * 1024 * 1024, ge=1024, description="Largest request body (413 beyond)."
