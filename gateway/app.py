@@ -114,10 +114,12 @@ class Gateway:
         self._running = False
 
     def answer_started(self) -> None:
+        """An HTTP request is being answered (until ``answer_ended``)."""
         self.answering += 1
         self._idle.clear()
 
     def answer_ended(self) -> None:
+        """The answer to an HTTP request has ended (sent, failed or abandoned)."""
         self.answering -= 1
         if self.answering == 0:
             self._idle.set()
@@ -127,7 +129,7 @@ class Gateway:
         return self.keys.authenticate(request.headers.get("authorization"))
 
     def cancel_later(self, handle: RequestHandle, reason: str) -> None:
-        """Cancel ``handle``'s request in the background (its HTTP client is gone)."""
+        """Cancel ``handle``'s request in the background (nobody will read its answer)."""
         task = asyncio.get_running_loop().create_task(
             self._cancel(handle, reason), name=f"cancel-{handle.request_id}"
         )

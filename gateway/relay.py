@@ -101,7 +101,8 @@ class Relay:
         self._chunks = aiter(handle)
 
     def abort(self, reason: str) -> None:
-        """Stop the request in Sluice (its client left, or its time ran out) unless it ended."""
+        """Stop the request in Sluice (its client left, its time ran out, or the server is
+        stopping), once, unless it ended; ``reason`` labels the count of cancels."""
         if self._stopped:
             return
         self._stopped = True
@@ -126,7 +127,7 @@ class Relay:
 
     async def first(self, receive: Receive) -> TokenChunk | None:
         """The first chunk of tokens (None: the request ended without output); raises the
-        ``GatewayError`` of a request that was refused."""
+        ``ApiError`` of a request that was refused."""
         chunk = await self._guarded(anext(self._chunks, None), receive)
         if chunk is not None:
             metrics.TTFT.labels(self.route).observe(time.perf_counter() - self.arrived)
@@ -203,8 +204,9 @@ class EventStream(Response):
             aclose = getattr(self.events, "aclose", None)
             if aclose is not None:
                 await aclose()
-        if not pump.cancelled() and pump.exception() is not None:
-            raise pump.exception()  # type: ignore[misc]
+        failed = None if pump.cancelled() else pump.exception()
+        if failed is not None:
+            raise failed
 
 
 def stream_response(

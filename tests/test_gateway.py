@@ -12,14 +12,18 @@ import itertools
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
 from openai import AsyncOpenAI
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from sluice.client import Client, RejectReason, Result
+from sluice.common.chat import render_chat
+from sluice.common.tokenizer import PromptTokenizer
 from sluice.gateway import ApiKey, GatewayServer, GatewaySettings
 from sluice.testing.cluster import LocalCluster
 
@@ -459,3 +463,34 @@ async def test_a_gateway_that_stops_cancels_what_it_was_still_answering(nats_url
         result = await c.fetch_result(rid)
         assert result is not None and result.rejection is not None
         assert result.rejection.reason is RejectReason.CANCELLED
+
+
+async def test_with_a_tokenizer_a_chat_is_sent_as_its_token_ids(
+    nats_url: str, tmp_path: Path
+) -> None:
+    """``tokenizer`` set: the rendered chat reaches the engine as the tokenizer's ids (its
+    prompt is that many tokens, not the byte estimate), the same ids every time (the second
+    identical chat is cached but for its last token). Mutation: the Gateway building its
+    client without the tokenizer."""
+    words = "alpha beta gamma delta"
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(
+        [f"{words} < | > user assistant"], trainers.WordLevelTrainer(special_tokens=["[UNK]"])
+    )
+    tok.save(str(tmp_path / "tokenizer.json"))
+    messages: list[Any] = [{"role": "user", "content": " ".join([words] * 40)}]
+    ids = PromptTokenizer.from_file(tmp_path / "tokenizer.json").encode(render_chat(messages))
+    assert len(ids) != len(render_chat(messages).encode()) // 4  # the estimate would differ
+    async with (
+        LocalCluster(nats_url, **cluster_kwargs(workers=1)),
+        serving(nats_url, tokenizer=str(tmp_path / "tokenizer.json")) as (_, oa),
+    ):
+        usages = []
+        for _ in range(2):
+            reply = await oa.chat.completions.create(model="sim", messages=messages, max_tokens=2)
+            assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+            usages.append(reply.usage)
+    assert [u.prompt_tokens for u in usages] == [len(ids), len(ids)]
+    cached = [u.prompt_tokens_details.cached_tokens for u in usages]  # type: ignore[union-attr]
+    assert cached[0] == 0 and cached[1] >= len(ids) - 16
