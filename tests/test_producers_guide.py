@@ -90,3 +90,32 @@ def test_an_example_runs_as_written(name: str, stack: dict[str, str], tmp_path: 
         assert re.search(r"\b50 answers\.jsonl", done.stdout) and re.search(
             r"\b1 errors\.jsonl", done.stdout
         )
+
+
+def test_sluice_up_stops_everything_it_started_on_ctrl_c() -> None:
+    cmd = [sys.executable, "-m", "sluice.cli", "up", "--nats-port", "-1", "--port", "0"]
+    cmd += ["--workers", "2", "--engines", "http", "--speed", "20"]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+    )
+    pids: list[int] = []
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                raise AssertionError(f"sluice up exited with {proc.wait()}")
+            pids += [int(p) for p in re.findall(r"pid (\d+)", line)]
+            if "Sluice is up" in line:
+                break
+        assert len(pids) == 3  # the nats-server and the two engines
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
