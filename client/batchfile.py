@@ -27,8 +27,8 @@ from sluice.client.oaiformat import (
     ENDPOINT_KINDS,
     Kind,
     completion_body,
-    error_object,
     http_status,
+    rejection_error,
 )
 from sluice.common.chat import ChatError, render_chat
 from sluice.schemas.models import Result
@@ -140,7 +140,7 @@ def _line(n: int, cid: str, obj: Mapping[str, Any], batch_id: str) -> BatchLine:
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens", DEFAULT_MAX_TOKENS))
         model = body.get("model")
     else:
-        kind = "text"
+        kind = "completion"
         if ("prompt" in obj) == ("tokens" in obj):
             raise _Bad("a native line has exactly one of prompt and tokens")
         prompt = _prompt(obj.get("prompt", obj.get("tokens")), "prompt")
@@ -217,8 +217,7 @@ def output_lines(
         else:
             assert result.rejection is not None
             status = http_status(result.rejection.reason)
-            body = error_object(result.rejection.message, status, result.rejection.reason.value)
-            yield False, _response(item, status, body)
+            yield False, _response(item, status, rejection_error(result.rejection))
 
 
 def _response(item: BatchLine, status: int, body: dict[str, Any]) -> dict[str, Any]:

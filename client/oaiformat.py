@@ -8,28 +8,39 @@ from typing import Any, Literal
 
 from sluice.schemas.models import Rejection, RejectReason, Result
 
-Kind = Literal["chat", "text"]
+Kind = Literal["chat", "completion"]
 
-ENDPOINT_KINDS: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "text"}
+ENDPOINT_KINDS: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 
 _STATUS: dict[RejectReason, int] = {
     RejectReason.MALFORMED: 400,
     RejectReason.UNKNOWN_BAND: 400,
     RejectReason.PROMPT_TOO_LONG: 400,
     RejectReason.UNKNOWN_MODEL: 404,
-    RejectReason.DEADLINE_EXCEEDED: 408,
     RejectReason.QUEUE_FULL: 429,
-    RejectReason.CANCELLED: 499,
-    RejectReason.MAX_ATTEMPTS: 503,
-    RejectReason.UNDELIVERABLE: 503,
     RejectReason.INTERNAL: 500,
+    RejectReason.MAX_ATTEMPTS: 502,  # the workers failed it: a bad gateway, not a bad request
+    RejectReason.UNDELIVERABLE: 503,
+    RejectReason.CANCELLED: 503,  # cancelled elsewhere (sluice cancel): not this caller's doing
+    RejectReason.DEADLINE_EXCEEDED: 504,
+}
+_CODE: dict[RejectReason, str] = {
+    RejectReason.PROMPT_TOO_LONG: "context_length_exceeded",
+    RejectReason.UNKNOWN_MODEL: "model_not_found",
+    RejectReason.INTERNAL: "internal_error",
 }
 _TYPE = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error"}
 
 
 def http_status(reason: RejectReason) -> int:
-    """The HTTP status that answers a rejection."""
+    """The HTTP status that answers a rejection (the gateway's answers and a batch's error
+    lines alike)."""
     return _STATUS.get(reason, 500)
+
+
+def rejection_code(reason: RejectReason) -> str:
+    """The OpenAI error ``code`` of a rejection."""
+    return _CODE.get(reason, reason.value)
 
 
 def error_object(
@@ -41,7 +52,8 @@ def error_object(
 
 
 def rejection_error(rejection: Rejection) -> dict[str, Any]:
-    return error_object(rejection.message, http_status(rejection.reason), rejection.reason.value)
+    reason = rejection.reason
+    return error_object(rejection.message, http_status(reason), rejection_code(reason))
 
 
 def usage(result: Result) -> dict[str, Any]:

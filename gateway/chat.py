@@ -17,12 +17,11 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
+from sluice.client.oaiformat import Kind
 from sluice.common.chat import ChatError, render_chat
 from sluice.gateway.errors import BadRequest
-
-Kind = Literal["chat", "completion"]
 
 SESSION_HEADER = "x-session-id"
 """The request header naming a session (a conversation): its requests stick to the workers

@@ -39,6 +39,7 @@ from sluice.client import (
     ServiceUnavailable,
     SluiceError,
 )
+from sluice.client.oaiformat import http_status, rejection_code
 
 
 class GatewayError(Exception):
@@ -155,16 +156,15 @@ def model_not_found(model: str) -> NotFound:
     )
 
 
-_REJECTIONS: dict[RejectReason, tuple[type[ApiError], str]] = {
-    RejectReason.MALFORMED: (BadRequest, "malformed"),
-    RejectReason.UNKNOWN_BAND: (BadRequest, "unknown_band"),
-    RejectReason.PROMPT_TOO_LONG: (BadRequest, "context_length_exceeded"),
-    RejectReason.DEADLINE_EXCEEDED: (GatewayTimeout, "deadline_exceeded"),
-    RejectReason.MAX_ATTEMPTS: (BadGateway, "max_attempts"),
-    RejectReason.UNDELIVERABLE: (Unavailable, "undeliverable"),
-    RejectReason.CANCELLED: (Unavailable, "cancelled"),
-    RejectReason.INTERNAL: (InternalError, "internal_error"),
+_BY_STATUS: dict[int, type[ApiError]] = {
+    400: BadRequest,
+    500: InternalError,
+    502: BadGateway,
+    503: Unavailable,
+    504: GatewayTimeout,
 }
+"""The answer class of each status a rejection maps to (``oaiformat.http_status``, the one
+mapping, which a batch's error lines use too)."""
 
 
 def from_rejection(exc: Rejected, model: str) -> ApiError:
@@ -175,8 +175,8 @@ def from_rejection(exc: Rejected, model: str) -> ApiError:
         return model_not_found(model)
     if reason is RejectReason.QUEUE_FULL:
         return TooManyRequests(exc.rejection.message, exc.retry_after_s)
-    cls, code = _REJECTIONS.get(reason, (InternalError, str(reason)))
-    return cls(exc.rejection.message, code=code)
+    cls = _BY_STATUS.get(http_status(reason), InternalError)
+    return cls(exc.rejection.message, code=rejection_code(reason))
 
 
 def from_client_error(exc: SluiceError, model: str) -> ApiError:

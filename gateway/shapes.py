@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from sluice.client import Result
+from sluice.client import Result, oaiformat
 from sluice.gateway.chat import Job
 
 DONE = b"data: [DONE]\n\n"
@@ -37,33 +37,16 @@ def head(job: Job, request_id: str, created: int, *, chunk: bool) -> dict[str, A
     return {"id": ident, "object": obj, "created": created, "model": job.model}
 
 
-def usage(result: Result) -> dict[str, Any]:
-    out = len(result.output_tokens)
-    return {
-        "prompt_tokens": result.prompt_tokens,
-        "completion_tokens": out,
-        "total_tokens": result.prompt_tokens + out,
-        "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
-    }
-
-
 def finish_reason(job: Job, result: Result) -> str:
-    return "length" if len(result.output_tokens) >= job.max_tokens else "stop"
+    return oaiformat.finish_reason(result, job.max_tokens)
 
 
 def completion(job: Job, result: Result, created: int) -> dict[str, Any]:
     """The whole answer of a request that did not stream."""
-    choice: dict[str, Any] = {
-        "index": 0,
-        "finish_reason": finish_reason(job, result),
-        "logprobs": None,
-    }
-    if job.kind == "chat":
-        choice["message"] = {"role": "assistant", "content": result.text}
-    else:
-        choice["text"] = result.text
-    body = head(job, result.request_id, created, chunk=False)
-    return {**body, "choices": [choice], "usage": usage(result), "system_fingerprint": None}
+    body = oaiformat.completion_body(
+        job.kind, result, model=job.model, created=created, max_tokens=job.max_tokens
+    )
+    return {**body, "system_fingerprint": None}
 
 
 class Chunks:
@@ -97,5 +80,5 @@ class Chunks:
             done["logprobs"] = None
         out = sse({**self.head, "choices": [done]})
         if self.job.include_usage:
-            out += sse({**self.head, "choices": [], "usage": usage(result)})
+            out += sse({**self.head, "choices": [], "usage": oaiformat.usage(result)})
         return out + DONE

@@ -72,8 +72,8 @@ def test_lines_in_both_formats_and_their_errors() -> None:
     good, bad = parse_lines(data, "batch_1")
     assert [(g.line, g.custom_id, g.kind) for g in good] == [
         (1, "req-1", "chat"),
-        (3, "line-3", "text"),
-        (4, "t", "text"),
+        (3, "line-3", "completion"),
+        (4, "t", "completion"),
     ]
     assert good[0].prompt == "<|user|>\n" + "question 1 " * 8 + "\n<|assistant|>\n"
     assert good[2].prompt == [1, 2, 3] and good[1].max_tokens == 3

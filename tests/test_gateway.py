@@ -66,7 +66,7 @@ LONG = " ".join(f"word{i}" for i in range(200))  # 1,290 bytes: 20 text blocks
 
 async def test_the_openai_client_chats_streams_completes_and_lists_models(nats_url: str) -> None:
     """What the SDK gets is what Sluice stored: text, token counts and the engine's cache hit.
-    Mutations: ``cached_tokens`` not taken from the result (shapes.usage); the usage chunk
+    Mutations: ``cached_tokens`` not taken from the result (oaiformat.usage); the usage chunk
     dropped (Chunks.end); the first delta without its role."""
     async with (
         LocalCluster(nats_url, **cluster_kwargs(workers=1)),
