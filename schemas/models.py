@@ -16,6 +16,8 @@ SCHEMA_VERSION: Final = 1
 
 Name = Annotated[str, Field(min_length=1, max_length=128)]
 RequestId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")]
+TokenId = Annotated[int, Field(ge=0, lt=2**32)]
+"""A token id: what engines and Sluice's block hashing (uint32) take."""
 
 
 class _Wire(BaseModel):
@@ -59,7 +61,7 @@ class SubmitRequest(_Wire):
     model: Name
     tenant: Name = "default"
     band: Name = "standard"
-    prompt_tokens: list[int] | None = None
+    prompt_tokens: list[TokenId] | None = None
     prompt_text: str | None = None
     max_tokens: int = Field(default=256, ge=1, le=1_000_000)
     submitted_unix_ms: int = Field(ge=0)
