@@ -326,6 +326,17 @@ def gateway(
 
 
 @app.command()
+def reconcile(config: ConfigOpt = None) -> None:
+    """Reconcile a dispatcher's books with what the workers report running, now."""
+    r = with_client(config, lambda c: c.reconcile())
+    for kind in ("orphaned", "moved", "adopted", "unknown"):
+        ids = getattr(r, kind)
+        console.print(
+            f"{kind:9} {len(ids):4}  {' '.join(ids[:10])}{' ...' if len(ids) > 10 else ''}"
+        )
+
+
+@app.command()
 def up(
     workers: Annotated[int, typer.Option(help="Simulated GPU workers.", min=1)] = 4,
     engines: Annotated[

@@ -43,6 +43,7 @@ from sluice.schemas.models import (
     CancelRequest,
     DispatcherStats,
     QueuedNotice,
+    ReconcileReport,
     Result,
     SubmitRequest,
     TokenChunk,
@@ -573,6 +574,13 @@ class Client:
         query = CancelRequest(request_id=request_id, tenant=tenant or self.tenant)
         return await self._ask(
             names.CANCEL_SUBJECT, encode(query), CancelReply, "cancel", timeout_s
+        )
+
+    async def reconcile(self, timeout_s: float = 10.0) -> ReconcileReport:
+        """Ask a dispatcher to reconcile its books with the workers' reports now; what it
+        found and corrected."""
+        return await self._ask(
+            names.RECONCILE_SUBJECT, b"", ReconcileReport, "reconcile", timeout_s
         )
 
     async def stats(self, timeout_s: float = 2.0) -> DispatcherStats:

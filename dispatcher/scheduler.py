@@ -25,6 +25,7 @@ from sluice.dispatcher.flaps import FlapMeter
 from sluice.dispatcher.planner import PlanInput, hold_reason, plan, pressed_bands, quota_use
 from sluice.dispatcher.queues import Queues
 from sluice.dispatcher.quotas import Level
+from sluice.dispatcher.reconcile import Reconciliation, find_drift
 from sluice.dispatcher.routing import RoutingPolicy
 from sluice.dispatcher.shares import BandMeter
 from sluice.dispatcher.work import (
@@ -466,6 +467,29 @@ class Scheduler:
                     self._queues.remove(rid)
                     ended.append(Ended(request, self._unknown_model(request.model)))
         return ended
+
+    def reconcile(self, now_s: float, grace_s: float) -> Reconciliation:
+        """Compare the books with the workers' reports and correct them
+        (:mod:`sluice.dispatcher.reconcile`): orphans are released and queued again as their
+        next attempt (or end, out of attempts), moved bookings follow their reports, queued
+        requests a worker reports are booked there."""
+        drift = find_drift(self._books.bookings(), self._workers, self.order(), now_s, grace_s)
+        out = Reconciliation(drift)
+        for rid in drift.orphaned:
+            booking = self._release(rid)
+            self._failed_on[rid] = booking.worker_id  # a stale report must not re-adopt it
+            retry = self._retry(booking.request)
+            if isinstance(retry, Ended):
+                out.ended.append(retry)
+            else:
+                out.requeued.append(retry)
+        for rid, worker_id in drift.moved:
+            request = self._release(rid).request
+            self._insert(request)
+            self.book(Dispatch(request, worker_id), now_s)
+        for rid, worker_id in drift.adopted:
+            self.adopt(rid, worker_id, now_s)
+        return out
 
     def drift(self, worker_id: str, now_s: float, grace_s: float) -> int:
         """How far this dispatcher's books disagree with the worker's reported in-flight ids

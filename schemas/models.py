@@ -389,6 +389,18 @@ class DispatcherStats(_Wire):
     announced; a request for another model is rejected ``unknown_model``."""
 
 
+class ReconcileReport(_Wire):
+    """What one reconciliation found and did (:mod:`sluice.dispatcher.reconcile`)."""
+
+    dispatcher_id: Name
+    orphaned: list[str] = Field(default_factory=list)
+    """Booked, held by no worker past the grace: released and run again."""
+    moved: list[str] = Field(default_factory=list)
+    adopted: list[str] = Field(default_factory=list)
+    unknown: list[str] = Field(default_factory=list)
+    """Run by a worker, unknown here (ended here, or another dispatcher's)."""
+
+
 # --- offline batches (stored in the batch bucket, names.BATCH_BUCKET) --------------------------
 
 BatchState = Literal[

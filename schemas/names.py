@@ -218,6 +218,8 @@ ADMISSION_KEY = "admission"
 # --- feedback (core NATS) -----------------------------------------------------------------------
 
 WAIT_SUBJECT = f"{PREFIX}.wait"
+RECONCILE_SUBJECT = f"{PREFIX}.reconcile"
+"""Request/reply: reconcile the books with the workers' reports now (a ``ReconcileReport``)."""
 """Request/reply: a ``WaitQuery`` answered by a ``WaitEstimate`` (``Client.estimate_wait``)."""
 SCALE_EVENTS_SUBJECT = f"{PREFIX}.events.scale"
 """``ScaleEvent`` messages for autoscalers: a model and band needs more or fewer workers."""

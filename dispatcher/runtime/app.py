@@ -8,6 +8,8 @@
 - :mod:`~sluice.dispatcher.runtime.gauges`: metrics, scale events, stats and wait queries;
 - :mod:`~sluice.dispatcher.runtime.configwatch`: run-time admission changes;
 - :mod:`~sluice.dispatcher.runtime.cancels`: cancelling queued and running requests;
+- :mod:`~sluice.dispatcher.runtime.reconciler`: the books against the workers' reports, on a
+  timer and on demand;
 - here: start and stop, and keeping held messages alive with in-progress acks.
 
 A request's message stays un-acked in its band stream until the request ends (completion or
@@ -38,6 +40,7 @@ from sluice.dispatcher.runtime.configwatch import ConfigWatch
 from sluice.dispatcher.runtime.gauges import Gauges
 from sluice.dispatcher.runtime.handoff import HandOff
 from sluice.dispatcher.runtime.intake import Intake
+from sluice.dispatcher.runtime.reconciler import Reconciler
 from sluice.dispatcher.runtime.settings import DispatcherSettings
 from sluice.dispatcher.runtime.state import BROKER_ERRORS, State
 from sluice.dispatcher.runtime.streams import ensure_streams
@@ -71,6 +74,7 @@ class Dispatcher:
         self._handoff = HandOff(st, self._answers, self._workers, self._gauges)
         self._config = ConfigWatch(st)
         self._cancels = Cancels(st, self._answers, self._intake)
+        self.reconciler = Reconciler(st, self._answers, self._intake)
         self._tasks: list[asyncio.Task[None]] = []
         self._subs: list[Subscription] = []
 
@@ -126,6 +130,7 @@ class Dispatcher:
             await nc.subscribe(names.STATS_SUBJECT, cb=self._gauges.on_stats),
             await nc.subscribe(names.WAIT_SUBJECT, cb=self._gauges.on_wait),
             await nc.subscribe(names.CANCEL_SUBJECT, cb=self._cancels.on_cancel),
+            await nc.subscribe(names.RECONCILE_SUBJECT, cb=self.reconciler.on_request),
         ]
         for band in s.bands:
             self._subs.append(
@@ -142,6 +147,7 @@ class Dispatcher:
         self._task(self._config.loop(), "config")
         self._task(self._handoff.loop(), "schedule")
         self._task(self._keepalive_loop(), "keepalive")
+        self._task(self.reconciler.loop(), "reconcile")
         log.info("dispatcher %s started on %s", s.dispatcher_id, s.nats_url)
         return self
 

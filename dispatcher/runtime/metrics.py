@@ -21,6 +21,11 @@ LEASES_EXPIRED = Counter("sluice_dispatcher_leases_expired_total", "Workers lost
 DRIFT = Gauge(
     "sluice_dispatcher_book_drift", "Booked requests a worker's heartbeat does not list", ["worker"]
 )
+RECONCILE_DRIFT = Counter(
+    "sluice_dispatcher_reconcile_drift_total",
+    "Requests reconciliation corrected, by kind (orphaned, moved, adopted, unknown)",
+    ["kind"],
+)
 QUEUE_WAIT = Histogram(
     "sluice_dispatcher_queue_wait_seconds",
     "Time from arrival to hand-off",

@@ -174,6 +174,17 @@ class DispatcherSettings(SluiceSettings):
     lease_s: float = Field(
         default=4.0, gt=0, description="A worker silent this long is dead (3-5 heartbeats)."
     )
+    reconcile_every_s: float = Field(
+        default=60.0, gt=0, description="How often the books are reconciled with the reports."
+    )
+    reconcile_grace_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="A booking its worker's reports miss this long is orphaned (default 2 leases).",
+    )
+    reconcile_warn_drift: int = Field(
+        default=10, ge=0, description="A reconciliation that corrects more than this warns."
+    )
     learn_s: float | None = Field(
         default=None,
         ge=0,

@@ -1,0 +1,117 @@
+"""Reconciliation: the books against what the workers report, corrected both ways. The pure
+comparison (properties), and a live cluster with drift injected each way: a request an agent
+lost without a report (an orphan: run again, quota returned), and a request booked on one
+worker while another runs it (the booking follows the report)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sluice.client import Client
+from sluice.dispatcher.reconcile import find_drift
+from sluice.dispatcher.scheduler import Booking, Dispatch, Request, WorkerInfo
+from sluice.testing.cluster import LocalCluster
+
+from .conftest import cluster_kwargs, eventually
+
+RIDS = [f"r{i}" for i in range(12)]
+WORKERS = ["w0", "w1", "w2"]
+
+
+def _request(rid: str) -> Request:
+    return Request(rid, "standard", "m", "t", 10, 10, 0.0)
+
+
+@given(
+    booked=st.dictionaries(
+        st.sampled_from(RIDS), st.tuples(st.sampled_from(WORKERS), st.floats(0, 100))
+    ),
+    reported=st.dictionaries(
+        st.sampled_from(WORKERS),
+        st.tuples(st.frozensets(st.sampled_from(RIDS)), st.floats(0, 100)),
+    ),
+    queued=st.frozensets(st.sampled_from(RIDS)),
+    now=st.floats(0, 200),
+    grace=st.floats(0.1, 20),
+)
+def test_drift_is_what_the_books_and_reports_disagree_on(
+    booked: dict[str, tuple[str, float]],
+    reported: dict[str, tuple[frozenset[str], float]],
+    queued: frozenset[str],
+    now: float,
+    grace: float,
+) -> None:
+    queued = queued - set(booked)  # a request is queued or booked, never both
+    bookings = [Booking(_request(rid), w, t) for rid, (w, t) in booked.items()]
+    workers = {
+        w: WorkerInfo(w, frozenset({"m"}), 4, reported_in_flight=ids, reported_s=t)
+        for w, (ids, t) in reported.items()
+    }
+    d = find_drift(bookings, workers, queued, now, grace)
+    anywhere = {rid for ids, _ in reported.values() for rid in ids}
+    for rid in d.orphaned:  # booked, reported by nobody, by a report well after the booking
+        w, t = booked[rid]
+        assert rid not in anywhere and w in workers
+        assert now - t > grace and workers[w].reported_s - t > grace
+    for rid, w in d.moved:  # booked on one worker, reported by another only
+        assert rid in booked and rid in workers[w].reported_in_flight
+        assert rid not in workers[booked[rid][0]].reported_in_flight
+    assert {rid for rid, _ in d.adopted} == anywhere & queued
+    assert {rid for rid, _ in d.unknown} == anywhere - queued - set(booked)
+    for rid, (w, t) in booked.items():  # a booking its worker reports is never drift
+        if w in workers and rid in workers[w].reported_in_flight:
+            assert rid not in d.orphaned and rid not in {m for m, _ in d.moved}
+
+
+@pytest.mark.e2e
+async def test_reconciliation_corrects_injected_drift_both_ways(nats_url: str) -> None:
+    kw = cluster_kwargs(
+        workers=2,
+        dispatcher={"reconcile_every_s": 0.5, "reconcile_grace_s": 0.5, "global_limit": 8},
+    )
+    long = list(range(1000, 1064))
+    async with LocalCluster(nats_url, **kw) as cluster, Client(nats_url) as c:
+        d = cluster.dispatcher
+        lost = await c.submit("sim", long, max_tokens=2000, request_id="lost-1")
+
+        async def running(rid: str) -> bool:
+            return d.scheduler.booking(rid) is not None
+
+        await eventually(lambda: running("lost-1"))
+        first = d.scheduler.booking("lost-1")
+        assert first is not None
+        holder = next(a for a in cluster.agents if a.worker_id == first.worker_id)
+        # The agent loses it without a word (an engine that dropped it): no report, ever.
+        holder.engine.cancel("lost-1")
+        holder._running.pop("lost-1")
+        result = await lost.result(timeout_s=60)
+        assert result.ok and result.attempt == 2  # found orphaned, run again
+
+        async def released() -> bool:  # each booking's quota came back once
+            return d.scheduler.running == 0 and not any(d.scheduler.usage().values())
+
+        await eventually(released)
+
+        moved = await c.submit("sim", long, max_tokens=8000, request_id="moved-1")
+        await eventually(lambda: running("moved-1"))
+        b = d.scheduler.booking("moved-1")
+        assert b is not None
+        other = next(a.worker_id for a in cluster.agents if a.worker_id != b.worker_id)
+        # The books say another worker runs it (a hand-off answer that went astray).
+        d.scheduler.stop_running("moved-1")
+        d.scheduler._insert(b.request)  # noqa: SLF001 - injecting drift
+        assert d.scheduler.book(Dispatch(b.request, other), time.monotonic())
+
+        async def follows() -> bool:
+            now = d.scheduler.booking("moved-1")
+            return now is not None and now.worker_id == b.worker_id
+
+        await eventually(follows, timeout_s=10)
+        done = await moved.result(timeout_s=60)
+        assert done.ok and done.attempt == 1 and done.worker_id == b.worker_id  # ran once
+        report = await c.reconcile()
+        assert report.orphaned == [] and report.moved == []
