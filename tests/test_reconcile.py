@@ -62,7 +62,7 @@ def test_drift_is_what_the_books_and_reports_disagree_on(
         assert rid not in workers[booked[rid][0]].reported_in_flight
     assert {rid for rid, _ in d.adopted} == anywhere & queued
     assert {rid for rid, _ in d.unknown} == anywhere - queued - set(booked)
-    for rid, (w, t) in booked.items():  # a booking its worker reports is never drift
+    for rid, (w, _) in booked.items():  # a booking its worker reports is never drift
         if w in workers and rid in workers[w].reported_in_flight:
             assert rid not in d.orphaned and rid not in {m for m, _ in d.moved}
 
@@ -103,7 +103,7 @@ async def test_reconciliation_corrects_injected_drift_both_ways(nats_url: str) -
         other = next(a.worker_id for a in cluster.agents if a.worker_id != b.worker_id)
         # The books say another worker runs it (a hand-off answer that went astray).
         d.scheduler.stop_running("moved-1")
-        d.scheduler._insert(b.request)  # noqa: SLF001 - injecting drift
+        d.scheduler._insert(b.request)  # injecting drift: the request back in its queue
         assert d.scheduler.book(Dispatch(b.request, other), time.monotonic())
 
         async def follows() -> bool:
