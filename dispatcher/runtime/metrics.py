@@ -21,6 +21,10 @@ LEASES_EXPIRED = Counter("sluice_dispatcher_leases_expired_total", "Workers lost
 DRIFT = Gauge(
     "sluice_dispatcher_book_drift", "Booked requests a worker's heartbeat does not list", ["worker"]
 )
+COPIES_STOPPED = Counter(
+    "sluice_dispatcher_copies_stopped_total",
+    "Second copies of a request stopped because a stalled worker's first copy finished first",
+)
 RECONCILE_DRIFT = Counter(
     "sluice_dispatcher_reconcile_drift_total",
     "Requests reconciliation corrected, by kind (orphaned, moved, adopted, unknown)",

@@ -4,6 +4,7 @@ its requests queued again."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -14,6 +15,7 @@ from nats.aio.msg import Msg
 from sluice.dispatcher import feed
 from sluice.dispatcher.runtime import metrics
 from sluice.dispatcher.runtime.answers import Answers, ack, respond
+from sluice.dispatcher.runtime.cancels import stop_work
 from sluice.dispatcher.runtime.intake import Intake
 from sluice.dispatcher.runtime.state import State
 from sluice.dispatcher.scheduler import Booking, Ended
@@ -33,6 +35,7 @@ class WorkerTraffic:
         self.intake = intake
         self._hit_tokens: Counter[str] = Counter()
         self._prompt_tokens: Counter[str] = Counter()
+        self._stops: set[asyncio.Task[object]] = set()
 
     async def on_heartbeat(self, msg: Msg) -> None:
         st = self.state
@@ -71,6 +74,15 @@ class WorkerTraffic:
         if c.ok:
             if effects.request is not None:
                 self._count_hits(c, effects.booking)
+            other = effects.booking
+            if other is not None and (other.worker_id, other.request.attempt) != (
+                c.worker_id,
+                c.attempt,
+            ):
+                # A worker that stalled past its lease finished first: its result stands
+                # (stored before this report; the other copy's is deduplicated), and the copy
+                # running elsewhere is stopped.
+                self._stop_copy(other.worker_id, c.request_id, other.request.attempt)
             held = st.release_held(c.request_id)
             if held is not None:
                 await ack(held.msg)  # the agent stored the result before it told us
@@ -82,6 +94,15 @@ class WorkerTraffic:
             log.warning("worker %s failed %s (%s); retrying", c.worker_id, c.request_id, c.error)
         await respond(msg)
         st.kick.set()
+
+    def _stop_copy(self, worker_id: str, rid: str, attempt: int) -> None:
+        metrics.COPIES_STOPPED.inc()
+        log.info("%s finished elsewhere first; stopping its copy on %s", rid, worker_id)
+        task = asyncio.get_running_loop().create_task(
+            stop_work(self.state, worker_id, rid, attempt), name=f"stop-copy-{rid}"
+        )
+        self._stops.add(task)
+        task.add_done_callback(self._stops.discard)
 
     def _count_hits(self, c: Completion, booking: Booking | None) -> None:
         w = c.worker_id
