@@ -28,6 +28,7 @@ from starlette.routing import BaseRoute, Route
 from sluice.client import Batches, BatchNotFound, BatchStateError, FileNotFound, SluiceError
 from sluice.client.batchfile import parse_window
 from sluice.client.oaiformat import ENDPOINT_KINDS
+from sluice.common.aio import finish_tasks, wait_event
 from sluice.common.errors import internal_error
 from sluice.gateway.app import Gateway, gateway_of, guarded, read_body
 from sluice.gateway.chat import parse_json
@@ -35,6 +36,9 @@ from sluice.gateway.errors import ApiError, BadRequest, NotFound, PayloadTooLarg
 from sluice.schemas.models import TERMINAL_BATCH_STATES, BatchRecord, FileRecord
 
 log = logging.getLogger("sluice.gateway")
+
+STOP_GRACE_S = 3.0
+"""How long a stopping gateway lets its batch sweep finish the batch it is moving on."""
 
 
 class Conflict(ApiError):
@@ -108,6 +112,7 @@ class BatchApi:
         self._submitters: dict[str, asyncio.Task[None]] = {}
         self._sweeper: asyncio.Task[None] | None = None
         self._gateway: Gateway | None = None
+        self._stopping = asyncio.Event()
 
     def routes(self) -> list[BaseRoute]:
         return [
@@ -124,26 +129,31 @@ class BatchApi:
 
     async def start(self, gateway: Gateway) -> None:
         self._gateway = gateway
+        self._stopping.clear()
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep(), name="batch-sweep")
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._sweeper, *self._submitters.values()) if t is not None]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        """Stop the sweep (it watches a flag) and the submitters (cancelled: a batch's
+        submitter resumes in the next gateway, where it stopped)."""
+        self._stopping.set()
+        await finish_tasks(list(self._submitters.values()), 0.0)
+        if self._sweeper is not None:
+            await finish_tasks([self._sweeper], STOP_GRACE_S)
         self._submitters.clear()
 
     async def _sweep(self) -> None:
         assert self._gateway is not None
         gw = self._gateway
-        while True:
+        while not self._stopping.is_set():
             try:
                 await self._sweep_once(gw)
             except SluiceError as exc:  # NATS away: the next sweep tries again
                 log.warning("batch sweep failed: %s", exc)
             except Exception:
+                if self._stopping.is_set():
+                    return  # the connection closed under it while stopping
                 internal_error(log, "gateway.batch-sweep", "the batch sweep failed")
-            await asyncio.sleep(self.sweep_every_s)
+            await wait_event(self._stopping, self.sweep_every_s)
 
     async def _sweep_once(self, gw: Gateway) -> None:
         for record in await Batches(gw.client).every_tenant():
