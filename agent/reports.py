@@ -16,6 +16,7 @@ from sluice.schemas.models import (
     SubmitRequest,
     Timings,
     WorkerLoad,
+    WorkerState,
 )
 
 DEFAULT_HEARTBEAT_S = 1.0
@@ -43,6 +44,11 @@ class DigestBuilder:
         self.index_block_tokens = index_block_tokens
         self.snapshot_every = snapshot_every
         self.max_blocks = max_blocks
+        self.seq = -1
+
+    def restart(self) -> None:
+        """Start the numbering again: the next digest is a snapshot (a dispatcher that took
+        the worker's lease away forgot what it had)."""
         self.seq = -1
 
     def next(self, engine: Engine) -> CacheDigest:
@@ -80,6 +86,8 @@ def heartbeat(
     draining: bool = False,
     leaving: bool = False,
     cache: CacheDigest | None = None,
+    state: WorkerState = "serving",
+    registration: int = 0,
 ) -> Heartbeat:
     """A heartbeat. A leaving worker announces no capacity and no digest."""
     return Heartbeat(
@@ -93,6 +101,8 @@ def heartbeat(
         draining=draining,
         leaving=leaving,
         cache=None if leaving else cache,
+        state=state,
+        registration=registration,
     )
 
 

@@ -162,8 +162,10 @@ def _serve(
     metrics_port: int,
     banner: str,
     errors: tuple[type[Exception], ...],
+    until: Any = None,
 ) -> None:
-    """Run a long-lived part until SIGINT/SIGTERM, with optional Prometheus metrics."""
+    """Run a long-lived part until SIGINT/SIGTERM (or until ``until()`` returns, if given),
+    with optional Prometheus metrics."""
     from prometheus_client import start_http_server
 
     if metrics_port:
@@ -173,21 +175,26 @@ def _serve(
             raise fail(f"cannot serve metrics on {metrics_host}:{metrics_port}: {exc}") from exc
     err.print(banner)
     try:
-        run(_serve_until_signal(start, stop))
+        run(_serve_until_signal(start, stop, until))
     except errors as exc:
         raise fail(str(exc)) from exc
 
 
-async def _serve_until_signal(start: Any, stop: Any) -> None:
+async def _serve_until_signal(start: Any, stop: Any, until: Any = None) -> None:
     loop = asyncio.get_running_loop()
     done = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, done.set)
     await start()
+    waits = [asyncio.ensure_future(done.wait())]
+    if until is not None:
+        waits.append(asyncio.ensure_future(until()))
     try:
-        await done.wait()
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     finally:
+        for w in waits:
+            w.cancel()
         await stop()
 
 
@@ -282,6 +289,7 @@ def agent(
         settings.metrics_port,
         f"agent {settings.worker_id} serving {settings.models}; Ctrl-C drains and stops",
         (AgentBrokerUnreachable,),
+        until=a.wait_exit,  # `sluice drain --exit`: stop once drained
     )
 
 
@@ -620,6 +628,82 @@ def cancel(
     )
     if reply.status != "cancelled":
         raise typer.Exit(1)
+
+
+@app.command()
+def workers(
+    config: ConfigOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """List the workers a dispatcher holds leases for: state, models, load, cache, lease age."""
+    from rich.table import Table
+
+    w = with_client(config, lambda c: c.workers())
+    if as_json:
+        print(json.dumps(w.model_dump(mode="json")))
+        return
+    t = Table(title=f"{w.dispatcher_id}: {len(w.workers)} workers")
+    cols = ("worker", "state", "models", "running", "booked", "capacity", "kv blocks", "lease age")
+    for col in cols:
+        t.add_column(col, justify="left" if col in ("worker", "state", "models") else "right")
+    for r in w.workers:
+        t.add_row(
+            r.worker_id,
+            r.state,
+            ",".join(r.models),
+            str(r.in_flight),
+            str(r.booked),
+            str(r.capacity),
+            f"{r.kv_blocks_used}/{r.kv_blocks_total}",
+            f"{r.lease_age_s:.1f} s",
+        )
+    console.print(t)
+
+
+DRAIN_TIMEOUT_S = 600.0
+"""How long ``sluice drain --wait`` waits by default."""
+
+
+@app.command()
+def drain(
+    worker_id: Annotated[str, typer.Argument(help="The worker to drain.")],
+    config: ConfigOpt = None,
+    wait: Annotated[bool, typer.Option("--wait", help="Wait until it is drained.")] = False,
+    timeout: Annotated[
+        float, typer.Option("--timeout", help="Seconds --wait waits at most.")
+    ] = DRAIN_TIMEOUT_S,
+    exit_: Annotated[
+        bool, typer.Option("--exit", help="Its agent stops (exit code 0) once drained.")
+    ] = False,
+) -> None:
+    """Drain a worker: it takes no new work and finishes what it runs. Exit code 0 once it
+    took the drain (with --wait: once it is drained), 1 if --wait timed out, 2 for an unknown
+    worker or other errors."""
+    from sluice.client import DrainTimeout
+    from sluice.client.admin import drain_worker
+
+    async def go(c: Any) -> Any:
+        try:
+            return await drain_worker(c.nc, worker_id, exit=exit_, wait_s=timeout if wait else None)
+        except DrainTimeout as exc:  # exit code 1, not the 2 of other errors
+            return exc
+
+    reply = with_client(config, go)
+    if isinstance(reply, DrainTimeout):
+        raise fail(str(reply), code=1)
+    console.print(f"{reply.worker_id}: {reply.state}, {len(reply.in_flight)} running")
+
+
+@app.command()
+def undrain(
+    worker_id: Annotated[str, typer.Argument(help="The worker to take work again.")],
+    config: ConfigOpt = None,
+) -> None:
+    """Let a drained (or draining) worker take work again. Exit code 2 for an unknown worker."""
+    from sluice.client.admin import drain_worker
+
+    reply = with_client(config, lambda c: drain_worker(c.nc, worker_id, drain=False))
+    console.print(f"{reply.worker_id}: {reply.state}, {len(reply.in_flight)} running")
 
 
 _register_replay()

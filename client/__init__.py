@@ -14,6 +14,7 @@ from sluice.client.errors import (
     BatchStateError,
     Cancelled,
     DeadlineExceeded,
+    DrainTimeout,
     FileNotFound,
     InvalidRequest,
     MalformedResult,
@@ -23,6 +24,7 @@ from sluice.client.errors import (
     ResultTimeout,
     ServiceUnavailable,
     SluiceError,
+    UnknownWorker,
 )
 from sluice.client.settings import ClientSettings
 from sluice.client.subscriptions import ResultSubscription
@@ -36,6 +38,7 @@ __all__ = [
     "Client",
     "ClientSettings",
     "DeadlineExceeded",
+    "DrainTimeout",
     "FileNotFound",
     "InvalidRequest",
     "MalformedResult",
@@ -53,4 +56,5 @@ __all__ = [
     "SluiceError",
     "Timings",
     "TokenChunk",
+    "UnknownWorker",
 ]

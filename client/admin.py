@@ -1,20 +1,93 @@
-"""Operators' tools: the run-time admission configuration that dispatchers watch.
+"""Operators' tools: draining workers, and the run-time admission configuration that
+dispatchers watch.
 
-``sluice quota set|clear|show`` use these. The configuration is one JSON document
+``sluice drain`` and ``sluice undrain`` use :func:`drain_worker`: a
+:class:`~sluice.schemas.models.DrainRequest` straight to the worker's agent, and (waiting)
+the worker's own heartbeats until one says ``drained``.
+
+``sluice quota set|clear|show`` use the others. The configuration is one JSON document
 (:class:`~sluice.schemas.models.AdmissionOverrides`) under the key ``admission`` of the KV bucket
 ``SLUICE_CONFIG``; changes are compare-and-set, so two operators never lose each other's edits.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Callable
 
+import nats.errors
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
 
-from sluice.client.errors import ServiceUnavailable
+from sluice.client.errors import DrainTimeout, ServiceUnavailable, UnknownWorker
 from sluice.schemas import names
-from sluice.schemas.models import AdmissionOverrides, QuotaSpec
+from sluice.schemas.codec import decode, encode
+from sluice.schemas.errors import DecodeError
+from sluice.schemas.models import (
+    AdmissionOverrides,
+    DrainReply,
+    DrainRequest,
+    Heartbeat,
+    QuotaSpec,
+)
+
+DRAIN_ANSWER_TIMEOUT_S = 5.0
+"""How long a worker has to answer a drain request."""
+
+
+async def drain_worker(
+    nc: NATS,
+    worker_id: str,
+    *,
+    drain: bool = True,
+    exit: bool = False,
+    wait_s: float | None = None,
+) -> DrainReply:
+    """Drain ``worker_id`` (``drain`` false: take work again; ``exit``: its agent stops once
+    drained). The reply comes once the worker refuses new work. With ``wait_s``, wait up to
+    that long for a heartbeat saying it is drained (then the reply's state is ``drained``);
+    raises :class:`DrainTimeout` if it is not by then, :class:`UnknownWorker` if no such
+    worker answers, :class:`ServiceUnavailable` if NATS fails."""
+    drained = asyncio.Event()
+
+    async def on_heartbeat(msg: Msg) -> None:
+        with contextlib.suppress(DecodeError):
+            if decode(msg.data, Heartbeat).state == "drained":
+                drained.set()
+
+    # Subscribed before asking: a worker with nothing to finish is drained at once.
+    sub = await nc.subscribe(names.heartbeat_subject(worker_id), cb=on_heartbeat)
+    try:
+        reply = await _ask_worker(nc, worker_id, DrainRequest(drain=drain, exit=exit))
+        if wait_s is None or not drain or reply.state == "drained":
+            return reply
+        try:
+            await asyncio.wait_for(drained.wait(), wait_s)
+        except TimeoutError as exc:
+            raise DrainTimeout(worker_id, wait_s, reply.state) from exc
+        return reply.model_copy(update={"state": "drained", "in_flight": []})
+    finally:
+        with contextlib.suppress(nats.errors.Error):
+            await sub.unsubscribe()
+
+
+async def _ask_worker(nc: NATS, worker_id: str, request: DrainRequest) -> DrainReply:
+    try:
+        msg = await nc.request(
+            names.drain_subject(worker_id), encode(request), timeout=DRAIN_ANSWER_TIMEOUT_S
+        )
+    except nats.errors.NoRespondersError as exc:
+        raise UnknownWorker(worker_id) from exc
+    except nats.errors.TimeoutError as exc:
+        raise ServiceUnavailable(f"worker {worker_id!r} did not answer the drain") from exc
+    except nats.errors.Error as exc:
+        raise ServiceUnavailable(f"the drain of {worker_id!r} failed: {exc}") from exc
+    try:
+        return decode(msg.data, DrainReply)
+    except DecodeError as exc:
+        raise ServiceUnavailable(f"bad drain reply from {worker_id!r}: {exc}") from exc
 
 
 async def admission_overrides(nc: NATS) -> tuple[AdmissionOverrides, int]:

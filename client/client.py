@@ -49,6 +49,7 @@ from sluice.schemas.models import (
     TokenChunk,
     WaitEstimate,
     WaitQuery,
+    WorkerList,
 )
 
 _RESULT_POLL_S = 2.0
@@ -586,6 +587,10 @@ class Client:
     async def stats(self, timeout_s: float = 2.0) -> DispatcherStats:
         """Queue depths and in-flight counts from a dispatcher."""
         return await self._ask(names.STATS_SUBJECT, b"", DispatcherStats, "stats", timeout_s)
+
+    async def workers(self, timeout_s: float = 2.0) -> WorkerList:
+        """Every worker holding a lease at a dispatcher: its state, load and lease age."""
+        return await self._ask(names.WORKERS_SUBJECT, b"", WorkerList, "workers", timeout_s)
 
     async def _ask(
         self, subject: str, payload: bytes, reply: type[R], what: str, timeout_s: float

@@ -47,6 +47,27 @@ class ServiceUnavailable(SluiceError):
     NATS cannot be reached (also: the connection was closed)."""
 
 
+class UnknownWorker(SluiceError):
+    """No worker by that id answered on its drain subject (none runs, or it is of a version
+    without drain)."""
+
+    def __init__(self, worker_id: str) -> None:
+        self.worker_id = worker_id
+        super().__init__(
+            f"no worker {worker_id!r} answered (is it running? `sluice workers` lists them)"
+        )
+
+
+class DrainTimeout(SluiceError):
+    """A drained worker still ran requests (or had reports waiting) when the wait ended."""
+
+    def __init__(self, worker_id: str, timeout_s: float, state: str) -> None:
+        self.worker_id = worker_id
+        self.timeout_s = timeout_s
+        self.state = state
+        super().__init__(f"worker {worker_id!r} was still {state} after {timeout_s:g} s")
+
+
 class NotConnected(SluiceError):
     """The client was used outside ``async with Client(...)`` (or after ``close()``)."""
 

@@ -215,12 +215,21 @@ class CacheDigest(_Wire):
     evicted: list[BlockHash] = Field(default_factory=list)
 
 
+WorkerState = Literal["serving", "draining", "drained"]
+"""``serving`` takes work; ``draining`` takes none and finishes what it runs; ``drained``
+takes none and has nothing left (nothing running, no report waiting)."""
+
+
 class Heartbeat(_Wire):
     """Agent → dispatchers on ``sluice.hb.<worker>`` about every second.
 
     ``capacity`` is how many requests the worker takes at once; ``in_flight`` are the ids it
     holds now (the dispatcher reconciles its books against them). ``draining`` asks for no new
-    work; ``leaving`` says the worker is gone (a clean shutdown ends its lease at once).
+    work (``state`` says how far the drain got); ``leaving`` says the worker is gone (a clean
+    shutdown ends its lease at once). ``registration`` is raised each time the agent registers
+    afresh (at start, and after a :class:`RemoveNotice`): a dispatcher ignores heartbeats of a
+    registration it removed, and forgets the bookings of an earlier one. 0: an agent that
+    predates registrations (taken as it comes).
     """
 
     worker_id: Name
@@ -233,6 +242,8 @@ class Heartbeat(_Wire):
     draining: bool = False
     leaving: bool = False
     cache: CacheDigest | None = None
+    state: WorkerState = "serving"
+    registration: int = Field(default=0, ge=0)
 
 
 class QuotaSpec(BaseModel):
@@ -346,6 +357,58 @@ class StopWorkReply(_Wire):
     request_id: RequestId
     stopped: bool
     output_tokens: int = Field(default=0, ge=0)
+
+
+class DrainRequest(_Wire):
+    """Operator → agent on its drain subject (:func:`~sluice.schemas.names.drain_subject`):
+    ``drain`` true stops it taking work (what runs finishes), false takes work again;
+    ``exit``: once drained, the agent stops its process."""
+
+    drain: bool = True
+    exit: bool = False
+
+
+class DrainReply(_Wire):
+    """The agent's answer to a :class:`DrainRequest`, sent once it refuses new work: its
+    state and what it still runs."""
+
+    worker_id: Name
+    state: WorkerState
+    in_flight: list[RequestId]
+
+
+class RemoveNotice(_Wire):
+    """Dispatcher → agent on its remove subject: its lease of ``registration`` was taken away
+    (its heartbeats stopped for longer than the lease) and what it ran is queued again. The
+    agent drops what it runs and heartbeats as a fresh registration; a notice of an earlier
+    registration than the agent's own is ignored."""
+
+    dispatcher_id: Name
+    registration: int = Field(ge=0)
+
+
+class WorkerRow(_Wire):
+    """One worker as a dispatcher sees it (its last heartbeat and its bookings)."""
+
+    worker_id: Name
+    state: WorkerState
+    models: list[str]
+    capacity: int = Field(ge=0)
+    in_flight: int = Field(ge=0)
+    """Requests the worker reported running."""
+    booked: int = Field(ge=0)
+    """Requests the dispatcher has booked on it."""
+    kv_blocks_used: int = Field(ge=0)
+    kv_blocks_total: int = Field(ge=0)
+    lease_age_s: float = Field(ge=0)
+    """Seconds since its last heartbeat renewed its lease."""
+
+
+class WorkerList(_Wire):
+    """The dispatcher's answer on ``sluice.workers``: every worker holding a lease."""
+
+    dispatcher_id: Name
+    workers: list[WorkerRow]
 
 
 class DeadLetter(_Wire):

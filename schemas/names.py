@@ -201,11 +201,26 @@ def control_subject(worker_id: str) -> str:
     return f"{PREFIX}.ctl.{subject_token(worker_id)}"
 
 
+def drain_subject(worker_id: str) -> str:
+    """An operator drains or undrains one worker (request/reply: a ``DrainRequest`` answered
+    by a ``DrainReply``; ``sluice drain``, ``sluice undrain``)."""
+    return f"{PREFIX}.ctl.{subject_token(worker_id)}.drain"
+
+
+def remove_subject(worker_id: str) -> str:
+    """A dispatcher tells one worker that it took its lease away (a ``RemoveNotice``): the
+    worker drops what it ran under that registration and registers afresh."""
+    return f"{PREFIX}.ctl.{subject_token(worker_id)}.remove"
+
+
 CANCEL_SUBJECT = f"{PREFIX}.cancel"
 """Request/reply: a ``CancelRequest`` answered by a ``CancelReply`` (``Client.cancel``)."""
 
 STATS_SUBJECT = f"{PREFIX}.stats"
 """Request/reply: the dispatcher answers with its queue depths and in-flight counts."""
+
+WORKERS_SUBJECT = f"{PREFIX}.workers"
+"""Request/reply: the dispatcher answers with a ``WorkerList`` (``sluice workers``)."""
 
 
 # --- run-time configuration (a JetStream KV bucket that dispatchers watch) ----------------------

@@ -378,6 +378,35 @@ def test_renew_all_gives_every_worker_a_fresh_lease() -> None:
     assert leases.expired(11.5) == ["a", "b"]
 
 
+def test_a_removed_registration_is_stale_until_the_worker_registers_afresh() -> None:
+    """Fails if ``LeaseTable.remove`` forgets the registration (its heartbeats would be
+    ``current``: a worker back from SIGSTOP taken back with what it ran), or if ``standing``
+    stops telling a newer registration of a known lease (``replaced``) from the same one."""
+    leases = LeaseTable(lease_s=1.0)
+    assert leases.standing("a", 100) == "current"
+    leases.renew("a", 0.0, registration=100)
+    assert leases.standing("a", 100) == "current"
+    assert leases.standing("a", 200) == "replaced"  # restarted within its lease
+    assert leases.standing("a", 50) == "stale"  # an older incarnation
+    assert leases.remove("a") == 100
+    assert "a" not in leases and leases.removed("a") == 100
+    assert leases.standing("a", 100) == "stale"  # back, but has not seen the notice
+    assert leases.standing("a", 101) == "current"  # registered afresh
+    assert leases.renew("a", 5.0, registration=101)
+    assert leases.removed("a") is None and leases.standing("a", 101) == "current"
+    assert leases.age_s("a", 5.5) == 0.5
+
+
+def test_registration_zero_is_an_agent_that_predates_registrations() -> None:
+    leases = LeaseTable(lease_s=1.0)
+    leases.renew("old", 0.0)
+    assert leases.remove("old") == 0 and leases.removed("old") is None
+    assert leases.standing("old", 0) == "current"
+    leases.renew("new", 0.0, registration=7)
+    leases.drop("new")  # it left: nothing of it is remembered
+    assert leases.removed("new") is None and leases.standing("new", 3) == "current"
+
+
 def test_deadline_bookkeeping_stays_bounded_and_still_ends_the_queued() -> None:
     s = _sched(global_limit=10_000)
     s.update_worker(_worker("w", capacity=10_000))

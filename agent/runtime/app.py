@@ -6,6 +6,14 @@ coalesced (:mod:`sluice.agent.coalesce`). A finished request's result goes to Je
 (deduplicated by request id), then its completion to the dispatcher; both wait in the bounded
 outbox (:mod:`sluice.agent.outbox`) and are retried with every heartbeat until the dispatcher
 confirms. What it accepts and what it reports are the pure modules beside this package.
+
+Draining: :meth:`Agent.drain` (SIGTERM, through :meth:`Agent.stop`) or an operator's
+:class:`~sluice.schemas.models.DrainRequest` (``sluice drain``) stops it taking work; it
+heartbeats ``draining``, finishes what it runs, then heartbeats ``drained`` (and, asked to
+``exit``, sets :meth:`Agent.wait_exit`). An undrain takes work again. A
+:class:`~sluice.schemas.models.RemoveNotice` (a dispatcher took its lease away while it was
+silent) makes it drop what it runs (the dispatcher queued it again) and heartbeat as a fresh
+registration; its finished reports are still delivered.
 """
 
 from __future__ import annotations
@@ -41,9 +49,13 @@ from sluice.schemas.hashing import index_stride, prompt_hashes, prompt_length
 from sluice.schemas.models import (
     Assignment,
     AssignmentReply,
+    DrainReply,
+    DrainRequest,
+    RemoveNotice,
     StopWork,
     StopWorkReply,
     TokenChunk,
+    WorkerState,
 )
 
 log = logging.getLogger("sluice.agent")
@@ -108,6 +120,12 @@ class Agent:
         self._subs: list[Subscription] = []
         self._hb_seq = 0
         self._draining = False
+        self._exit_when_drained = False
+        self._announced_drained = False
+        self._exit = asyncio.Event()
+        self._registration = int(time.time() * 1000)
+        self.removed = 0
+        """Remove notices obeyed (a dispatcher took the lease away while it was silent)."""
         self._started = False
         self._alive = False
         self._hb_stop = asyncio.Event()
@@ -130,6 +148,23 @@ class Agent:
     def draining(self) -> bool:
         return self._draining
 
+    @property
+    def state(self) -> WorkerState:
+        """``serving``, ``draining``, or ``drained`` (draining with nothing running and no
+        report waiting)."""
+        if not self._draining:
+            return "serving"
+        return "draining" if self._running or len(self._outbox) else "drained"
+
+    @property
+    def registration(self) -> int:
+        """The number its heartbeats carry; raised when it registers afresh."""
+        return self._registration
+
+    async def wait_exit(self) -> None:
+        """Return once an operator's drain with ``exit`` has drained it."""
+        await self._exit.wait()
+
     async def start(self) -> Agent:
         if self._nc is None:
             try:
@@ -139,6 +174,8 @@ class Agent:
         self._subs = [
             await self.nc.subscribe(names.work_subject(self.worker_id), cb=self._on_assignment),
             await self.nc.subscribe(names.control_subject(self.worker_id), cb=self._on_stop),
+            await self.nc.subscribe(names.drain_subject(self.worker_id), cb=self._on_drain),
+            await self.nc.subscribe(names.remove_subject(self.worker_id), cb=self._on_remove),
         ]
         await self.engine.open()
         await self._heartbeat()
@@ -152,10 +189,19 @@ class Agent:
         self._started = True
         return self
 
-    async def drain(self) -> None:
+    async def drain(self, *, exit: bool = False) -> None:
         """Take no new work from now on (announced with the next heartbeat, sent at once);
-        what runs finishes."""
+        what runs finishes. ``exit``: once drained, :meth:`wait_exit` returns."""
         self._draining = True
+        self._exit_when_drained = self._exit_when_drained or exit
+        await self._heartbeat_safely()
+        self._check_drained()
+
+    async def undrain(self) -> None:
+        """Take work again (a pending exit is called off)."""
+        self._draining = False
+        self._exit_when_drained = False
+        self._announced_drained = False
         await self._heartbeat_safely()
 
     async def stop(self, *, drain: bool = True) -> None:
@@ -322,6 +368,57 @@ class Agent:
         await self._answer_stop(msg, reply)
         self._report(report)  # the completion (and the result, if not stored) follow
 
+    async def _on_drain(self, msg: Msg) -> None:
+        """An operator drains (or undrains) this worker; the reply is sent once it refuses
+        new work."""
+        try:
+            req = decode(msg.data, DrainRequest)
+        except DecodeError:
+            metrics.ASSIGNMENTS_REFUSED.labels(self.worker_id, "malformed").inc()
+            return
+        if req.drain:
+            log.info("%s drains (exit when drained: %s)", self.worker_id, req.exit)
+            await self.drain(exit=req.exit)
+        else:
+            log.info("%s takes work again", self.worker_id)
+            await self.undrain()
+        reply = DrainReply(
+            worker_id=self.worker_id, state=self.state, in_flight=list(self._running)
+        )
+        if msg.reply:
+            try:
+                await msg.respond(encode(reply))
+            except _BROKER_ERRORS:
+                log.debug("could not answer the drain of %s", self.worker_id)
+
+    async def _on_remove(self, msg: Msg) -> None:
+        """A dispatcher took this worker's lease away (it was silent for longer than the
+        lease) and queued what it ran again: drop that and register afresh. A notice for an
+        earlier registration (already obeyed) changes nothing."""
+        try:
+            notice = decode(msg.data, RemoveNotice)
+        except DecodeError:
+            metrics.ASSIGNMENTS_REFUSED.labels(self.worker_id, "malformed").inc()
+            return
+        if notice.registration < self._registration:
+            return
+        dropped = list(self._running)
+        for rid in dropped:
+            self.engine.cancel(rid)
+        self._running.clear()
+        self._registration = max(self._registration + 1, int(time.time() * 1000))
+        self._digests.restart()  # the dispatcher forgot our cache: a snapshot next
+        self.removed += 1
+        log.warning(
+            "%s lost its lease at %s; dropped %d running requests (queued again there), "
+            "registering afresh",
+            self.worker_id,
+            notice.dispatcher_id,
+            len(dropped),
+        )
+        self._changed()
+        await self._heartbeat_safely()
+
     async def _answer_stop(self, msg: Msg, reply: StopWorkReply) -> None:
         if not msg.reply:
             return
@@ -334,6 +431,22 @@ class Agent:
         metrics.IN_FLIGHT.labels(self.worker_id).set(len(self._running))
         if self._observer is not None:
             self._observer(self.worker_id, len(self._running))
+        self._check_drained()
+
+    def _check_drained(self) -> None:
+        """Once a drain has nothing left, say so at once (and exit, if asked to)."""
+        if self.state != "drained":
+            return
+        if self._exit_when_drained:
+            self._exit.set()
+        if self._announced_drained:
+            return
+        self._announced_drained = True
+        log.info("%s is drained", self.worker_id)
+        if self._alive:
+            task = asyncio.create_task(self._heartbeat_safely())
+            self._sending.add(task)
+            task.add_done_callback(self._sending.discard)
 
     # ------------------------------------------------------------------ engine
 
@@ -477,6 +590,7 @@ class Agent:
             )
             self._outbox.done(request_id)
             metrics.OUTBOX.labels(self.worker_id).set(len(self._outbox))
+            self._check_drained()
         except _BROKER_ERRORS:
             return  # broker or dispatcher unreachable: retried with the next heartbeat
         finally:
@@ -532,5 +646,7 @@ class Agent:
             draining=self._draining,
             leaving=leaving,
             cache=None if leaving else self._digests.next(self.engine),
+            state=self.state,
+            registration=self._registration,
         )
         await self.nc.publish(names.heartbeat_subject(self.worker_id), encode(hb))

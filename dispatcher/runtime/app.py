@@ -128,6 +128,7 @@ class Dispatcher:
             await nc.subscribe(names.HEARTBEAT_SUBJECTS, cb=self._workers.on_heartbeat),
             await nc.subscribe(names.COMPLETION_SUBJECTS, cb=self._workers.on_completion),
             await nc.subscribe(names.STATS_SUBJECT, cb=self._gauges.on_stats),
+            await nc.subscribe(names.WORKERS_SUBJECT, cb=self._gauges.on_workers),
             await nc.subscribe(names.WAIT_SUBJECT, cb=self._gauges.on_wait),
             await nc.subscribe(names.CANCEL_SUBJECT, cb=self._cancels.on_cancel),
             await nc.subscribe(names.RECONCILE_SUBJECT, cb=self.reconciler.on_request),

@@ -25,6 +25,8 @@ from sluice.schemas.models import (
     ScaleEvent,
     WaitEstimate,
     WaitQuery,
+    WorkerList,
+    WorkerRow,
 )
 
 log = logging.getLogger("sluice.dispatcher")
@@ -153,3 +155,28 @@ class Gauges:
             models=st.scheduler.known_models(),
         )
         await respond(msg, encode(stats))
+
+    async def on_workers(self, msg: Msg) -> None:
+        """Answer ``sluice.workers``: every worker holding a lease, from its last heartbeat."""
+        st = self.state
+        now = time.monotonic()
+        rows = []
+        for worker_id in st.leases:
+            hb = st.heartbeats.get(worker_id)
+            if hb is None:
+                continue
+            rows.append(
+                WorkerRow(
+                    worker_id=worker_id,
+                    state=hb.state if hb.state != "serving" or not hb.draining else "draining",
+                    models=list(hb.models),
+                    capacity=hb.capacity,
+                    in_flight=len(hb.in_flight),
+                    booked=len(st.scheduler.booked_on(worker_id)),
+                    kv_blocks_used=hb.load.kv_blocks_used,
+                    kv_blocks_total=hb.load.kv_blocks_total,
+                    lease_age_s=st.leases.age_s(worker_id, now),
+                )
+            )
+        reply = WorkerList(dispatcher_id=st.settings.dispatcher_id, workers=rows)
+        await respond(msg, encode(reply))

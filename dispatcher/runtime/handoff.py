@@ -57,7 +57,7 @@ class HandOff:
         for worker_id in st.leases.expired(now):
             metrics.LEASES_EXPIRED.inc()
             log.warning("worker %s lost its lease; re-queueing its requests", worker_id)
-            await self.workers.lose_worker(worker_id)
+            await self.workers.expire_worker(worker_id)
         for ended in st.scheduler.sweep(now):
             await self.answers.end(ended)
         self.gauges.update(now)

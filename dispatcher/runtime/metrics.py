@@ -18,6 +18,10 @@ HANDOFF_REFUSED = Counter(
 )
 WORKERS = Gauge("sluice_dispatcher_workers", "Workers with a live lease")
 LEASES_EXPIRED = Counter("sluice_dispatcher_leases_expired_total", "Workers lost to lease expiry")
+REMOVE_NOTICES = Counter(
+    "sluice_dispatcher_remove_notices_total",
+    "Remove notices sent to workers whose lease was taken away (again for each stale heartbeat)",
+)
 DRIFT = Gauge(
     "sluice_dispatcher_book_drift", "Booked requests a worker's heartbeat does not list", ["worker"]
 )

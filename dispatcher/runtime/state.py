@@ -24,7 +24,7 @@ from sluice.dispatcher.policies import build_policy, flap_meter
 from sluice.dispatcher.routing import RoutingPolicy
 from sluice.dispatcher.runtime.settings import DispatcherSettings
 from sluice.dispatcher.scheduler import Scheduler
-from sluice.schemas.models import SubmitRequest
+from sluice.schemas.models import Heartbeat, SubmitRequest
 
 log = logging.getLogger("sluice.dispatcher")
 
@@ -101,6 +101,8 @@ class State:
         self.tokenizers = Tokenizers(s.tokenizer, s.model_tokenizers)
         """Text prompts become token ids here, as the engines tokenize them."""
         self.leases = LeaseTable(s.lease_s)
+        self.heartbeats: dict[str, Heartbeat] = {}
+        """The last heartbeat of every worker holding a lease (``sluice workers``)."""
         self.held: dict[str, Held] = {}
         self.cancelled = Tombstones(s.duplicate_window_s)
         """Requests cancelled here: one that arrives (again) is answered, never run."""

@@ -1,6 +1,13 @@
 """Worker traffic: heartbeats renew leases and feed the core (:mod:`sluice.dispatcher.feed`),
 completions end or retry requests, and a worker that left or lost its lease is forgotten with
-its requests queued again."""
+its requests queued again.
+
+A worker whose lease expired is sent a :class:`~sluice.schemas.models.RemoveNotice`: it may
+only have been silent (stopped, cut off) and come back. Until it has seen the notice, its
+heartbeats (of the removed registration) are ignored and answered with the notice again;
+once it has dropped what it ran, it heartbeats as a fresh registration and is taken back.
+A known worker heartbeating a newer registration (it restarted within its lease) is
+forgotten first: what its earlier registration ran is queued again."""
 
 from __future__ import annotations
 
@@ -17,11 +24,12 @@ from sluice.dispatcher.runtime import metrics
 from sluice.dispatcher.runtime.answers import Answers, ack, respond
 from sluice.dispatcher.runtime.cancels import stop_work
 from sluice.dispatcher.runtime.intake import Intake
-from sluice.dispatcher.runtime.state import State
+from sluice.dispatcher.runtime.state import BROKER_ERRORS, State
 from sluice.dispatcher.scheduler import Booking, Ended
-from sluice.schemas.codec import decode
+from sluice.schemas import names
+from sluice.schemas.codec import decode, encode
 from sluice.schemas.errors import DecodeError
-from sluice.schemas.models import Completion, Heartbeat
+from sluice.schemas.models import Completion, Heartbeat, RemoveNotice
 
 log = logging.getLogger("sluice.dispatcher")
 
@@ -44,12 +52,22 @@ class WorkerTraffic:
         except DecodeError:
             metrics.BAD_INPUT.labels("heartbeat").inc()
             return
+        standing = st.leases.standing(hb.worker_id, hb.registration)
+        if standing == "stale":
+            removed = st.leases.removed(hb.worker_id)
+            if removed is not None and not hb.leaving:
+                self._send_remove(hb.worker_id, removed)  # it missed the notice: again
+            return
         if hb.leaving:
             if hb.worker_id in st.leases:
                 await self.lose_worker(hb.worker_id)
             return
+        if standing == "replaced":
+            log.warning("worker %s registered afresh; re-queueing its requests", hb.worker_id)
+            await self.lose_worker(hb.worker_id)
         now = time.monotonic()
-        st.leases.renew(hb.worker_id, now)
+        st.leases.renew(hb.worker_id, now, hb.registration)
+        st.heartbeats[hb.worker_id] = hb
         effects = feed.apply_heartbeat(
             st.scheduler, hb, now, index_block_tokens=st.index_block_tokens
         )
@@ -114,10 +132,32 @@ class WorkerTraffic:
         if booking is not None and booking.worker_id == w:
             metrics.HIT_ERROR.observe(c.cached_tokens - booking.expected_hit_tokens)
 
-    async def lose_worker(self, worker_id: str) -> None:
-        """The worker left or lost its lease: queue its requests again elsewhere."""
+    async def expire_worker(self, worker_id: str) -> None:
+        """The worker's lease expired: forget it, queue its requests again, and tell it (it
+        may come back: then it registers afresh)."""
+        registration = self.state.leases.remove(worker_id)
+        await self.lose_worker(worker_id, left=False)
+        self._send_remove(worker_id, registration)
+
+    def _send_remove(self, worker_id: str, registration: int) -> None:
+        notice = RemoveNotice(
+            dispatcher_id=self.state.settings.dispatcher_id, registration=registration
+        )
+        metrics.REMOVE_NOTICES.inc()
+        self.state.spawn(self._publish(names.remove_subject(worker_id), encode(notice)), "remove")
+
+    async def _publish(self, subject: str, data: bytes) -> None:
+        try:
+            await self.state.nc.publish(subject, data)
+        except BROKER_ERRORS:
+            log.debug("remove notice on %s not sent", subject)  # its next heartbeat resends it
+
+    async def lose_worker(self, worker_id: str, *, left: bool = True) -> None:
+        """The worker left (``left``) or lost its lease: queue its requests again elsewhere."""
         st = self.state
-        st.leases.drop(worker_id)
+        if left:
+            st.leases.drop(worker_id)
+        st.heartbeats.pop(worker_id, None)
         requeued, ended = feed.remove_worker(st.scheduler, worker_id)
         with contextlib.suppress(KeyError):  # it had no drift gauge yet
             metrics.DRIFT.remove(worker_id)
