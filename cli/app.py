@@ -130,17 +130,45 @@ def bench(
 
 @app.command()
 def nats(
-    port: Annotated[int, typer.Option(help="Client port (-1: any free port).")] = 4222,
+    port: Annotated[
+        int, typer.Option(help="Client port (-1: any free); a cluster's nodes: PORT, PORT+1, ...")
+    ] = 4222,
     store_dir: Annotated[
         Path | None, typer.Option(help="JetStream store (default: a temporary dir).")
     ] = None,
+    cluster: Annotated[
+        int,
+        typer.Option(help="Nodes of a local JetStream cluster (3 or 5; 1: one server).", min=1),
+    ] = 1,
+    sync_interval: Annotated[
+        str | None,
+        typer.Option(
+            help="A cluster's JetStream sync_interval: 'always' (fsync every write) or a "
+            "duration such as 1s (default: the server's, 2 min)."
+        ),
+    ] = None,
 ) -> None:
-    """Run a JetStream-enabled nats-server on 127.0.0.1 in the foreground."""
+    """Run a JetStream-enabled nats-server on 127.0.0.1 in the foreground, or a local cluster
+    of them (--cluster 3)."""
     from sluice.testing.errors import NatsServerError
-    from sluice.testing.natsserver import EmbeddedNats
+    from sluice.testing.natsserver import EmbeddedNats, NatsCluster
 
+    if cluster > 1 and cluster % 2 == 0:
+        raise fail(f"--cluster takes an odd number of nodes (a quorum), not {cluster}")
+    if sync_interval is not None and cluster == 1:
+        raise fail("--sync-interval needs --cluster (a single server is for trying Sluice)")
+    server: EmbeddedNats | NatsCluster
     try:
-        server = EmbeddedNats(store_dir=str(store_dir) if store_dir else None, port=port).start()
+        if cluster == 1:
+            server = EmbeddedNats(store_dir=str(store_dir) if store_dir else None, port=port)
+        else:
+            server = NatsCluster(
+                cluster,
+                store_dir=str(store_dir) if store_dir else None,
+                ports=None if port == -1 else [port + i for i in range(cluster)],
+                sync_interval=sync_interval,
+            )
+        server.start()
     except NatsServerError as exc:
         raise fail(str(exc)) from exc
     # Block the stop signals before announcing the server, so a signal sent as soon as the
@@ -148,7 +176,24 @@ def nats(
     stop_signals = {signal.SIGINT, signal.SIGTERM}
     try:
         signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
-        console.print(f"nats-server (pid {server.pid}) listening on {server.url}; Ctrl-C stops it")
+        if isinstance(server, NatsCluster):
+            pids = ", ".join(str(p) for p in server.pids)
+            console.print(
+                f"nats-server cluster of {cluster} (pids {pids}) listening on {server.url}; "
+                "Ctrl-C stops it",
+                markup=False,
+                soft_wrap=True,
+            )
+            console.print(
+                f"use: SLUICE_NATS_URL={server.url} SLUICE_DISPATCHER_STREAM_REPLICAS="
+                f"{min(cluster, 3)}",
+                markup=False,
+                soft_wrap=True,
+            )
+        else:
+            console.print(
+                f"nats-server (pid {server.pid}) listening on {server.url}; Ctrl-C stops it"
+            )
         signal.sigwait(stop_signals)
     finally:
         server.stop()

@@ -96,10 +96,14 @@ def batch_id_for(tenant: str, data: bytes) -> str:
 class Batches:
     """Files and batches of one tenant (the client's unless given)."""
 
-    def __init__(self, client: Client, *, tenant: str | None = None, replicas: int = 1) -> None:
+    def __init__(
+        self, client: Client, *, tenant: str | None = None, replicas: int | None = None
+    ) -> None:
         self.client = client
         self.tenant = tenant or client.tenant
         self.replicas = replicas
+        """Replicas of the batch stores when this creates them; None (the default): as many
+        as the dispatchers' result stream has (their ``stream_replicas``), 1 without one."""
         self._kv: KeyValue | None = None
         self._obj: ObjectStore | None = None
 
@@ -114,18 +118,30 @@ class Batches:
                 except nats.js.errors.BucketNotFoundError:
                     self._kv = await js.create_key_value(
                         api.KeyValueConfig(
-                            bucket=names.BATCH_BUCKET, history=1, replicas=self.replicas
+                            bucket=names.BATCH_BUCKET, history=1, replicas=await self._replicas()
                         )
                     )
                 try:
                     self._obj = await js.object_store(names.FILE_STORE)
                 except nats.js.errors.BucketNotFoundError:
                     self._obj = await js.create_object_store(
-                        names.FILE_STORE, config=api.ObjectStoreConfig(replicas=self.replicas)
+                        names.FILE_STORE,
+                        config=api.ObjectStoreConfig(replicas=await self._replicas()),
                     )
             except _NATS_ERRORS as exc:
                 raise ServiceUnavailable(f"cannot open the batch stores: {exc}") from exc
         return self._kv, self._obj
+
+    async def _replicas(self) -> int:
+        """The replicas of a batch store this creates: ``replicas``, else the result
+        stream's (so one setting, the dispatchers' ``stream_replicas``, decides)."""
+        if self.replicas is not None:
+            return self.replicas
+        try:
+            info = await self.client.nc.jetstream().stream_info(names.RESULT_STREAM)
+        except nats.js.errors.NotFoundError:
+            return 1
+        return info.config.num_replicas or 1
 
     async def _read(self, key: str) -> tuple[bytes, int] | None:
         kv, _ = await self._stores()

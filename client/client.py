@@ -30,7 +30,11 @@ from sluice.client.errors import (
     SluiceError,
     rejection_error,
 )
-from sluice.client.settings import ClientSettings
+from sluice.client.settings import (
+    DEFAULT_PUBLISH_RETRY_S,
+    DEFAULT_PUBLISH_TIMEOUT_S,
+    ClientSettings,
+)
 from sluice.client.subscriptions import DEFAULT_ACK_WAIT_S, ResultSubscription
 from sluice.common.aio import wait_at_most
 from sluice.common.tokenizer import PromptTokenizer
@@ -56,8 +60,22 @@ _RESULT_POLL_S = 2.0
 _NATS_ERRORS = (nats.errors.Error, OSError)
 """What nats-py raises when the broker is away or the connection closed (its JetStream
 errors derive from ``nats.errors.Error``): the client raises ``ServiceUnavailable`` for them."""
+_RECONNECTING_ERRORS = (
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.StaleConnectionError,
+    nats.errors.OutboundBufferLimitError,
+)
+"""What a publish may raise while the client moves to another server: retried."""
+_PUBLISH_BACKOFF_S = (0.05, 1.0)
+"""The first and the largest wait between two publishes of one submit (doubling, with
+jitter)."""
+_STREAM_LOOKUP_TIMEOUT_S = 1.0
 log = logging.getLogger("sluice.client")
 R = TypeVar("R", bound=BaseModel)
+
+
+class _Transient(Exception):
+    """A publish failure that a leader change or a reconnect explains: published again."""
 
 
 @contextlib.contextmanager
@@ -290,7 +308,8 @@ class Client:
         tenant: str = "default",
         band: str = "standard",
         nc: NATS | None = None,
-        publish_timeout_s: float = 5.0,
+        publish_timeout_s: float = DEFAULT_PUBLISH_TIMEOUT_S,
+        publish_retry_s: float = DEFAULT_PUBLISH_RETRY_S,
         queue_full_retry_after_s: float = 1.0,
         tokenizer: PromptTokenizer | None = None,
     ) -> None:
@@ -301,6 +320,10 @@ class Client:
         self.tenant = tenant
         self.band = band
         self.publish_timeout_s = publish_timeout_s
+        self.publish_retry_s = publish_retry_s
+        """How long a submit publishes again after a transient failure (a timeout, no
+        responders or a 503 while a JetStream stream leader moves, a reconnect), with the
+        same ``Nats-Msg-Id`` so the broker stores it once; then ``ServiceUnavailable``."""
         self.queue_full_retry_after_s = queue_full_retry_after_s
         self._nc = nc
         self._own_nc = nc is None
@@ -313,6 +336,7 @@ class Client:
             tenant=settings.tenant,
             band=settings.band,
             publish_timeout_s=settings.publish_timeout_s,
+            publish_retry_s=settings.publish_retry_s,
             queue_full_retry_after_s=settings.queue_full_retry_after_s,
             tokenizer=(
                 None
@@ -472,40 +496,81 @@ class Client:
         return request.request_id
 
     async def _publish(self, r: SubmitRequest) -> None:
+        """Publish a request and wait for the broker's acknowledgement. A transient failure
+        (no acknowledgement in ``publish_timeout_s``, no responders or a 503 while a stream
+        leader is elected, a reconnect to another server) is published again, with backoff,
+        for up to ``publish_retry_s``: the same ``Nats-Msg-Id`` (the request id) makes the
+        broker store it once however many attempts reached it. ``QueueFull`` and permanent
+        errors are raised at once."""
         subject = names.request_subject(r.band, r.model, r.tenant)
+        payload = encode(r)
+        deadline = time.monotonic() + self.publish_retry_s
+        backoff, most = _PUBLISH_BACKOFF_S
+        while True:
+            try:
+                await self._publish_once(r, subject, payload)
+                return
+            except _Transient as exc:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ServiceUnavailable(str(exc)) from exc.__cause__
+                log.debug("submit of %s published again: %s", r.request_id, exc)
+                await asyncio.sleep(min(left, backoff * self._rng.uniform(0.75, 1.25)))
+                backoff = min(most, backoff * 2)
+
+    async def _publish_once(self, r: SubmitRequest, subject: str, payload: bytes) -> None:
+        """One attempt; raises ``_Transient`` for what another attempt may get through."""
         try:
             await self.nc.jetstream().publish(
                 subject,
-                encode(r),
+                payload,
                 headers={names.MSG_ID_HEADER: r.request_id},
                 timeout=self.publish_timeout_s,
             )
         except APIError as exc:
             if exc.err_code == names.JS_ERR_MAX_MSGS:
-                retry_after, queued = self.queue_full_retry_after_s, None
-                with contextlib.suppress(ServiceUnavailable):
-                    est = await self.estimate_wait(r.model, r.band, timeout_s=0.5)
-                    queued = est.queued
-                    if est.expected_wait_s:
-                        retry_after = est.expected_wait_s
-                detail = exc.description or ""
-                scope = "tenant" if "per subject" in detail else "band"
-                raise QueueFull(
-                    r.band, r.model, retry_after, detail, queued=queued, scope=scope
-                ) from exc
+                raise await self._queue_full(r, exc) from exc
+            if exc.code == 503:  # JetStream or the stream's leader is being elected
+                raise _Transient(f"submit to {subject} failed: {exc}") from exc
             raise ServiceUnavailable(f"submit to {subject} failed: {exc}") from exc
         except NoStreamResponseError as exc:
-            raise ServiceUnavailable(
-                f"no stream accepts {subject}: band {r.band!r} is unknown or no dispatcher "
-                "has started"
-            ) from exc
-        except (nats.errors.TimeoutError, TimeoutError) as exc:
-            raise ServiceUnavailable(
-                f"submit of {r.request_id} not confirmed within {self.publish_timeout_s}s; "
-                "submitting again with the same request_id is safe"
+            if await self._no_stream_for(subject):
+                raise ServiceUnavailable(
+                    f"no stream accepts {subject}: band {r.band!r} is unknown or no dispatcher "
+                    "has started"
+                ) from exc
+            raise _Transient(f"no stream leader answered on {subject}") from exc
+        except (nats.errors.TimeoutError, TimeoutError, *_RECONNECTING_ERRORS) as exc:
+            raise _Transient(
+                f"submit of {r.request_id} not confirmed within {self.publish_timeout_s}s "
+                f"(published again for {self.publish_retry_s}s); submitting again with the "
+                "same request_id is safe"
             ) from exc
         except _NATS_ERRORS as exc:
             raise ServiceUnavailable(f"submit to {subject} failed: {exc}") from exc
+
+    async def _queue_full(self, r: SubmitRequest, exc: APIError) -> QueueFull:
+        retry_after, queued = self.queue_full_retry_after_s, None
+        with contextlib.suppress(ServiceUnavailable):
+            est = await self.estimate_wait(r.model, r.band, timeout_s=0.5)
+            queued = est.queued
+            if est.expected_wait_s:
+                retry_after = est.expected_wait_s
+        detail = exc.description or ""
+        scope = "tenant" if "per subject" in detail else "band"
+        return QueueFull(r.band, r.model, retry_after, detail, queued=queued, scope=scope)
+
+    async def _no_stream_for(self, subject: str) -> bool:
+        """Whether no stream holds ``subject`` (a band nobody set up): False while that
+        cannot be told (the meta leader is being elected), so the publish is tried again."""
+        js = self.nc.jetstream(timeout=_STREAM_LOOKUP_TIMEOUT_S)
+        try:
+            await js.find_stream_name_by_subject(subject)
+        except NotFoundError:
+            return True
+        except _NATS_ERRORS:
+            return False
+        return False
 
     async def fetch_result(self, request_id: str, *, tenant: str | None = None) -> Result | None:
         """The stored result of an earlier request, or None if there is none (yet)."""

@@ -10,6 +10,13 @@ from pydantic_settings import SettingsConfigDict
 
 from sluice.common.settings import SluiceSettings
 
+DEFAULT_PUBLISH_TIMEOUT_S = 5.0
+"""How long one submit publish waits for the broker's acknowledgement."""
+DEFAULT_PUBLISH_RETRY_S = 15.0
+"""How long a submit keeps publishing again (same ``Nats-Msg-Id``) after a timeout, a
+no-responders answer or a 503 while a stream leader moves: longer than a JetStream leader
+election after a node dies (NATS's Raft waits 4 to 9 s before it elects a new leader)."""
+
 
 class ClientSettings(SluiceSettings):
     """Settings of a producer."""
@@ -22,11 +29,21 @@ class ClientSettings(SluiceSettings):
     nats_url: str = Field(
         default="nats://127.0.0.1:4222",
         validation_alias=AliasChoices("nats_url", "SLUICE_NATS_URL"),
-        description="The NATS server to connect to.",
+        description="The NATS server to connect to, or a cluster's servers separated by commas.",
     )
     tenant: str = Field(default="default", min_length=1, description="Tenant of submissions.")
     band: str = Field(default="standard", min_length=1, description="Default priority band.")
-    publish_timeout_s: float = Field(default=5.0, gt=0, description="Submit publish timeout.")
+    publish_timeout_s: float = Field(
+        default=DEFAULT_PUBLISH_TIMEOUT_S,
+        gt=0,
+        description="How long one submit publish waits for the broker's acknowledgement.",
+    )
+    publish_retry_s: float = Field(
+        default=DEFAULT_PUBLISH_RETRY_S,
+        ge=0,
+        description="How long a submit publishes again (same message id) after a timeout or "
+        "a leader change before it raises ServiceUnavailable (0: no retry).",
+    )
     tokenizer: str | None = Field(
         default=None,
         description="A local tokenizer.json: text prompts are sent as the engine's token ids.",

@@ -10,7 +10,17 @@ from nats.aio.client import Client as NATS
 
 from sluice.common.errors import TransportError
 
-__all__ = ["TransportError", "connect"]
+__all__ = ["TransportError", "connect", "servers_of"]
+
+
+def servers_of(url: str) -> list[str]:
+    """The server list of a ``nats_url`` setting: one URL, or several separated by commas
+    (the nodes of a cluster: ``nats://a:4222,nats://b:4222``). Raises :class:`TransportError`
+    when it names none."""
+    servers = [u.strip() for u in url.split(",") if u.strip()]
+    if not servers:
+        raise TransportError(f"no NATS server in {url!r}")
+    return servers
 
 
 async def connect(
@@ -21,10 +31,13 @@ async def connect(
     reconnected_cb: Callable[[], Awaitable[None]] | None = None,
 ) -> NATS:
     """Connect with reconnects enabled; raises :class:`TransportError` if the first connect
-    fails (no endless retry loop on a wrong URL)."""
+    fails (no endless retry loop on a wrong URL). ``url`` may list several servers separated
+    by commas (:func:`servers_of`): the first that answers is used, and on a disconnect the
+    client reconnects to any of them (and to the nodes the cluster announces)."""
+    servers = servers_of(url)
     try:
         nc: NATS = await nats.connect(
-            servers=[url],
+            servers=servers,
             name=name,
             connect_timeout=connect_timeout_s,
             allow_reconnect=True,

@@ -87,7 +87,7 @@ class GatewaySettings(SluiceSettings):
     nats_url: str = Field(
         default="nats://127.0.0.1:4222",
         validation_alias=AliasChoices("nats_url", "SLUICE_NATS_URL"),
-        description="The NATS server to connect to.",
+        description="The NATS server to connect to, or a cluster's servers separated by commas.",
     )
     host: str = Field(default="127.0.0.1", min_length=1, description="Address to bind.")
     port: int = Field(default=8080, ge=0, le=65535, description="Port to bind (0: any free).")

@@ -4,6 +4,6 @@ and simulated agents) and ``sluice gateway`` as a child process. Used by the tes
 
 from sluice.testing.cluster import LocalCluster
 from sluice.testing.errors import NatsServerError
-from sluice.testing.natsserver import EmbeddedNats
+from sluice.testing.natsserver import EmbeddedNats, NatsCluster
 
-__all__ = ["EmbeddedNats", "LocalCluster", "NatsServerError"]
+__all__ = ["EmbeddedNats", "LocalCluster", "NatsCluster", "NatsServerError"]

@@ -58,7 +58,7 @@ class DispatcherSettings(SluiceSettings):
     nats_url: str = Field(
         default="nats://127.0.0.1:4222",
         validation_alias=AliasChoices("nats_url", "SLUICE_NATS_URL"),
-        description="The NATS server to connect to.",
+        description="The NATS server to connect to, or a cluster's servers separated by commas.",
     )
     dispatcher_id: str = Field(
         default_factory=lambda: f"dispatcher-{socket.gethostname()}-{os.getpid()}",

@@ -1,0 +1,212 @@
+"""A three-node JetStream cluster (real nats-server processes on loopback): every Sluice store
+is replicated, a node killed under load loses no accepted request, and a submit published
+again across a stream leader change is stored once.
+
+Mutations each test was seen to fail under (once, by hand):
+
+- ``num_replicas=s.stream_replicas`` dropped from ``band_stream`` (dispatcher/runtime/streams.py),
+  or ``Batches._replicas`` returning 1: ``test_every_sluice_store_is_replicated_on_the_cluster``.
+- the retry loop of ``Client._publish`` removed (``publish_retry_s=0`` does the same): the
+  load test and the leader-change test fail with ``ServiceUnavailable`` (not confirmed).
+- the ``Nats-Msg-Id`` header dropped from ``Client._publish_once``:
+  ``test_a_submit_published_again_across_a_leader_change_is_stored_once`` counts 2 messages.
+- ``servers=servers_of(url)`` replaced by ``servers=[url]`` in ``common.transport.connect``:
+  ``test_a_server_list_connects_past_a_dead_node`` cannot connect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+from nats.js.client import JetStreamContext
+
+from sluice.client import Batches, Client, RequestHandle, SluiceError
+from sluice.common.transport import TransportError, connect, servers_of
+from sluice.dispatcher.runtime import DispatcherSettings
+from sluice.dispatcher.runtime.streams import ensure_streams
+from sluice.schemas import names
+from sluice.testing.cluster import LocalCluster
+from sluice.testing.natsserver import NatsCluster
+
+from .conftest import cluster_kwargs, eventually
+
+pytestmark = pytest.mark.e2e
+
+PROMPT = list(range(7000, 7064))
+BAND_STREAM = names.request_stream("standard")
+
+
+@pytest.fixture
+def nats3() -> Iterator[NatsCluster]:
+    with NatsCluster(3) as c:
+        yield c
+
+
+@pytest.fixture
+async def client3(nats3: NatsCluster) -> AsyncIterator[Client]:
+    # A short per-attempt timeout: a publish lost with the killed leader is sent again soon.
+    async with Client(nats3.url, publish_timeout_s=1.0, publish_retry_s=20.0) as c:
+        yield c
+
+
+async def _leader_of(js: JetStreamContext, stream: str) -> str:
+    info = await js.stream_info(stream)
+    assert info.cluster is not None and info.cluster.leader, f"{stream} has no leader"
+    return info.cluster.leader
+
+
+def test_servers_of_splits_a_server_list() -> None:
+    assert servers_of("nats://a:1, nats://b:2,,nats://c:3") == [
+        "nats://a:1",
+        "nats://b:2",
+        "nats://c:3",
+    ]
+    assert servers_of("nats://a:1") == ["nats://a:1"]
+    with pytest.raises(TransportError):
+        servers_of(" , ")
+
+
+async def test_a_server_list_connects_past_a_dead_node(nats3: NatsCluster) -> None:
+    nats3.kill(0)  # the first server of the list is gone
+    nc = await connect(nats3.url, "test", connect_timeout_s=1.0)
+    try:
+        assert nc.connected_url is not None
+        assert nc.connected_url.port in {nats3.nodes[1].client_port, nats3.nodes[2].client_port}
+    finally:
+        await nc.close()
+
+
+async def test_every_sluice_store_is_replicated_on_the_cluster(
+    nats3: NatsCluster, client3: Client
+) -> None:
+    kw = cluster_kwargs(workers=1, dispatcher={"stream_replicas": 3})
+    async with LocalCluster(nats3.url, **kw):
+        await Batches(client3).upload(b'{"custom_id": "a"}\n', "in.jsonl")
+        js = client3.nc.jetstream()
+        expected = [names.request_stream(b) for b in names.DEFAULT_BANDS] + [
+            names.RESULT_STREAM,
+            names.DEAD_LETTER_STREAM,
+            f"KV_{names.CONFIG_BUCKET}",
+            f"KV_{names.BATCH_BUCKET}",
+            f"OBJ_{names.FILE_STORE}",
+        ]
+        replicas = {}
+        for stream in expected:
+            info = await js.stream_info(stream)
+            assert info.cluster is not None
+            replicas[stream] = (info.config.num_replicas, len(info.cluster.replicas or []) + 1)
+    assert replicas == {s: (3, 3) for s in expected}
+
+
+async def test_a_submit_published_again_across_a_leader_change_is_stored_once(
+    nats3: NatsCluster, client3: Client
+) -> None:
+    js = client3.nc.jetstream()
+    await ensure_streams(js, DispatcherSettings(nats_url=nats3.url, stream_replicas=3))
+    await client3.enqueue("sim", PROMPT, max_tokens=4, request_id="same")
+    leader = await _leader_of(js, BAND_STREAM)
+    nats3.kill(nats3.index_of(leader))
+    # The same request again, as a producer whose first ack was lost: the publish rides out
+    # the election (and the reconnect, if the client was on the killed node).
+    await client3.enqueue("sim", PROMPT, max_tokens=4, request_id="same")
+    assert await _leader_of(js, BAND_STREAM) != leader
+    info = await js.stream_info(BAND_STREAM)
+    assert info.state.messages == 1, "the same request id was stored twice"
+
+
+@pytest.mark.fault
+async def test_killing_the_stream_leader_under_load_loses_no_accepted_request(
+    nats3: NatsCluster, client3: Client
+) -> None:
+    kw = cluster_kwargs(workers=3, dispatcher={"stream_replicas": 3, "global_limit": 12})
+    handles: list[RequestHandle] = []
+    failed: list[str] = []
+    killed_at: list[float] = []
+    after_kill = 0
+
+    async def producer(p: int) -> None:
+        nonlocal after_kill
+        j = 0
+        while after_kill < 40:
+            rid = f"p{p}-{j}"
+            j += 1
+            try:
+                handles.append(await client3.submit("sim", PROMPT, max_tokens=8, request_id=rid))
+            except SluiceError as exc:
+                failed.append(f"{rid}: {exc}")
+                return
+            if killed_at:
+                after_kill += 1
+            await asyncio.sleep(0.01)
+
+    async with LocalCluster(nats3.url, **kw) as cluster:
+        js = client3.nc.jetstream()
+        producers = [asyncio.create_task(producer(p)) for p in range(4)]
+
+        async def some_accepted() -> bool:
+            return len(handles) >= 60 or bool(failed)
+
+        await eventually(some_accepted, timeout_s=30)
+        leader = await _leader_of(js, BAND_STREAM)
+        nats3.kill(nats3.index_of(leader))  # SIGKILL the band stream's leader mid-load
+        killed_at.append(time.monotonic())
+        await asyncio.wait_for(asyncio.gather(*producers), timeout=60)
+        assert not failed, f"accepted submits failed after the kill: {failed[:3]}"
+        results = [await h.result(timeout_s=60) for h in handles]
+        await asyncio.sleep(0.5)  # a request run twice would finish by now
+        runs = sum(a.completed for a in cluster.agents)
+        new_leader = await _leader_of(js, BAND_STREAM)
+
+    accepted = sorted(h.request_id for h in handles)
+    assert new_leader != leader
+    assert after_kill >= 40  # the system kept accepting and dispatching after the kill
+    assert len(set(accepted)) == len(accepted)
+    assert sorted(r.request_id for r in results) == accepted
+    assert all(r.ok and len(r.output_tokens) == 8 for r in results)
+    assert runs == len(accepted), f"{runs} runs for {len(accepted)} accepted requests"
+
+
+def test_sluice_nats_cluster_prints_the_server_list_and_ctrl_c_stops_every_node() -> None:
+    p = subprocess.Popen(
+        [sys.executable, "-m", "sluice.cli", "nats", "--cluster", "3", "--port", "-1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert p.stdout is not None
+        line = p.stdout.readline()
+        m = re.search(r"\(pids (\d+), (\d+), (\d+)\) listening on (\S+);", line)
+        assert m, f"no listening line: {line!r}"
+        pids = [int(g) for g in m.groups()[:3]]
+        urls = servers_of(m.group(4))
+        assert len(urls) == 3 and all(u.startswith("nats://127.0.0.1:") for u in urls)
+        assert all(_alive(pid) for pid in pids)
+        p.send_signal(signal.SIGINT)  # Ctrl-C
+        out, _ = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+    assert p.returncode == 0 and "nats-server stopped" in out
+    assert not any(_alive(pid) for pid in pids)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "zombie" not in f.read().lower()
+    except FileNotFoundError:
+        return False
