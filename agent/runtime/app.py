@@ -41,6 +41,7 @@ from sluice.schemas.hashing import index_stride, prompt_hashes, prompt_length
 from sluice.schemas.models import (
     Assignment,
     AssignmentReply,
+    LeaderLease,
     StopWork,
     StopWorkReply,
     TokenChunk,
@@ -113,6 +114,8 @@ class Agent:
         self._hb_stop = asyncio.Event()
         self._sending: set[asyncio.Task[None]] = set()
         self.completed = 0
+        self.epoch = 0
+        """The newest leadership epoch seen (assignments and leader announcements)."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -139,6 +142,7 @@ class Agent:
         self._subs = [
             await self.nc.subscribe(names.work_subject(self.worker_id), cb=self._on_assignment),
             await self.nc.subscribe(names.control_subject(self.worker_id), cb=self._on_stop),
+            await self.nc.subscribe(names.LEADER_SUBJECT, cb=self._on_leader),
         ]
         await self.engine.open()
         await self._heartbeat()
@@ -233,7 +237,10 @@ class Agent:
             capacity=self.settings.capacity,
             outbox_full=self._outbox.full,
             models=self.settings.models,
+            epoch=self.epoch,
         )
+        if verdict.action != "refuse":
+            self.epoch = max(self.epoch, assignment.epoch)
         if verdict.action == "run" and not self.engine.available:
             metrics.ASSIGNMENTS_REFUSED.labels(self.worker_id, "engine-unavailable").inc()
             await self._reply(msg, rid, False, "engine-unavailable: it fails its health check")
@@ -267,6 +274,15 @@ class Agent:
             # Accepted, then failed at once: the dispatcher runs it elsewhere (attempt + 1).
             self._finish_failed(self._running.pop(rid), error)
             self._changed()
+
+    async def _on_leader(self, msg: Msg) -> None:
+        """A leader announces its epoch: from now on, older epochs are refused."""
+        try:
+            lease = decode(msg.data, LeaderLease)
+        except DecodeError:
+            metrics.ASSIGNMENTS_REFUSED.labels(self.worker_id, "malformed").inc()
+            return
+        self.epoch = max(self.epoch, lease.epoch)
 
     async def _reply(self, msg: Msg, rid: str, accepted: bool, reason: str = "") -> None:
         if not msg.reply:
