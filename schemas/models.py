@@ -82,6 +82,19 @@ class Assignment(_Wire):
     attempt: int = Field(ge=1)
     dispatcher_id: Name
     queued_s: float = Field(ge=0)
+    epoch: int = Field(default=0, ge=0)
+    """The leadership epoch of the dispatcher that sent it (0: a dispatcher without
+    leadership). An agent refuses an assignment from an epoch older than the newest it has
+    seen: a deposed leader that wakes up cannot dispatch."""
+
+
+class LeaderLease(_Wire):
+    """The leader key's value (``names.LEADER_KEY``) and the leader's announcement on
+    ``sluice.leader``. ``epoch`` is the revision of the write that made it leader (strictly
+    increasing from one leader to the next); 0 while the first renewal has not written it."""
+
+    dispatcher_id: Name
+    epoch: int = Field(default=0, ge=0)
 
 
 class AssignmentReply(_Wire):
@@ -450,6 +463,10 @@ class DispatcherStats(_Wire):
     models: list[str] = Field(default_factory=list)
     """The models it serves: its configured ``models``, or (discovering) every model a worker
     announced; a request for another model is rejected ``unknown_model``."""
+    leader: bool = True
+    """Whether it leads (only the leader answers; standbys keep quiet)."""
+    epoch: int = Field(default=0, ge=0)
+    """Its leadership epoch."""
 
 
 class ReconcileReport(_Wire):

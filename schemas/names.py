@@ -230,6 +230,17 @@ ADMISSION_KEY = "admission"
 """JSON of :class:`~sluice.schemas.models.AdmissionOverrides` (``sluice quota set`` writes it)."""
 
 
+# --- leadership (a JetStream KV bucket; announcements on core NATS) ----------------------------
+
+LEADER_BUCKET = "SLUICE_LEADER"
+"""The dispatchers' election: one key with a TTL (the lease), history 1."""
+LEADER_KEY = "leader"
+"""JSON of :class:`~sluice.schemas.models.LeaderLease`: who leads, and since which epoch."""
+LEADER_SUBJECT = f"{PREFIX}.leader"
+"""The leader announces itself (a ``LeaderLease``) on taking over and with every renewal, so
+that agents learn the newest epoch before its first assignment reaches them."""
+
+
 # --- feedback (core NATS) -----------------------------------------------------------------------
 
 WAIT_SUBJECT = f"{PREFIX}.wait"

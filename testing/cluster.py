@@ -24,7 +24,8 @@ log = logging.getLogger("sluice.testing")
 class LocalCluster:
     """``async with LocalCluster(url, workers=4) as cluster:`` runs a dispatcher and agents
     ``worker-0`` … ``worker-N-1``; every part is stopped when the block exits. ``policy``
-    replaces the dispatcher's routing policy (for comparisons)."""
+    replaces the dispatcher's routing policy (for comparisons). ``with_dispatcher=False``
+    starts only the agents (the dispatchers run elsewhere, for instance as processes)."""
 
     def __init__(
         self,
@@ -36,12 +37,14 @@ class LocalCluster:
         observer: Observer | None = None,
         policy: RoutingPolicy | None = None,
         agent_for: Callable[[str], dict[str, Any]] | None = None,
+        with_dispatcher: bool = True,
     ) -> None:
         self.nats_url = nats_url
         self.dispatcher_settings = DispatcherSettings(nats_url=nats_url, **(dispatcher or {}))
         self._agent_overrides = dict(agent or {})
         self._agent_for = agent_for
         self._observer = observer
+        self.with_dispatcher = with_dispatcher
         self.dispatcher = Dispatcher(self.dispatcher_settings, policy=policy)
         self.agents: list[Agent] = [self._new_agent(f"worker-{i}") for i in range(workers)]
 
@@ -59,7 +62,8 @@ class LocalCluster:
         return agent
 
     async def start(self) -> LocalCluster:
-        await self.dispatcher.start()
+        if self.with_dispatcher:
+            await self.dispatcher.start()
         for a in self.agents:
             await a.start()
         return self

@@ -24,6 +24,7 @@ from sluice.testing.natsserver import EmbeddedNats
 FAST_DISPATCHER: dict[str, Any] = {
     "lease_s": 1.0,
     "learn_s": 0.3,
+    "leader_lease_s": 1.0,
     "model_grace_s": 0.5,
     "handoff_timeout_s": 1.0,
     "fetch_timeout_s": 0.5,

@@ -161,7 +161,11 @@ async def test_request_delivered_max_deliver_times_is_dead_lettered(nats_url: st
     async with LocalCluster(nats_url, **kw) as cluster, Client(nats_url) as c:
         handle = await c.submit("sim", PROMPT, max_tokens=5, request_id="poisoned")
         for _ in range(2):  # two dispatchers in turn take it and crash without acking it
-            await asyncio.sleep(0.4)
+
+            async def taken() -> bool:  # a dispatcher takes it once it leads
+                return cluster.dispatcher.held == 1
+
+            await eventually(taken)
             await cluster.dispatcher.kill()
             cluster.dispatcher = Dispatcher(cluster.dispatcher_settings)
             await cluster.dispatcher.start()
@@ -189,7 +193,13 @@ async def test_reoffered_request_that_already_finished_is_not_run_again(nats_url
             return agent.completed == 1
 
         await eventually(finished)
-        again = Assignment(request=request, attempt=2, dispatcher_id="test", queued_s=0.0)
+        again = Assignment(
+            request=request,
+            attempt=2,
+            dispatcher_id="test",
+            queued_s=0.0,
+            epoch=cluster.dispatcher.epoch,  # the leader re-offers it
+        )
         reply = await c.nc.request(names.work_subject(agent.worker_id), encode(again), timeout=2)
         assert decode(reply.data, AssignmentReply).accepted
         await asyncio.sleep(0.5)

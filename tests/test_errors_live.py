@@ -235,7 +235,7 @@ async def test_a_held_request_whose_rejection_cannot_be_stored_is_answered_later
 # ----------------------------------------------------------------------- 4. the agent's outbox
 
 
-def _assignment(rid: str, max_tokens: int = 5) -> bytes:
+def _assignment(rid: str, max_tokens: int = 5, epoch: int = 0) -> bytes:
     req = SubmitRequest(
         request_id=rid,
         model="sim",
@@ -243,7 +243,9 @@ def _assignment(rid: str, max_tokens: int = 5) -> bytes:
         max_tokens=max_tokens,
         submitted_unix_ms=int(time.time() * 1000),
     )
-    return encode(Assignment(request=req, attempt=1, dispatcher_id="test", queued_s=0.0))
+    return encode(
+        Assignment(request=req, attempt=1, dispatcher_id="test", queued_s=0.0, epoch=epoch)
+    )
 
 
 async def test_an_agent_with_a_full_outbox_refuses_work_and_announces_no_capacity(
@@ -272,8 +274,8 @@ async def test_an_agent_with_a_full_outbox_refuses_work_and_announces_no_capacit
     work = names.work_subject("lonely")
     async with Agent(settings, simulated_engine(settings)) as agent:
 
-        async def offer(rid: str) -> AssignmentReply:
-            reply = await nc.request(work, _assignment(rid), timeout=2.0)
+        async def offer(rid: str, epoch: int = 0) -> AssignmentReply:
+            reply = await nc.request(work, _assignment(rid, epoch=epoch), timeout=2.0)
             return decode(reply.data, AssignmentReply)
 
         async def beating() -> bool:
@@ -309,6 +311,6 @@ async def test_an_agent_with_a_full_outbox_refuses_work_and_announces_no_capacit
             await eventually(capacity_back, timeout_s=5.0)
             async with Client(nats_url) as c:
                 stored = await c.fetch_result("first")
-            again = await offer("third")
+            again = await offer("third", epoch=d.epoch)  # as the leader would send it
     assert stored is not None and stored.ok and stored.worker_id == "lonely"
     assert again.accepted, again.reason

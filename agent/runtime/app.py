@@ -51,6 +51,7 @@ from sluice.schemas.models import (
     AssignmentReply,
     DrainReply,
     DrainRequest,
+    LeaderLease,
     RemoveNotice,
     StopWork,
     StopWorkReply,
@@ -131,6 +132,8 @@ class Agent:
         self._hb_stop = asyncio.Event()
         self._sending: set[asyncio.Task[None]] = set()
         self.completed = 0
+        self.epoch = 0
+        """The newest leadership epoch seen (assignments and leader announcements)."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -176,6 +179,7 @@ class Agent:
             await self.nc.subscribe(names.control_subject(self.worker_id), cb=self._on_stop),
             await self.nc.subscribe(names.drain_subject(self.worker_id), cb=self._on_drain),
             await self.nc.subscribe(names.remove_subject(self.worker_id), cb=self._on_remove),
+            await self.nc.subscribe(names.LEADER_SUBJECT, cb=self._on_leader),
         ]
         await self.engine.open()
         await self._heartbeat()
@@ -279,7 +283,10 @@ class Agent:
             capacity=self.settings.capacity,
             outbox_full=self._outbox.full,
             models=self.settings.models,
+            epoch=self.epoch,
         )
+        if verdict.action != "refuse":
+            self.epoch = max(self.epoch, assignment.epoch)
         if verdict.action == "run" and not self.engine.available:
             metrics.ASSIGNMENTS_REFUSED.labels(self.worker_id, "engine-unavailable").inc()
             await self._reply(msg, rid, False, "engine-unavailable: it fails its health check")
@@ -313,6 +320,15 @@ class Agent:
             # Accepted, then failed at once: the dispatcher runs it elsewhere (attempt + 1).
             self._finish_failed(self._running.pop(rid), error)
             self._changed()
+
+    async def _on_leader(self, msg: Msg) -> None:
+        """A leader announces its epoch: from now on, older epochs are refused."""
+        try:
+            lease = decode(msg.data, LeaderLease)
+        except DecodeError:
+            metrics.ASSIGNMENTS_REFUSED.labels(self.worker_id, "malformed").inc()
+            return
+        self.epoch = max(self.epoch, lease.epoch)
 
     async def _reply(self, msg: Msg, rid: str, accepted: bool, reason: str = "") -> None:
         if not msg.reply:

@@ -149,7 +149,9 @@ class Answers:
     async def on_max_deliveries(self, msg: Msg) -> None:
         """A request exhausted ``max_deliver``: the broker will not deliver it again, but it
         still sits in its work-queue stream. Keep a dead letter, remove it from the queue,
-        then answer its producer."""
+        then answer its producer (the leader does; standbys ignore it)."""
+        if not self.state.leading():
+            return
         try:
             advisory = json.loads(msg.data)
             stream, seq = str(advisory["stream"]), int(advisory["stream_seq"])

@@ -10,7 +10,15 @@
 - :mod:`~sluice.dispatcher.runtime.cancels`: cancelling queued and running requests;
 - :mod:`~sluice.dispatcher.runtime.reconciler`: the books against the workers' reports, on a
   timer and on demand;
-- here: start and stop, and keeping held messages alive with in-progress acks.
+- :mod:`~sluice.dispatcher.runtime.election`: leading, or standing by (the leader key);
+- here: start and stop, what taking over and stepping down do, and keeping held messages
+  alive with in-progress acks.
+
+Any number of dispatchers may run: one leads (pulls and dispatches), the others follow the
+heartbeats, completions and cache digests, so that their books and cache index are warm when
+one of them takes over. A new leader gets what its predecessor held un-acked redelivered
+(within ``ack_wait_s``, a lease by default), adopts what the workers report running, and
+looks up the result of every redelivered message before it runs it.
 
 A request's message stays un-acked in its band stream until the request ends (completion or
 typed rejection), so a dispatcher crash loses nothing: the next one gets it redelivered, spends
@@ -34,9 +42,11 @@ from sluice.dispatcher.errors import BrokerUnreachable
 from sluice.dispatcher.feedback import WaitFigures
 from sluice.dispatcher.leases import LeaseTable
 from sluice.dispatcher.routing import RoutingPolicy
+from sluice.dispatcher.runtime import metrics
 from sluice.dispatcher.runtime.answers import Answers
 from sluice.dispatcher.runtime.cancels import Cancels
 from sluice.dispatcher.runtime.configwatch import ConfigWatch
+from sluice.dispatcher.runtime.election import Election
 from sluice.dispatcher.runtime.gauges import Gauges
 from sluice.dispatcher.runtime.handoff import HandOff
 from sluice.dispatcher.runtime.intake import Intake
@@ -75,7 +85,9 @@ class Dispatcher:
         self._config = ConfigWatch(st)
         self._cancels = Cancels(st, self._answers, self._intake)
         self.reconciler = Reconciler(st, self._answers, self._intake)
+        self._election = Election(st, self._promoted, self._deposed)
         self._tasks: list[asyncio.Task[None]] = []
+        self._pulls: list[asyncio.Task[None]] = []
         self._subs: list[Subscription] = []
 
     @property
@@ -93,6 +105,16 @@ class Dispatcher:
     @property
     def nc(self) -> NATS:
         return self._state.nc
+
+    @property
+    def leading(self) -> bool:
+        """Whether this dispatcher leads now."""
+        return self._state.leading()
+
+    @property
+    def epoch(self) -> int:
+        """Its leadership epoch (of its current or last term; 0 if it never led)."""
+        return self._state.leadership.epoch
 
     @property
     def held(self) -> int:
@@ -139,18 +161,49 @@ class Dispatcher:
                     names.max_deliveries_advisory(band), cb=self._answers.on_max_deliveries
                 )
             )
-        for band in s.bands:
-            psub = await st.js.pull_subscribe_bind(
-                durable=names.dispatcher_consumer(band), stream=names.request_stream(band)
-            )
-            self._task(self._intake.pull_loop(band, psub), f"pull-{band}")
         await self._config.start()
+        await self._election.start()
+        self._task(self._election.loop(), "election")
         self._task(self._config.loop(), "config")
         self._task(self._handoff.loop(), "schedule")
         self._task(self._keepalive_loop(), "keepalive")
         self._task(self.reconciler.loop(), "reconcile")
-        log.info("dispatcher %s started on %s", s.dispatcher_id, s.nats_url)
+        role = "leads" if self.leading else "stands by"
+        log.info("dispatcher %s started on %s; it %s", s.dispatcher_id, s.nats_url, role)
         return self
+
+    # ------------------------------------------------------------------ leadership
+
+    async def _promoted(self) -> None:
+        """This dispatcher became leader: start pulling. What the previous leader held
+        un-acked comes here within ``ack_wait_s`` of its last in-progress ack (at once after a
+        clean hand-over, which naks it); until what the workers report running is booked
+        here, it only listens (:meth:`Leadership.may_dispatch`)."""
+        st, s = self._state, self.settings
+        st.term += 1
+        term = st.term
+        self._pulls = [t for t in self._pulls if not t.done()]
+        for band in s.bands:
+            stream, durable = names.request_stream(band), names.dispatcher_consumer(band)
+            try:
+                psub = await st.js.pull_subscribe_bind(durable=durable, stream=stream)
+            except BROKER_ERRORS:
+                log.warning("pulling band %s failed; stepping down", band, exc_info=True)
+                await self._election.resign()
+                await self._deposed()
+                return
+            self._pulls.append(
+                asyncio.create_task(self._intake.pull_loop(band, psub, term), name=f"pull-{band}")
+            )
+        st.kick.set()
+
+    async def _deposed(self) -> None:
+        """This dispatcher no longer leads: stop pulling and dispatching at once, and forget
+        the term's queue, books and held messages (the next leader gets them redelivered)."""
+        st = self._state
+        st.term += 1  # the pull tasks of the old term end at their next turn
+        st.forget_term(time.monotonic())
+        st.kick.set()
 
     def _task(self, coro: object, name: str) -> None:
         self._tasks.append(asyncio.create_task(coro, name=name))  # type: ignore[arg-type]
@@ -180,8 +233,8 @@ class Dispatcher:
             await self._config.stop()
         except BROKER_ERRORS:
             log.debug("config watch already gone")
-        await finish_tasks(self._tasks, self.settings.fetch_timeout_s + 1.0)
-        self._tasks = []
+        await finish_tasks(self._tasks + self._pulls, self.settings.fetch_timeout_s + 1.0)
+        self._tasks, self._pulls = [], []
         await finish_tasks(list(st.background), 2.0)
         for sub in self._subs:
             try:
@@ -191,6 +244,8 @@ class Dispatcher:
         self._subs = []
         if hand_back:
             await self._hand_back()
+            await self._election.resign()
+        metrics.LEADER.set(0)
         st.held.clear()
         if st.decisions is not None:
             st.decisions.close()
@@ -228,10 +283,12 @@ class Dispatcher:
 
     async def _keepalive_loop(self) -> None:
         st = self._state
-        interval = self.settings.ack_wait_s / 3
+        interval = self.settings.effective_ack_wait_s / 3
         while st.running:
             if await wait_event(st.stopping, interval):
                 break
+            if not st.leading():
+                continue  # a standby holds nothing; a deposed leader forgot what it held
             for held in list(st.held.values()):
                 try:
                     await held.msg.in_progress()

@@ -54,6 +54,8 @@ class Cancels:
         self.intake = intake
 
     async def on_cancel(self, msg: Msg) -> None:
+        if not self.state.leading():
+            return  # only the leader answers: it holds the queue and the books
         # One task per cancel: a worker slow to stop must not hold up the others.
         self.state.spawn(self._handle(msg), "cancel")
 

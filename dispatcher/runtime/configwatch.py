@@ -50,6 +50,7 @@ class ConfigWatch:
                 overrides = AdmissionOverrides.model_validate_json(data)
                 config = st.settings.with_overrides(overrides)
             st.scheduler.reconfigure(config)
+            st.admission = config
         except ValueError as exc:  # pydantic's ValidationError is a ValueError
             metrics.CONFIG_UPDATES.labels("rejected").inc()
             log.error("run-time admission configuration ignored: %s", exc)

@@ -111,6 +111,8 @@ class Gauges:
             st.spawn(st.nc.publish(names.SCALE_EVENTS_SUBJECT, encode(event)), "scale-event")
 
     async def on_wait(self, msg: Msg) -> None:
+        if not self.state.leading():
+            return  # only the leader answers: it holds the queues
         try:
             q = decode(msg.data, WaitQuery)
         except DecodeError:
@@ -131,6 +133,8 @@ class Gauges:
 
     async def on_stats(self, msg: Msg) -> None:
         st = self.state
+        if not st.leading():
+            return  # only the leader answers: it holds the queues
         now = time.monotonic()
         engine = st.scheduler.engine_figures(now)
         stats = DispatcherStats(
@@ -153,6 +157,8 @@ class Gauges:
                 for b in st.scheduler.band_snapshots(now)
             ],
             models=st.scheduler.known_models(),
+            leader=True,
+            epoch=st.leadership.epoch,
         )
         await respond(msg, encode(stats))
 

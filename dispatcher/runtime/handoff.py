@@ -18,7 +18,7 @@ from sluice.dispatcher.runtime.cancels import stop_work
 from sluice.dispatcher.runtime.gauges import Gauges
 from sluice.dispatcher.runtime.state import BROKER_ERRORS, State
 from sluice.dispatcher.runtime.workers import WorkerTraffic
-from sluice.dispatcher.scheduler import Dispatch
+from sluice.dispatcher.scheduler import Dispatch, Scheduler
 from sluice.schemas import names
 from sluice.schemas.codec import decode, encode
 from sluice.schemas.errors import DecodeError
@@ -58,10 +58,13 @@ class HandOff:
             metrics.LEASES_EXPIRED.inc()
             log.warning("worker %s lost its lease; re-queueing its requests", worker_id)
             await self.workers.expire_worker(worker_id)
+        if not st.leadership.leading(now):
+            self.gauges.update(now)
+            return  # a standby only follows: it ends, answers and dispatches nothing
         for ended in st.scheduler.sweep(now):
             await self.answers.end(ended)
         self.gauges.update(now)
-        learning = now - st.started_s < st.settings.effective_learn_s
+        learning = not st.leadership.may_dispatch(now, unbooked(st.scheduler))
         if not learning:  # while learning, only listen to heartbeats
             await self._dispatch(now)
         await self._notify(now, learning)
@@ -133,13 +136,14 @@ class HandOff:
         """Offer a decision to its worker; True if it accepted."""
         st = self.state
         held = st.held.get(d.request.request_id)
-        if held is None:
+        if held is None or not st.leading():
             return False
         assignment = Assignment(
             request=held.request,
             attempt=d.request.attempt,
             dispatcher_id=st.settings.dispatcher_id,
             queued_s=max(0.0, time.time() - held.request.submitted_unix_ms / 1000),
+            epoch=st.leadership.epoch,
         )
         t0 = time.perf_counter()
         try:
@@ -159,3 +163,13 @@ class HandOff:
             return False
         metrics.HANDOFF.observe(time.perf_counter() - t0)
         return answer.accepted
+
+
+def unbooked(scheduler: Scheduler) -> int:
+    """Requests the workers' heartbeats report running that are not booked here."""
+    return sum(
+        1
+        for info in scheduler.workers().values()
+        for rid in info.reported_in_flight
+        if scheduler.booking(rid) is None
+    )

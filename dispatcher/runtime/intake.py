@@ -35,10 +35,14 @@ class Intake:
         self.state = state
         self.answers = answers
 
-    async def pull_loop(self, band: str, psub: JetStreamContext.PullSubscription) -> None:
+    async def pull_loop(
+        self, band: str, psub: JetStreamContext.PullSubscription, term: int
+    ) -> None:
+        """Pull ``band`` for one leadership term: it ends as soon as the term does, and
+        leaves what it fetched after that untouched (the next leader gets it redelivered)."""
         st = self.state
         room = st.room[band]
-        while st.running:
+        while st.running and st.term == term:
             free = st.settings.max_buffered - st.held_by_band[band]
             if free <= 0:
                 room.clear()
@@ -56,6 +60,8 @@ class Intake:
                 await asyncio.sleep(0.5)
                 continue
             for msg in msgs:
+                if st.term != term or not st.leading():
+                    return  # deposed while fetching: not ours to ack or hold
                 try:
                     await self.on_request(band, msg)
                 except Exception:  # one message must never stop its band: log and count it

@@ -164,3 +164,6 @@ ENGINE_IDLE = Gauge(
     "The idle capacity an offline band may borrow now, in engine-seconds per second",
     ["band"],
 )
+LEADER = Gauge("sluice_dispatcher_leader", "1 while this dispatcher leads, else 0")
+EPOCH = Gauge("sluice_dispatcher_epoch", "The leadership epoch of this dispatcher's last term")
+TAKEOVERS = Counter("sluice_dispatcher_takeovers_total", "Times this dispatcher became leader")

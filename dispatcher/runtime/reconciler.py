@@ -43,8 +43,11 @@ class Reconciler:
             await self.run()
 
     async def run(self) -> ReconcileReport:
-        """One reconciliation: correct the books, answer what ended, report."""
+        """One reconciliation: correct the books, answer what ended, report. A standby's
+        books only follow the leader's: it reconciles nothing."""
         st = self.state
+        if not st.leading():
+            return ReconcileReport(dispatcher_id=st.settings.dispatcher_id)
         done = st.scheduler.reconcile(time.monotonic(), self.grace_s)
         await self._settle(done)
         d = done.drift
@@ -86,5 +89,7 @@ class Reconciler:
                 await ack(held.msg)
 
     async def on_request(self, msg: Msg) -> None:
+        if not self.state.leading():
+            return  # the leader answers
         report = await self.run()
         await respond(msg, encode(report))

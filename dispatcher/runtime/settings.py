@@ -190,10 +190,33 @@ class DispatcherSettings(SluiceSettings):
         ge=0,
         description="After start, only learn from heartbeats this long (default: one lease).",
     )
+    leader_lease_s: float = Field(
+        default=3.0,
+        gt=0,
+        description=(
+            "Leadership lease: the leader renews it every third; a standby takes over once it "
+            "went unrenewed this long."
+        ),
+    )
+    leader_settle_s: float = Field(
+        default=1.0,
+        ge=0,
+        description=(
+            "A new leader listens this long (at most learn_s) before it dispatches: one agent "
+            "heartbeat, so it adopts what its predecessor handed off last."
+        ),
+    )
     handoff_timeout_s: float = Field(
         default=2.0, gt=0, description="How long a worker has to confirm an assignment."
     )
-    ack_wait_s: float = Field(default=30.0, gt=0, description="JetStream ack wait of requests.")
+    ack_wait_s: float | None = Field(
+        default=None,
+        gt=0,
+        description=(
+            "JetStream ack wait of requests: a dead leader's requests return to the next one "
+            "after this (default: leader_lease_s)."
+        ),
+    )
     max_deliver: int = Field(
         default=10, ge=2, description="Deliveries of a request before it goes to dead letters."
     )
@@ -421,6 +444,10 @@ class DispatcherSettings(SluiceSettings):
     @property
     def effective_learn_s(self) -> float:
         return self.lease_s if self.learn_s is None else self.learn_s
+
+    @property
+    def effective_ack_wait_s(self) -> float:
+        return self.leader_lease_s if self.ack_wait_s is None else self.ack_wait_s
 
     @property
     def effective_model_grace_s(self) -> float:

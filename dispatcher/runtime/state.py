@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Coroutine
 from dataclasses import dataclass
@@ -17,8 +18,10 @@ from nats.js.client import JetStreamContext
 
 from sluice.common.errors import internal_error
 from sluice.common.tokenizer import Tokenizers
+from sluice.dispatcher.admission import AdmissionConfig
 from sluice.dispatcher.decisions import DecisionLog
 from sluice.dispatcher.feedback import Feedback, ScaleAdvisor
+from sluice.dispatcher.leadership import Leadership
 from sluice.dispatcher.leases import LeaseTable
 from sluice.dispatcher.policies import build_policy, flap_meter
 from sluice.dispatcher.routing import RoutingPolicy
@@ -89,15 +92,18 @@ class State:
             down_idle_s=s.scale_down_idle_s,
         )
         self.started_s = started_s
-        self.scheduler = Scheduler(
-            s.admission(),
-            self.policy,
-            models=s.models,
-            model_grace_s=s.effective_model_grace_s,
+        self.admission: AdmissionConfig = s.admission()
+        """The admission configuration in force (the settings, or an operator's overrides)."""
+        self.scheduler = self._new_scheduler(started_s)
+        self.leadership = Leadership(
+            lease_s=s.leader_lease_s,
+            learn_s=s.effective_learn_s,
+            settle_s=s.leader_settle_s,
             started_s=started_s,
-            flaps=flap_meter(routing),
-            engine_time=s.engine_time(),
+            catch_up_s=s.effective_ack_wait_s + s.leader_lease_s,
         )
+        self.term = 0
+        """Counts the times this dispatcher became leader; a pull task runs for one term."""
         self.tokenizers = Tokenizers(s.tokenizer, s.model_tokenizers)
         """Text prompts become token ids here, as the engines tokenize them."""
         self.leases = LeaseTable(s.lease_s)
@@ -118,6 +124,33 @@ class State:
         self.running = False
         self.nc_or_none: NATS | None = None
         self._background: set[asyncio.Task[Any]] = set()
+
+    def _new_scheduler(self, now_s: float) -> Scheduler:
+        s = self.settings
+        return Scheduler(
+            self.admission,
+            self.policy,
+            models=s.models,
+            model_grace_s=s.effective_model_grace_s,
+            started_s=now_s,
+            flaps=flap_meter(s.routing()),
+            engine_time=s.engine_time(),
+        )
+
+    def forget_term(self, now_s: float) -> None:
+        """Leadership was lost: forget the queue and the books, and drop the held messages
+        un-acked (the next leader gets them redelivered and adopts what runs). The routing
+        policy, with its cache index, is kept warm."""
+        self.scheduler = self._new_scheduler(now_s)
+        self.held.clear()
+        self.held_by_band.clear()
+        self.unnotified.clear()
+        for room in self.room.values():
+            room.set()
+
+    def leading(self) -> bool:
+        """Whether this dispatcher leads now (its lease has not run out locally)."""
+        return self.leadership.leading(time.monotonic())
 
     @property
     def nc(self) -> NATS:

@@ -67,7 +67,7 @@ def band_consumer(s: DispatcherSettings, band: str) -> api.ConsumerConfig:
     return api.ConsumerConfig(
         durable_name=names.dispatcher_consumer(band),
         ack_policy=api.AckPolicy.EXPLICIT,
-        ack_wait=s.ack_wait_s,
+        ack_wait=s.effective_ack_wait_s,
         max_deliver=s.max_deliver,
         max_ack_pending=s.max_buffered + s.global_limit,
         filter_subject=names.request_filter(band),

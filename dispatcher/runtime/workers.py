@@ -89,6 +89,10 @@ class WorkerTraffic:
             await respond(msg)
             return
         effects = feed.apply_completion(st.scheduler, c, time.monotonic())
+        if not st.leading():
+            # A standby learns from it but does not confirm it: the agent keeps it until the
+            # leader (or the next one) does, so the leader acks the request's message.
+            return
         if c.ok:
             if effects.request is not None:
                 self._count_hits(c, effects.booking)
