@@ -274,7 +274,7 @@ async def test_three_dispatchers_keep_the_global_limit(
 ) -> None:
     """(c) Three dispatchers at once, a global limit of 8 and 32 slots at the agents: the
     agents never hold more than 8, also while the leader stops cleanly and hands over (at
-    once: a standby dispatches within a second)."""
+    once: a standby dispatches before the leader's lease would have run out)."""
     env = dispatcher_env(nats_url, "d-0", global_limit=8)
     d0 = dispatchers.start("d-0", env)
     await _leads(fleet.tap, "d-0")
@@ -301,7 +301,9 @@ async def test_three_dispatchers_keep_the_global_limit(
     assert firsts, "no standby took over"
     handover_s = min(firsts) - stopped_at
     print(f"clean hand-over: SIGTERM to the next leader's first dispatch in {handover_s:.2f} s")
-    assert handover_s <= 1.5
+    # Handed over, not waited out: without the clean hand-over a standby takes over only when
+    # the leader's lease (3 s, the default here) runs out. The time itself is a benchmark's.
+    assert handover_s < 3.0
     assert all(r.ok for r in results)
     assert fleet.runs == 60, f"{fleet.runs} runs for 60 requests: something ran twice"
     assert fleet.max_in_flight <= 8, f"the agents held {fleet.max_in_flight} at once (limit 8)"

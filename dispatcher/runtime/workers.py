@@ -144,6 +144,10 @@ class WorkerTraffic:
         self._send_remove(worker_id, registration)
 
     def _send_remove(self, worker_id: str, registration: int) -> None:
+        if not self.state.leading():
+            # Only the leader removes workers: a standby, or a deposed leader waking up from a
+            # stall (to which every lease looks expired), must not make agents drop their work.
+            return
         notice = RemoveNotice(
             dispatcher_id=self.state.settings.dispatcher_id, registration=registration
         )
