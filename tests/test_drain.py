@@ -231,7 +231,8 @@ async def test_sluice_workers_and_drain_wait_as_processes(nats_url: str) -> None
         await eventually(lambda: _true(len(cluster.dispatcher.leases) == 3), timeout_s=5)
 
         # A long request on some worker; drain that one with --wait.
-        long = await c.submit("sim", _prompt(0), max_tokens=1200, request_id="long")
+        # Long enough (~10 s) to outlast the CLI processes started while it runs.
+        long = await c.submit("sim", _prompt(0), max_tokens=3000, request_id="long")
         await anext(aiter(long))
         busy = next(a for a in cluster.agents if a.in_flight)
         idle = [a for a in cluster.agents if a is not busy]
@@ -269,6 +270,7 @@ async def test_sluice_workers_and_drain_wait_as_processes(nats_url: str) -> None
         assert f"{busy.worker_id}: drained, 0 running" in out
         done = await long.result(timeout_s=5)
         assert done.ok and done.worker_id == busy.worker_id and done.attempt == 1
+        assert len(done.output_tokens) == 3000
 
         # Undrain through the CLI; an unknown worker is exit code 2 with a clear error.
         code, out, err = await _cli(nats_url, "undrain", idle[0].worker_id)
@@ -291,8 +293,9 @@ async def test_drain_exit_stops_a_sluice_agent_process_after_its_work(nats_url: 
         d = cluster.dispatcher
         async with _agent_process(nats_url, "proc-w", SLUICE_AGENT_SPEED="2") as proc:
             await eventually(lambda: _true("proc-w" in d.leases), timeout_s=20)
-            long = await c.submit("sim", _prompt(0), max_tokens=1000, request_id="long")
+            long = await c.submit("sim", _prompt(0), max_tokens=3000, request_id="long")
             await anext(aiter(long))  # it runs on proc-w, the only worker
+            assert d.scheduler.booked_on("proc-w") == {"long"}
             code, out, err = await _cli(nats_url, "drain", "proc-w", "--wait", "--exit")
             assert code == 0, err
             assert "proc-w: drained, 0 running" in out
@@ -301,7 +304,7 @@ async def test_drain_exit_stops_a_sluice_agent_process_after_its_work(nats_url: 
             assert rc == 0, stderr
         done = await long.result(timeout_s=5)
         assert done.ok and done.worker_id == "proc-w" and done.attempt == 1
-        assert len(done.output_tokens) == 1000
+        assert len(done.output_tokens) == 3000
         await eventually(lambda: _true("proc-w" not in d.leases), timeout_s=3)
 
 
