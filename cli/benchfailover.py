@@ -1,10 +1,11 @@
 """``sluice bench-failover``: how long the fleet goes without a dispatcher when its leader dies.
 
 One embedded nats-server, simulated agents in this process, two dispatcher processes
-(``python -m sluice.cli dispatcher``) with the default leadership settings. Each run keeps the
-agents busy, kills the leading dispatcher with SIGKILL and measures, at the agents (a tap on
-``sluice.work.*``), the time from the kill to the first assignment of the new leader; the
-killed one is restarted as the next standby. Every process is stopped by its PID at the end.
+(``python -m sluice.cli dispatcher``) with the default settings but a global limit of 16 (so
+that requests queue). Each run keeps the agents busy, kills the leading dispatcher with SIGKILL
+and measures, at the agents (a tap on ``sluice.work.*``), the time from the kill to the first
+assignment of the new leader; the killed one is restarted as the next standby. Every process is
+stopped by its PID at the end.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ from sluice.testing.natsserver import EmbeddedNats
 
 _PROMPT = list(range(9000, 9128))
 _DISPATCHER = [sys.executable, "-m", "sluice.cli", "dispatcher"]
+_GLOBAL_LIMIT = 16
+"""Below what the agents could take, so that requests queue: there is work to dispatch when
+the leader dies."""
 
 
 @dataclass
@@ -84,6 +88,7 @@ def _start(nats_url: str, dispatcher_id: str, logs: Path) -> subprocess.Popen[by
         "SLUICE_NATS_URL": nats_url,
         "SLUICE_DISPATCHER_DISPATCHER_ID": dispatcher_id,
         "SLUICE_DISPATCHER_MODELS": '["sim"]',
+        "SLUICE_DISPATCHER_GLOBAL_LIMIT": str(_GLOBAL_LIMIT),
     }
     with (logs / f"{dispatcher_id}.log").open("ab") as log:
         return subprocess.Popen(_DISPATCHER, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -132,7 +137,7 @@ async def bench_failover(runs: int = 5, workers: int = 4) -> FailoverFigures:
                     await asyncio.sleep(5.0)  # the standby follows for learn_s (one lease)
                     handles = [
                         await c.submit("sim", _PROMPT, max_tokens=4000, request_id=f"f{run}-{i}")
-                        for i in range(workers * 8)
+                        for i in range(_GLOBAL_LIMIT * 3)
                     ]
                     await _until(lambda: any(a.in_flight for a in cluster.agents), 30)
                     await asyncio.sleep(1.0)

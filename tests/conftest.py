@@ -100,7 +100,8 @@ async def _clean_external_server(request: pytest.FixtureRequest) -> None:
     nc = await nats.connect(os.environ["SLUICE_NATS_URL"])
     js = nc.jetstream()
     for info in await js.streams_info():
-        if info.config.name and info.config.name.startswith("SLUICE_"):
+        # ...and the leader bucket: a key left by a killed dispatcher would delay the next one
+        if info.config.name and info.config.name.startswith(("SLUICE_", "KV_SLUICE_LEADER")):
             await js.delete_stream(info.config.name)
     await nc.close()
 

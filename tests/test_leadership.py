@@ -215,6 +215,42 @@ async def test_kill_9_of_the_leader_under_load_a_standby_takes_over(
     assert fleet.max_in_flight <= 8
 
 
+async def test_a_new_leader_books_what_runs_before_it_dispatches(
+    nats_url: str, dispatchers: Dispatchers, fleet: Fleet
+) -> None:
+    """The dead leader's held requests return only after an ack wait longer than the lease,
+    while new requests are there at once: the new leader first adopts the running ones (it
+    waits until what the workers report running is booked), so the global limit holds across
+    the takeover and nothing runs twice."""
+    env = {"global_limit": 8, "ack_wait_s": 6.0}
+    a = dispatchers.start("d-a", dispatcher_env(nats_url, "d-a", **env))
+    await _leads(fleet.tap, "d-a")
+    dispatchers.start("d-b", dispatcher_env(nats_url, "d-b", **env))
+    await asyncio.sleep(1.5)
+    async with Client(nats_url) as c:
+        handles = await _submit(c, 12, max_tokens=12000, prefix="old")
+
+        async def busy() -> bool:
+            return sum(fleet.in_flight.values()) >= 8
+
+        await eventually(busy, timeout_s=10)
+        killed_at = time.monotonic()
+        os.kill(a.pid, signal.SIGKILL)
+        a.wait(5)
+        handles += await _submit(c, 12, max_tokens=200, prefix="new")
+
+        async def b_dispatches() -> bool:
+            return fleet.tap.first_from("d-b", killed_at) is not None
+
+        await eventually(b_dispatches, timeout_s=20)
+        results = [await h.result(timeout_s=90) for h in handles]
+        await asyncio.sleep(0.5)
+
+    assert all(r.ok for r in results)
+    assert fleet.runs == 24, f"{fleet.runs} runs for 24 requests: something ran twice"
+    assert fleet.max_in_flight <= 8, f"the agents held {fleet.max_in_flight} at once (limit 8)"
+
+
 async def test_a_deposed_leader_that_wakes_up_cannot_dispatch(
     nats_url: str, dispatchers: Dispatchers, fleet: Fleet
 ) -> None:

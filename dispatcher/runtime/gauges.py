@@ -56,7 +56,8 @@ class Gauges:
         if now - self._last_feedback_s >= st.settings.feedback_every_s:
             self._last_feedback_s = now
             self._publish_feedback(now)
-            self.sizing.tick(now)
+            if st.leading():  # the leader alone sizes the queues
+                self.sizing.tick(now)
             held = st.scheduler.held_by(now)
             for reason in HOLD_REASONS:
                 metrics.HELD.labels(reason).set(held.get(reason, 0))
@@ -95,8 +96,8 @@ class Gauges:
             metrics.SCALE_SIGNAL.labels(model, band).set(
                 1 if state == "up" else -1 if state == "down" else 0
             )
-            if signal is None:
-                continue
+            if signal is None or not st.leading():
+                continue  # the leader alone signals autoscalers: it sees the queues
             metrics.SCALE_EVENTS.labels(signal.direction).inc()
             log.info("scale %s for %s/%s: %s", signal.direction, model, band, signal.reason)
             event = ScaleEvent(
