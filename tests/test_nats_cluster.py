@@ -103,7 +103,8 @@ async def test_every_sluice_store_is_replicated_on_the_cluster(
             info = await js.stream_info(stream)
             assert info.cluster is not None
             replicas[stream] = (info.config.num_replicas, len(info.cluster.replicas or []) + 1)
-    assert replicas == {s: (3, 3) for s in expected}
+    wrong = {s: r for s, r in replicas.items() if r != (3, 3)}
+    assert not wrong, f"(configured, actual) replicas not 3: {wrong}"
 
 
 async def test_a_submit_published_again_across_a_leader_change_is_stored_once(
