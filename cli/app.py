@@ -492,6 +492,58 @@ def bench_gateway_cmd(
     console.print(verdict(r))
 
 
+@app.command("bench-broker-failover")
+def bench_broker_failover_cmd(
+    runs: Annotated[int, typer.Option(help="Runs, each on a fresh 3-node cluster.", min=1)] = 5,
+    target: Annotated[
+        str, typer.Option(help="stream-leader, meta-leader or client-node.")
+    ] = "stream-leader",
+    interval_s: Annotated[
+        float, typer.Option(help="A new submit every this long.", min=0.001)
+    ] = 0.01,
+    warmup_s: Annotated[float, typer.Option(help="Load before the kill.", min=0.1)] = 1.0,
+    publish_timeout_s: Annotated[
+        float | None, typer.Option(help="The client's publish_timeout_s (default: its own).")
+    ] = None,
+) -> None:
+    """Kill a node of a local three-node JetStream cluster under a stream of submits: the time
+    from the kill to the next accepted publish, per run and min/median/max."""
+    import statistics
+
+    from rich.table import Table
+
+    from sluice.cli.benchbroker import BenchError, bench_broker_failover
+    from sluice.testing.errors import NatsServerError
+
+    err.print(
+        f"[dim]{runs} runs: a submit every {interval_s * 1000:g} ms, {target} SIGKILLed after "
+        f"{warmup_s:g} s[/dim]"
+    )
+    try:
+        results = run(bench_broker_failover(runs, target, interval_s, warmup_s, publish_timeout_s))
+    except (BenchError, NatsServerError) as exc:
+        raise fail(str(exc)) from exc
+    t = Table(title="node kill -> next accepted publish")
+    for col in ("run", "killed", "client on it", "next accepted", "longest submit", "ok", "failed"):
+        t.add_column(col, justify="right")
+    for i, r in enumerate(results, 1):
+        t.add_row(
+            str(i), r.killed, "yes" if r.client_on_killed else "no",
+            f"{r.next_accepted_s * 1000:.0f} ms", f"{r.longest_submit_s * 1000:.0f} ms",
+            str(r.accepted), str(r.failed),
+        )  # fmt: skip
+    console.print(t)
+    gaps = [r.next_accepted_s * 1000 for r in results]
+    console.print(
+        f"next accepted publish after the kill: min {min(gaps):.0f} ms, median "
+        f"{statistics.median(gaps):.0f} ms, max {max(gaps):.0f} ms over {runs} runs; "
+        f"failed submits: {sum(r.failed for r in results)}"
+    )
+    for r in results:
+        for e in r.errors:
+            err.print(f"[red]failed:[/red] {e}", markup=True)
+
+
 @app.command()
 def engine(
     port: Annotated[int | None, typer.Option(help="TCP port (with --host).", min=1)] = None,

@@ -12,6 +12,10 @@ Mutations each test was seen to fail under (once, by hand):
   ``test_a_submit_published_again_across_a_leader_change_is_stored_once`` counts 2 messages.
 - ``servers=servers_of(url)`` replaced by ``servers=[url]`` in ``common.transport.connect``:
   ``test_a_server_list_connects_past_a_dead_node`` cannot connect.
+- ``self.stop()`` dropped from ``NatsCluster.start``'s failure path:
+  ``test_a_cluster_that_cannot_start_leaves_no_process_behind`` finds the two other nodes alive.
+- ``_wait_ready`` dropped from ``NatsCluster.restart``: the restarted node reports no meta
+  group in ``test_a_restarted_node_rejoins_and_catches_up``.
 """
 
 from __future__ import annotations
@@ -20,10 +24,12 @@ import asyncio
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
 from nats.js.client import JetStreamContext
@@ -34,6 +40,7 @@ from sluice.dispatcher.runtime import DispatcherSettings
 from sluice.dispatcher.runtime.streams import ensure_streams
 from sluice.schemas import names
 from sluice.testing.cluster import LocalCluster
+from sluice.testing.errors import NatsServerError
 from sluice.testing.natsserver import NatsCluster
 
 from .conftest import cluster_kwargs, eventually
@@ -103,7 +110,8 @@ async def test_every_sluice_store_is_replicated_on_the_cluster(
             info = await js.stream_info(stream)
             assert info.cluster is not None
             replicas[stream] = (info.config.num_replicas, len(info.cluster.replicas or []) + 1)
-    assert replicas == {s: (3, 3) for s in expected}
+    wrong = {s: r for s, r in replicas.items() if r != (3, 3)}
+    assert not wrong, f"(configured, actual) replicas not 3: {wrong}"
 
 
 async def test_a_submit_published_again_across_a_leader_change_is_stored_once(
@@ -172,6 +180,52 @@ async def test_killing_the_stream_leader_under_load_loses_no_accepted_request(
     assert sorted(r.request_id for r in results) == accepted
     assert all(r.ok and len(r.output_tokens) == 8 for r in results)
     assert runs == len(accepted), f"{runs} runs for {len(accepted)} accepted requests"
+
+
+@pytest.mark.fault
+async def test_a_restarted_node_rejoins_and_catches_up(nats3: NatsCluster, client3: Client) -> None:
+    js = client3.nc.jetstream()
+    await ensure_streams(js, DispatcherSettings(nats_url=nats3.url, stream_replicas=3))
+    await client3.enqueue("sim", PROMPT, max_tokens=4, request_id="before")
+    leader = await _leader_of(js, BAND_STREAM)
+    follower = next(n.index for n in nats3.nodes if n.name != leader)
+    nats3.kill(follower)
+    await client3.enqueue("sim", PROMPT, max_tokens=4, request_id="while-down")
+    await asyncio.to_thread(nats3.restart, follower)  # returns once it sees both peers current
+    assert nats3.meta(follower).get("cluster_size") == 3
+
+    async def caught_up() -> bool:
+        info = await js.stream_info(BAND_STREAM)
+        peers = info.cluster.replicas if info.cluster is not None else None
+        return info.state.messages == 2 and bool(peers) and all(p.current for p in peers or [])
+
+    await eventually(caught_up, timeout_s=20)
+
+
+def test_a_cluster_that_cannot_start_leaves_no_process_behind(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cluster = NatsCluster(3, store_dir=str(tmp_path), ports=[port, 0, 0], start_timeout_s=10)
+        with pytest.raises(NatsServerError):
+            cluster.start()  # node 0 cannot listen on its client port
+    left = [pid for pid in _pids_with(str(tmp_path)) if _alive(pid)]
+    assert not left, f"nats-server processes left running: {left}"
+
+
+def _pids_with(text: str) -> list[int]:
+    """The processes whose command line mentions ``text`` (a cluster's store dir)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if text in cmdline:
+                found.append(int(entry.name))
+    return found
 
 
 def test_sluice_nats_cluster_prints_the_server_list_and_ctrl_c_stops_every_node() -> None:
