@@ -447,6 +447,24 @@ def bench_failover_cmd(
         raise typer.Exit(1)
 
 
+@app.command("bench-lease")
+def bench_lease_cmd(
+    runs: Annotated[int, typer.Option(help="Silenced workers.", min=1)] = 5,
+    lease_s: Annotated[float, typer.Option(help="The dispatcher's lease_s.", min=0.5)] = 4.0,
+) -> None:
+    """Cut a worker off without a word, several times: the time from its silence to its quota
+    reclaimed (every booking on it released and queued again elsewhere)."""
+    from sluice.cli.benchlease import bench_lease
+
+    f = run(bench_lease(runs=runs, lease_s=lease_s))
+    console.print(
+        f"worker silent -> its quota reclaimed over {runs} runs (lease_s {f.lease_s:g}): "
+        f"min {f.min_s:.2f} s, median {f.median_s:.2f} s, max {f.max_s:.2f} s "
+        f"({', '.join(f'{t:.2f}' for t in f.reclaimed_s)}); "
+        f"{f.median_s - f.lease_s:+.2f} s over the lease at the median"
+    )
+
+
 @app.command("bench-engine")
 def bench_engine_cmd(
     requests: Annotated[int, typer.Option(help="Requests per path.", min=4)] = 40,
