@@ -400,8 +400,10 @@ class Client:
         queue is at its bound, unless ``retry`` (a :class:`Retry`, or a number of retries)
         says to submit again after the queue's retry-after, with jitter, a bounded number of
         times; ``InvalidRequest`` for bad arguments; ``ServiceUnavailable`` when no dispatcher
-        serves the band. ``session_id``: the requests of one session (a conversation) stick
-        to the workers that served it.
+        serves the band, or when the broker did not take the request within
+        ``publish_retry_s`` (a publish that times out or meets a leader change of a JetStream
+        cluster is sent again until then, with the same id). ``session_id``: the requests of
+        one session (a conversation) stick to the workers that served it.
         """
         if retry is not None and not isinstance(retry, Retry | int):
             raise InvalidRequest(f"retry must be a Retry or a number of retries, not {retry!r}")

@@ -271,7 +271,7 @@ class NatsCluster:
     def _config(self, node: ClusterNode) -> str:
         routes = ", ".join(f"nats-route://127.0.0.1:{n.cluster_port}" for n in self.nodes)
         sync = f"\n  sync_interval: {self.sync_interval}" if self.sync_interval else ""
-        store = json.dumps(str(node.store_dir / "jetstream"))
+        store = json.dumps(str(node.store_dir))  # the server adds jetstream/ itself
         return (
             f"server_name: {node.name}\n"
             f"listen: 127.0.0.1:{node.client_port}\n"

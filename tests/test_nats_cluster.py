@@ -12,6 +12,10 @@ Mutations each test was seen to fail under (once, by hand):
   ``test_a_submit_published_again_across_a_leader_change_is_stored_once`` counts 2 messages.
 - ``servers=servers_of(url)`` replaced by ``servers=[url]`` in ``common.transport.connect``:
   ``test_a_server_list_connects_past_a_dead_node`` cannot connect.
+- the ``sync_interval`` line dropped from ``NatsCluster._config``:
+  ``test_sync_interval_reaches_every_node``.
+- ``asyncio.wait_for`` (the bound of the first connect) dropped from ``connect``:
+  ``test_a_server_list_of_dead_nodes_fails_the_connect_instead_of_hanging`` times out.
 - ``self.stop()`` dropped from ``NatsCluster.start``'s failure path:
   ``test_a_cluster_that_cannot_start_leaves_no_process_behind`` finds the two other nodes alive.
 - ``_wait_ready`` dropped from ``NatsCluster.restart``: the restarted node reports no meta
@@ -89,6 +93,27 @@ async def test_a_server_list_connects_past_a_dead_node(nats3: NatsCluster) -> No
         assert nc.connected_url.port in {nats3.nodes[1].client_port, nats3.nodes[2].client_port}
     finally:
         await nc.close()
+
+
+def test_sync_interval_reaches_every_node() -> None:
+    with NatsCluster(3, sync_interval="always") as c:
+        assert all(c.jsz(i)["config"].get("sync_always") is True for i in range(3))
+    with NatsCluster(3, sync_interval="1s") as c:
+        assert all(c.jsz(i)["config"]["sync_interval"] == 1_000_000_000 for i in range(3))
+    with NatsCluster(3) as c:  # the server's default: every two minutes
+        assert c.jsz(0)["config"]["sync_interval"] == 120_000_000_000
+    with pytest.raises(NatsServerError):
+        NatsCluster(3, sync_interval="sometimes")
+
+
+async def test_a_server_list_of_dead_nodes_fails_the_connect_instead_of_hanging(
+    nats3: NatsCluster,
+) -> None:
+    for i in range(3):
+        nats3.kill(i)
+    with pytest.raises(TransportError, match="cannot connect"):
+        # without the bound in connect(), nats-py retries the first connect for ever
+        await asyncio.wait_for(connect(nats3.url, "test", connect_timeout_s=0.5), timeout=20)
 
 
 async def test_every_sluice_store_is_replicated_on_the_cluster(
