@@ -166,7 +166,13 @@ async def test_drain_under_load_runs_no_new_work_there_and_loses_nothing(nats_ur
         late = SubmitRequest(
             request_id="late", model="sim", prompt_tokens=_prompt(99), submitted_unix_ms=1
         )
-        offer = Assignment(request=late, attempt=1, dispatcher_id="test", queued_s=0.0)
+        offer = Assignment(
+            request=late,
+            attempt=1,
+            dispatcher_id="test",
+            queued_s=0.0,
+            epoch=cluster.dispatcher.epoch,  # as the leader sends it
+        )
         raw = await c.nc.request(names.work_subject(target.worker_id), encode(offer), timeout=2)
         answer = decode(raw.data, AssignmentReply)
         assert not answer.accepted and answer.reason == "draining", answer

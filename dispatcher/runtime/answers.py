@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import time
+from collections import deque
 
 from nats.aio.msg import Msg
 
@@ -55,6 +56,8 @@ class Answers:
 
     def __init__(self, state: State) -> None:
         self.state = state
+        self._unserved_advisories: deque[tuple[str, int, int]] = deque(maxlen=100_000)
+        """Max-deliveries advisories a standby received, for when it leads (bounded)."""
 
     async def publish_result(self, result: Result) -> bool:
         """Store a result (deduplicated by request id); False if the broker did not take it."""
@@ -149,9 +152,9 @@ class Answers:
     async def on_max_deliveries(self, msg: Msg) -> None:
         """A request exhausted ``max_deliver``: the broker will not deliver it again, but it
         still sits in its work-queue stream. Keep a dead letter, remove it from the queue,
-        then answer its producer (the leader does; standbys ignore it)."""
-        if not self.state.leading():
-            return
+        then answer its producer. The leader does; a standby keeps it for when it leads (the
+        broker sends an advisory once: one that reaches no leader, during a takeover, would
+        leave its request unanswered)."""
         try:
             advisory = json.loads(msg.data)
             stream, seq = str(advisory["stream"]), int(advisory["stream_seq"])
@@ -159,6 +162,18 @@ class Answers:
         except (ValueError, KeyError, TypeError):
             internal_error(log, "dispatcher.advisory", "malformed max-deliveries advisory")
             return
+        if not self.state.leading():
+            self._unserved_advisories.append((stream, seq, deliveries))
+            return
+        await self._dead_letter_undeliverable(stream, seq, deliveries)
+
+    async def serve_kept_advisories(self) -> None:
+        """Dead-letter what exhausted ``max_deliver`` while this dispatcher stood by (it leads
+        now)."""
+        while self._unserved_advisories:
+            await self._dead_letter_undeliverable(*self._unserved_advisories.popleft())
+
+    async def _dead_letter_undeliverable(self, stream: str, seq: int, deliveries: int) -> None:
         try:
             raw = await self.state.js.get_msg(stream, seq=seq)
         except BROKER_ERRORS:

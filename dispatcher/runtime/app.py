@@ -195,6 +195,7 @@ class Dispatcher:
             self._pulls.append(
                 asyncio.create_task(self._intake.pull_loop(band, psub, term), name=f"pull-{band}")
             )
+        await self._answers.serve_kept_advisories()
         st.kick.set()
 
     async def _deposed(self) -> None:

@@ -6,12 +6,12 @@ reconcile``) runs one now and answers its :class:`~sluice.schemas.models.Reconci
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 
 from nats.aio.msg import Msg
 
+from sluice.common.aio import wait_event
 from sluice.dispatcher.reconcile import Reconciliation
 from sluice.dispatcher.runtime import metrics
 from sluice.dispatcher.runtime.answers import Answers, ack, respond
@@ -39,7 +39,8 @@ class Reconciler:
     async def loop(self) -> None:
         st = self.state
         while st.running:
-            await asyncio.sleep(st.settings.reconcile_every_s)
+            if await wait_event(st.stopping, st.settings.reconcile_every_s):
+                return  # stopping: the loop ends at once, not at its next turn
             await self.run()
 
     async def run(self) -> ReconcileReport:
