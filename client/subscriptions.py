@@ -37,7 +37,10 @@ DEFAULT_INACTIVE_S = 24 * 3600.0
 DEFAULT_ACK_WAIT_S = 30.0
 """Results a subscriber fetched and never acked (it died) come again after this long."""
 _SEEN_MAX = 100_000
-_ACK_TRIES = 10
+_ACK_TRIES = 3
+"""An ack the broker does not confirm is tried this often, a second each: a broker that
+restarted may have lost the delivery it acks (then the message comes again, and this session
+skips it as seen), and a subscriber must not stall on it."""
 _NATS_ERRORS = (nats.errors.Error, OSError)
 _TRANSIENT = (
     nats.errors.ConnectionReconnectingError,
@@ -156,10 +159,10 @@ class ResultSubscription:
             return
         for _ in range(_ACK_TRIES):
             try:
-                await msg.ack_sync(timeout=2.0)
+                await msg.ack_sync(timeout=1.0)
                 return
             except (*_TRANSIENT, TimeoutError, nats.errors.TimeoutError):
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(0.3)
             except _NATS_ERRORS as exc:
                 raise ServiceUnavailable(f"could not ack a result of {self.filter}: {exc}") from exc
         # Not acked: the broker redelivers it after the ack wait; this session skips it (seen),
