@@ -225,6 +225,10 @@ class Dispatcher:
             return
         st.running = False
         st.stopping.set()
+        if hand_back:
+            # Hand leadership over first (it stops dispatching here at once): a standby takes
+            # over while the loops below wind down, not after them.
+            await self._election.resign()
         # The loops see the flag within one fetch timeout or tick. nats-py's fetch() does not
         # reliably honour cancellation, so cancel only what has not stopped by then.
         st.kick.set()
@@ -244,8 +248,7 @@ class Dispatcher:
                 log.debug("subscription already gone")
         self._subs = []
         if hand_back:
-            await self._hand_back()
-            await self._election.resign()
+            await self._hand_back()  # what it held goes to the next leader at once
         metrics.LEADER.set(0)
         st.held.clear()
         if st.decisions is not None:
