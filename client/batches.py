@@ -28,6 +28,7 @@ import hashlib
 import json
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -67,6 +68,8 @@ FINALIZE_MARGIN_S = 3600.0
 CANCEL_GRACE_S = 30.0
 """A cancelled batch waits this long for its running requests' cancelled results."""
 MAX_FILE_BYTES = 200 * 1024 * 1024
+_PARSED_KEPT = 16
+"""Parsed batch inputs a :class:`Batches` keeps (its most recently used)."""
 _NATS_ERRORS = (nats.errors.Error, OSError)
 
 Progress = Callable[[int, int], None]
@@ -106,6 +109,9 @@ class Batches:
         as the dispatchers' result stream has (their ``stream_replicas``), 1 without one."""
         self._kv: KeyValue | None = None
         self._obj: ObjectStore | None = None
+        self._parsed: OrderedDict[tuple[str, str], tuple[list[BatchLine], list[LineError]]] = (
+            OrderedDict()
+        )
 
     # ---------------------------------------------------------------------- stores
 
@@ -270,6 +276,20 @@ class Batches:
                 "(the dispatchers' result_ttl_s)"
             )
 
+    async def _lines(self, record: BatchRecord) -> tuple[list[BatchLine], list[LineError]]:
+        """A batch's parsed input. Files never change once stored, so the parse of the last
+        few batches is kept: a sweep or a poll does not fetch and parse the file again."""
+        key = (record.input_file_id, record.id)
+        parsed = self._parsed.get(key)
+        if parsed is None:
+            parsed = parse_lines(await self.content(record.input_file_id), record.id)
+            self._parsed[key] = parsed
+            if len(self._parsed) > _PARSED_KEPT:
+                self._parsed.popitem(last=False)
+        else:
+            self._parsed.move_to_end(key)
+        return parsed
+
     async def _get(self, batch_id: str) -> tuple[BatchRecord, int] | None:
         try:
             found = await self._read(names.batch_key(batch_id))
@@ -352,8 +372,7 @@ class Batches:
         """Publish the batch's valid lines (resuming where an earlier submitter stopped),
         then refresh it. Stops early if the batch is cancelled or its window passes."""
         record = await self.get(batch_id)
-        data = await self.content(record.input_file_id)
-        lines, _ = parse_lines(data, batch_id)
+        lines, _ = await self._lines(record)
         if record.status == "validating":
             now = _now()
             record = await self._update(
@@ -452,8 +471,7 @@ class Batches:
         record = await self.get(batch_id)
         if record.status in TERMINAL_BATCH_STATES:
             return record
-        data = await self.content(record.input_file_id)
-        lines, errors = parse_lines(data, batch_id)
+        lines, errors = await self._lines(record)
         results = await self.results_of(record)
         ok = sum(1 for r in results.values() if r.ok)
         counts = BatchCounts(
@@ -547,8 +565,7 @@ class Batches:
             return {"status": "cancelling", "cancelling_at": now}
 
         record = await self._update(batch_id, cancelling)
-        data = await self.content(record.input_file_id)
-        lines, _ = parse_lines(data, batch_id)
+        lines, _ = await self._lines(record)
         results = await self.results_of(record)
         await self._cancel_unfinished(lines[: record.submitted + CHUNK], results)
         return await self.refresh(batch_id)

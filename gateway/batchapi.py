@@ -21,6 +21,8 @@ import asyncio
 import logging
 from typing import Any
 
+from starlette.exceptions import HTTPException
+from starlette.formparsers import MultiPartException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
@@ -113,6 +115,9 @@ class BatchApi:
         self._sweeper: asyncio.Task[None] | None = None
         self._gateway: Gateway | None = None
         self._stopping = asyncio.Event()
+        self._tenants: dict[str, Batches] = {}
+        """One :class:`Batches` per tenant, kept: its stores are opened once, and the inputs
+        it parsed are not parsed again on every poll and sweep."""
 
     def routes(self) -> list[BaseRoute]:
         return [
@@ -156,10 +161,10 @@ class BatchApi:
             await wait_event(self._stopping, self.sweep_every_s)
 
     async def _sweep_once(self, gw: Gateway) -> None:
-        for record in await Batches(gw.client).every_tenant():
+        for record in await self.batches_of(gw, gw.settings.open_tenant).every_tenant():
             if record.status in TERMINAL_BATCH_STATES:
                 continue
-            b = Batches(gw.client, tenant=record.tenant)
+            b = self.batches_of(gw, record.tenant)
             if record.status in ("validating", "in_progress") and not record.submitter_done:
                 self._submit(b, record.id)  # a submitter that died with its gateway
             elif record.id not in self._submitters:
@@ -186,17 +191,23 @@ class BatchApi:
 
     # ------------------------------------------------------------------ routes
 
-    @staticmethod
-    def _batches(request: Request) -> Batches:
+    def batches_of(self, gw: Gateway, tenant: str) -> Batches:
+        b = self._tenants.get(tenant)
+        if b is None:
+            b = self._tenants[tenant] = Batches(gw.client, tenant=tenant)
+        return b
+
+    def _batches(self, request: Request) -> Batches:
         gw = gateway_of(request)
-        return Batches(gw.client, tenant=gw.authenticate(request).tenant)
+        return self.batches_of(gw, gw.authenticate(request).tenant)
 
     async def upload(self, request: Request) -> Response:
         b = self._batches(request)
         try:
             form = await request.form(max_files=1, max_fields=8, max_part_size=self.max_file_bytes)
-        except Exception as exc:  # the multipart parser's errors have no common base
-            raise BadRequest(f"the body is not a multipart form: {exc}") from exc
+        except (HTTPException, MultiPartException) as exc:  # Starlette's two answers to a bad form
+            detail = exc.detail if isinstance(exc, HTTPException) else exc.message
+            raise BadRequest(f"the body is not a multipart form: {detail}") from exc
         try:
             upload = form.get("file")
             purpose = form.get("purpose")

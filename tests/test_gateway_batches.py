@@ -151,3 +151,21 @@ async def test_cancel_and_a_submitter_that_died_with_its_gateway(nats_url: str) 
                 assert len(err) == 10
             finally:
                 await a.close()
+
+
+async def test_a_malformed_upload_is_a_400_in_openai_shape(nats_url: str) -> None:
+    import httpx
+
+    settings = GatewaySettings(nats_url=nats_url, port=0, keys=_keys())
+    async with LocalCluster(nats_url, **cluster_kwargs(workers=0)), GatewayServer(settings) as gw:
+        headers = {"authorization": f"Bearer {KEY_A}"}
+        async with httpx.AsyncClient(base_url=gw.url, headers=headers, timeout=30) as h:
+            broken = await h.post(
+                "/v1/files",
+                content=b"--xyz\r\nthis is not a part",
+                headers={"content-type": "multipart/form-data; boundary=xyz"},
+            )
+            no_file = await h.post("/v1/files", data={"purpose": "batch"})
+    for r in (broken, no_file):
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["type"] == "invalid_request_error"
