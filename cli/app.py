@@ -9,14 +9,18 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
 
 from sluice.cli.console import err, fail, make_client, run, with_client
 from sluice.common.settings import ConfigError
+
+if TYPE_CHECKING:
+    from sluice.common.probes import Probe, ProbeServer
 
 T = TypeVar("T")
 
@@ -203,6 +207,7 @@ def nats(
 def _serve(
     start: Any,
     stop: Any,
+    probe: Callable[[], Probe],
     metrics_host: str,
     metrics_port: int,
     banner: str,
@@ -210,37 +215,45 @@ def _serve(
     until: Any = None,
 ) -> None:
     """Run a long-lived part until SIGINT/SIGTERM (or until ``until()`` returns, if given),
-    with optional Prometheus metrics."""
-    from prometheus_client import start_http_server
+    with its metrics port (``/metrics``, ``/healthz``, ``/readyz`` from ``probe()``) if set."""
+    from sluice.common.probes import ProbeServer, ProbeServerError
 
-    if metrics_port:
-        try:
-            start_http_server(metrics_port, addr=metrics_host)
-        except OSError as exc:
-            raise fail(f"cannot serve metrics on {metrics_host}:{metrics_port}: {exc}") from exc
+    probes = ProbeServer(metrics_host, metrics_port, probe) if metrics_port else None
     err.print(banner)
     try:
-        run(_serve_until_signal(start, stop, until))
+        run(_serve_until_signal(start, stop, until, probes))
+    except ProbeServerError as exc:
+        raise fail(str(exc)) from exc
     except errors as exc:
         raise fail(str(exc)) from exc
 
 
-async def _serve_until_signal(start: Any, stop: Any, until: Any = None) -> None:
+async def _serve_until_signal(
+    start: Any, stop: Any, until: Any = None, probes: ProbeServer | None = None
+) -> None:
     loop = asyncio.get_running_loop()
     done = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, done.set)
-    await start()
-    waits = [asyncio.ensure_future(done.wait())]
-    if until is not None:
-        waits.append(asyncio.ensure_future(until()))
+    if probes is not None:
+        await probes.start()  # a port in use fails before the part starts
     try:
-        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        await start()
+        if probes is not None:
+            probes.part_started()
+        waits = [asyncio.ensure_future(done.wait())]
+        if until is not None:
+            waits.append(asyncio.ensure_future(until()))
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+            await stop()  # the probes keep answering while it drains or hands over
     finally:
-        for w in waits:
-            w.cancel()
-        await stop()
+        if probes is not None:
+            await probes.stop()
 
 
 @app.command()
@@ -265,6 +278,7 @@ def dispatcher(
     _serve(
         d.start,
         d.stop,
+        d.probe,
         settings.metrics_host,
         settings.metrics_port,
         f"dispatcher {settings.dispatcher_id} on {settings.nats_url}; Ctrl-C stops it",
@@ -330,6 +344,7 @@ def agent(
     _serve(
         a.start,
         a.stop,
+        a.probe,
         settings.metrics_host,
         settings.metrics_port,
         f"agent {settings.worker_id} serving {settings.models}; Ctrl-C drains and stops",

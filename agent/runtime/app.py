@@ -40,6 +40,7 @@ from sluice.agent.runtime import metrics
 from sluice.agent.runtime.settings import AgentSettings
 from sluice.common.aio import finish_tasks, wait_event
 from sluice.common.errors import TransportError, internal_error
+from sluice.common.probes import Probe, nats_state
 from sluice.common.tokenizer import Tokenizers
 from sluice.common.transport import connect
 from sluice.schemas import names
@@ -163,6 +164,22 @@ class Agent:
     def registration(self) -> int:
         """The number its heartbeats carry; raised when it registers afresh."""
         return self._registration
+
+    def probe(self) -> Probe:
+        """For ``/healthz`` and ``/readyz`` (:mod:`sluice.common.probes`): live while it runs,
+        its engine loop runs and its NATS connection is not closed; ready while it is also
+        connected, serving (not draining, not stopping) and its engine takes work."""
+        nats = nats_state(self._nc)
+        live = self._alive and nats != "closed"  # also while a stop drains it
+        available = self.engine.available
+        detail = {
+            "worker": self.worker_id,
+            "nats": nats,
+            "state": self.state if self._alive else "stopped",
+            "engine": "available" if available else "unavailable",
+        }
+        ready = live and nats == "connected" and self.state == "serving" and available
+        return Probe(live=live, ready=ready, detail=detail)
 
     async def wait_exit(self) -> None:
         """Return once an operator's drain with ``exit`` has drained it."""

@@ -143,9 +143,9 @@ class AgentSettings(SluiceSettings):
         default=30.0, ge=0, description="On shutdown, wait this long for running requests."
     )
     metrics_port: int = Field(
-        default=0, ge=0, le=65535, description="Serve Prometheus metrics here (0: off)."
+        default=0, ge=0, le=65535, description="Serve /metrics, /healthz and /readyz here (0: off)."
     )
-    metrics_host: str = Field(default="127.0.0.1", description="Bind address for metrics.")
+    metrics_host: str = Field(default="127.0.0.1", description="Bind address of the metrics port (0.0.0.0 in a container).")
 
     @field_validator("worker_id")
     @classmethod

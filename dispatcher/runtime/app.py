@@ -37,6 +37,7 @@ from nats.aio.subscription import Subscription
 
 from sluice.common.aio import finish_tasks, wait_event
 from sluice.common.errors import TransportError
+from sluice.common.probes import Probe, nats_state
 from sluice.common.transport import connect
 from sluice.dispatcher.errors import BrokerUnreachable
 from sluice.dispatcher.feedback import WaitFigures
@@ -120,6 +121,25 @@ class Dispatcher:
     def held(self) -> int:
         """Request messages held un-acked (queued or running)."""
         return len(self._state.held)
+
+    def probe(self) -> Probe:
+        """For ``/healthz`` and ``/readyz`` (:mod:`sluice.common.probes`): live while it runs,
+        its loops run and its NATS connection is not closed; ready while it is also connected,
+        leading or standing by."""
+        st = self._state
+        nats = nats_state(st.nc_or_none)
+        ended = [t.get_name() for t in self._tasks if t.done()]
+        live = st.running and not ended and nats != "closed"
+        detail = {
+            "dispatcher": self.settings.dispatcher_id,
+            "nats": nats,
+            "role": "leader" if st.running and self.leading else "standby",
+        }
+        if not st.running:
+            detail["state"] = "stopped"
+        if ended:
+            detail["ended"] = ",".join(ended)
+        return Probe(live=live, ready=live and nats == "connected", detail=detail)
 
     def wait_figures(self, model: str, band: str, now: float) -> WaitFigures:
         """The feedback figures of one model and band now."""

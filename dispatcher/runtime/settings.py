@@ -235,9 +235,9 @@ class DispatcherSettings(SluiceSettings):
     tick_s: float = Field(default=0.1, gt=0, description="Scheduling loop tick (deadlines).")
     seed: int = Field(default=0, description="Salt of the least-loaded policy's hash tie-breaks.")
     metrics_port: int = Field(
-        default=0, ge=0, le=65535, description="Serve Prometheus metrics here (0: off)."
+        default=0, ge=0, le=65535, description="Serve /metrics, /healthz and /readyz here (0: off)."
     )
-    metrics_host: str = Field(default="127.0.0.1", description="Bind address for metrics.")
+    metrics_host: str = Field(default="127.0.0.1", description="Bind address of the metrics port (0.0.0.0 in a container).")
 
     feedback_window_s: float = Field(
         default=FEEDBACK_WINDOW_S,
