@@ -237,7 +237,10 @@ class DispatcherSettings(SluiceSettings):
     metrics_port: int = Field(
         default=0, ge=0, le=65535, description="Serve /metrics, /healthz and /readyz here (0: off)."
     )
-    metrics_host: str = Field(default="127.0.0.1", description="Bind address of the metrics port (0.0.0.0 in a container).")
+    metrics_host: str = Field(
+        default="127.0.0.1",
+        description="Bind address of the metrics port (0.0.0.0 in a container).",
+    )
 
     feedback_window_s: float = Field(
         default=FEEDBACK_WINDOW_S,
