@@ -352,6 +352,8 @@ def test_the_compose_file_has_every_part() -> None:
     nats = [n for n, s in services.items() if s.get("image", "").startswith("nats:")]
     assert len(nats) == 3
     assert {"prometheus", "grafana"} <= services.keys()
+    k8s_nats = {c.image for c in _k8s_containers() if c.image.startswith("nats:")}
+    assert {services[n]["image"] for n in nats} == k8s_nats  # one NATS release everywhere
     conf = (COMPOSE_DIR / "nats" / "nats.conf").read_text()
     assert re.findall(r"nats://([\w-]+):6222", conf) == nats
     for name in nats:
