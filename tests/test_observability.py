@@ -414,6 +414,51 @@ def test_dashboard_and_alerts_refer_only_to_exposed_metrics(stack: Stack) -> Non
     assert all(metric_names(e) for _, e in exprs), "an expression names no metric"
 
 
+TARGET_LABELS = {"instance", "job"}
+"""Labels Prometheus adds to every scraped series."""
+
+
+def _family_labels() -> dict[str, set[str]]:
+    """Sample name -> the labels it carries, from the declarations."""
+    out: dict[str, set[str]] = {}
+    for d in declared_metrics():
+        labels = set(d.labels) | TARGET_LABELS
+        if d.kind == "histogram":
+            out[f"{d.name}_bucket"] = labels | {"le"}
+            out[f"{d.name}_sum"] = out[f"{d.name}_count"] = labels
+        else:
+            out[d.name] = labels
+    return out
+
+
+def label_problems(expr: str, known: dict[str, set[str]]) -> list[str]:
+    """Labels an expression matches on or groups by that its metrics do not carry."""
+    e = re.sub(r'"(\\.|[^"\\])*"', '""', expr)
+    problems = []
+    for name, matchers in re.findall(r"([a-zA-Z_:][\w:]*)\s*\{([^}]*)\}", e):
+        for label in re.findall(r"(\w+)\s*(?:=~|!~|!=|=)", matchers):
+            if label not in known.get(name, set()):
+                problems.append(f"{name} has no label {label!r}")
+    metrics = metric_names(expr)
+    carried = set().union(*(known.get(m, set()) for m in metrics)) if metrics else set()
+    clauses = r"\b(?:by|without|on|ignoring)\s*\(([^)]*)\)"
+    for group in re.findall(clauses, e):
+        for label in re.findall(r"\w+", group):
+            if label not in carried:
+                problems.append(f"no metric of the expression has the label {label!r}")
+    return problems
+
+
+def test_dashboard_and_alerts_match_and_group_by_labels_that_exist() -> None:
+    """Mutation: ``sum by (model)`` over ``sluice_dispatcher_completed_total`` (band only)."""
+    known = _family_labels()
+    exprs = dashboard_exprs() + [(r["alert"], r["expr"]) for r in alert_rules()]
+    problems = [(where, p) for where, e in exprs for p in label_problems(e, known)]
+    assert problems == []
+    assert label_problems("sum by (model) (rate(sluice_dispatcher_completed_total[5m]))", known)
+    assert label_problems('sluice_dispatcher_workers{band="x"}', known)
+
+
 ARTICLE_PANELS = [
     "Prefix-cache hit rate (by tokens)",
     "Time to first token P50 / P99",
