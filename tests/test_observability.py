@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import contextlib
 import json
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -44,7 +46,8 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from sluice.client import Client, Rejected
+from sluice.client import Client, Rejected, ServiceUnavailable
+from sluice.testing.gateway import GatewayProcess
 
 pytestmark = pytest.mark.e2e
 
@@ -335,6 +338,105 @@ def test_the_stack_exposes_what_the_issue_asks(stack: Stack) -> None:
         if s.name == "sluice_dispatcher_flap_decisions_total"
     ]
     assert flap_decisions and flap_decisions[0] >= 6
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _scrape_until(url: str, sample: str, timeout_s: float = 20) -> str:
+    deadline = time.monotonic() + timeout_s
+    text = ""
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            text = httpx.get(url, timeout=5).text
+            if re.search(f"^{sample}[{{ ]", text, re.M):
+                break
+        time.sleep(0.2)
+    return text
+
+
+async def _serve_two(nats_url: str, gateway_url: str) -> None:
+    """One request through the client, one through the gateway. The first submissions may
+    come before the dispatcher created its streams."""
+    async with httpx.AsyncClient(base_url=gateway_url, timeout=30) as http:
+        await _submit_until_served(nats_url)
+        body = {"model": "sim", "prompt": "hello", "max_tokens": 2}
+        assert (await http.post("/v1/completions", json=body)).status_code == 200
+
+
+async def _submit_until_served(nats_url: str) -> None:
+    deadline = time.monotonic() + 30
+    async with Client(nats_url) as c:
+        while True:
+            try:
+                await (await c.submit("sim", PROMPT, max_tokens=3)).result(timeout_s=20)
+                return
+            except ServiceUnavailable:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.3)
+
+
+def test_each_process_serves_its_own_metrics(nats_url: str, tmp_path: Path) -> None:
+    """Deployed, every part is its own process with its own ``/metrics``: a ``sluice
+    dispatcher``, a ``sluice agent`` and a ``sluice gateway`` process, scraped apart. Each
+    follows the naming rules, holds its own part's metrics and the internal-error counter, and
+    together they expose every metric the dashboard and the rules use. Mutation (the bug it
+    found): ``sluice.testing``'s package init importing ``LocalCluster`` eagerly again, so that
+    ``sluice agent`` (which imports ``sluice.testing.engines``) serves every dispatcher metric."""
+    ports = {"dispatcher": _free_port(), "agent": _free_port()}
+    env = {
+        **os.environ,
+        "SLUICE_NATS_URL": nats_url,
+        "SLUICE_DISPATCHER_LEARN_S": "0.2",
+        "SLUICE_DISPATCHER_MODELS": '["sim"]',
+        "SLUICE_DISPATCHER_METRICS_PORT": str(ports["dispatcher"]),
+        "SLUICE_AGENT_METRICS_PORT": str(ports["agent"]),
+        "SLUICE_AGENT_SPEED": "20",
+        "SLUICE_AGENT_HEARTBEAT_S": "0.2",
+    }
+    procs = []
+    try:
+        for args in (["dispatcher"], ["agent", "--worker-id", "proc-worker"]):
+            log = (tmp_path / f"{args[0]}.log").open("w")
+            cmd = [sys.executable, "-m", "sluice.cli", *args]
+            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=log))
+        with GatewayProcess(nats_url) as gw:
+            asyncio.run(_serve_two(nats_url, gw.url))
+            texts = {
+                "dispatcher": _scrape_until(
+                    f"http://127.0.0.1:{ports['dispatcher']}/metrics",
+                    "sluice_dispatcher_worker_lease_age_seconds",
+                ),
+                "agent": _scrape_until(
+                    f"http://127.0.0.1:{ports['agent']}/metrics",
+                    "sluice_agent_engine_busy_seconds_total",
+                ),
+                "gateway": httpx.get(f"{gw.url}/metrics", timeout=10).text,
+            }
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    for part, text in texts.items():
+        names = {f.name for f in families(text) if f.name.startswith("sluice_")}
+        assert naming_problems(text) == [], part
+        assert "sluice_internal_errors" in names, part
+        others = {"sluice_dispatcher_", "sluice_agent_", "sluice_gateway_"} - {f"sluice_{part}_"}
+        assert [n for n in names if n.startswith(tuple(others))] == [], part
+        assert any(n.startswith(f"sluice_{part}_") for n in names), part
+    exposed = set().union(*(exposed_names(t) for t in texts.values()))
+    exprs = dashboard_exprs() + [(r["alert"], r["expr"]) for r in alert_rules()]
+    missing = {n for _, e in exprs for n in metric_names(e)} - exposed
+    assert missing == set()
 
 
 # ------------------------------------------------------------- the dashboard and the rules
