@@ -36,7 +36,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,10 +44,16 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
 from sluice.client import Client, Rejected, ServiceUnavailable
+from sluice.client.admin import clear_model_quota, set_model_quota
+from sluice.schemas.models import QuotaSpec
+from sluice.testing.cluster import LocalCluster
 from sluice.testing.gateway import GatewayProcess
+
+from .conftest import cluster_kwargs, eventually
 
 pytestmark = pytest.mark.e2e
 
@@ -437,6 +443,37 @@ def test_each_process_serves_its_own_metrics(nats_url: str, tmp_path: Path) -> N
     exprs = dashboard_exprs() + [(r["alert"], r["expr"]) for r in alert_rules()]
     missing = {n for _, e in exprs for n in metric_names(e)} - exposed
     assert missing == set()
+
+
+async def test_series_go_with_their_quota_level_and_their_worker(nats_url: str) -> None:
+    """A quota level removed at run time and a worker that left lose their series (no stale
+    figure stays on a dashboard). Unique names: the registry is this process's, shared with
+    earlier tests' dispatchers. Mutations: the ``remove`` loops of ``Gauges._quota_gauges``
+    and ``Gauges._worker_gauges`` dropped."""
+    tag = uuid.uuid4().hex[:8]
+    tenant, worker = f"t{tag}", f"leaver-{tag}"
+    level = {"level": "model-tenant", "name": f"sim/{tenant}"}
+    quota = "sluice_dispatcher_quota_usage_ratio"
+    lease = "sluice_dispatcher_worker_lease_age_seconds"
+    kwargs = cluster_kwargs(workers=1, dispatcher={"feedback_every_s": 0.1})
+    async with LocalCluster(nats_url, **kwargs) as cluster, Client(nats_url) as c:
+        leaver = await cluster.add_agent(worker)
+
+        async def has(name: str, labels: dict[str, str]) -> bool:
+            return REGISTRY.get_sample_value(name, labels) is not None
+
+        await set_model_quota(c.nc, "sim", QuotaSpec(tenant_limits={tenant: 2}))
+        await eventually(lambda: has(quota, level))
+        await eventually(lambda: has(lease, {"worker": worker}))
+        await clear_model_quota(c.nc, "sim")
+        await leaver.stop()  # it says it leaves: its lease ends at once
+        await eventually(lambda: _not(has(quota, level)))
+        await eventually(lambda: _not(has(lease, {"worker": worker})))
+        assert await has(lease, {"worker": "worker-0"})
+
+
+async def _not(a: Awaitable[bool]) -> bool:
+    return not await a
 
 
 # ------------------------------------------------------------- the dashboard and the rules

@@ -60,6 +60,7 @@ class Gauges:
         self._workers: set[str] = set()
         """Workers with per-worker gauges (removed when their lease ends)."""
         self._replica_sizes: set[str] = set()
+        self._quota_levels: set[tuple[str, str]] = set()
         self._flaps_seen = (0, 0)
         """The flap meter's (decisions, flaps) already counted in the counters."""
 
@@ -124,13 +125,16 @@ class Gauges:
         """The used share of every level with a limit (names bounded by the configuration)."""
         sched = self.state.scheduler
         config = sched.config
-        metrics.QUOTA_USAGE.labels("global", "").set(sched.running / max(1, config.global_limit))
+        ratios = {("global", ""): sched.running / max(1, config.global_limit)}
         for snap in sched.band_snapshots(now):
             if snap.band in config.band_limits:
-                metrics.QUOTA_USAGE.labels("band", snap.band).set(snap.running / max(1, snap.limit))
-        ratios = usage_ratios(config.quotas, sched.known_models(), sched.usage())
+                ratios["band", snap.band] = snap.running / max(1, snap.limit)
+        ratios |= usage_ratios(config.quotas, sched.known_models(), sched.usage())
         for (kind, name), ratio in ratios.items():
             metrics.QUOTA_USAGE.labels(kind, name).set(ratio)
+        for kind, name in self._quota_levels - set(ratios):  # a limit removed at run time
+            metrics.QUOTA_USAGE.remove(kind, name)
+        self._quota_levels = set(ratios)
 
     def wait_figures(self, model: str, band: str, now: float) -> WaitFigures:
         """The feedback figures of one model and band now."""
