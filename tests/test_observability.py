@@ -435,6 +435,10 @@ def test_each_process_serves_its_own_metrics(nats_url: str, tmp_path: Path) -> N
     for part, text in texts.items():
         names = {f.name for f in families(text) if f.name.startswith("sluice_")}
         assert naming_problems(text) == [], part
+        if shutil.which("promtool"):
+            check = ["promtool", "check", "metrics"]
+            done = subprocess.run(check, input=text, capture_output=True, text=True)
+            assert done.returncode == 0, f"{part}: {done.stdout}{done.stderr}"
         assert "sluice_internal_errors" in names, part
         others = {"sluice_dispatcher_", "sluice_agent_", "sluice_gateway_"} - {f"sluice_{part}_"}
         assert [n for n in names if n.startswith(tuple(others))] == [], part
