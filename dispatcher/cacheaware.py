@@ -34,6 +34,7 @@ the speeds from the runtime (or the simulator).
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -316,7 +317,8 @@ class CacheAware:
 
     def stats(self, now_s: float) -> PolicyStats:
         counts = [n for n in self.affinity.replica_counts(now_s) if n]
-        return PolicyStats(len(self.index), len(counts), max(counts, default=0))
+        sets = dict(collections.Counter(counts))
+        return PolicyStats(len(self.index), len(counts), max(counts, default=0), sets)
 
 
 def _terms(s: Scored, allowed: bool) -> dict[str, float | str]:

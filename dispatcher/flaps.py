@@ -1,14 +1,14 @@
 """Routing flaps (pure): how often a prefix moves to a worker that has not served it lately.
 
-The one definition, used by the live dispatcher (the ``sluice_dispatcher_flap_rate`` gauge)
-and by the replay (``flap_rate``) alike, for every policy: a booked decision **flaps** when
-its prefix (the leading ``key_blocks`` blocks of its prompt, named as
-:func:`~sluice.dispatcher.affinity.prefix_key` names it) was booked less than ``window_s`` ago
-and the worker it goes to is none of the workers it was booked on since (the stickiness
-window's own rule: a replica last used ``window_s`` ago no longer holds the prefix).
-A prefix spreading over new replicas therefore counts one flap per new replica; a request
-without a full block, or whose prefix nobody served lately, never flaps. The flap rate is
-flaps per booked decision. Memory is bounded by ``max_keys`` (least recently used first).
+The one definition, used by the live dispatcher (the counters ``sluice_dispatcher_flaps_total``
+and ``sluice_dispatcher_flap_decisions_total``) and by the replay (``flap_rate``) alike, for
+every policy: a booked decision **flaps** when its prefix (the leading ``key_blocks`` blocks
+of its prompt, named as :func:`~sluice.dispatcher.affinity.prefix_key` names it) was booked
+less than ``window_s`` ago and the worker it goes to is none of the workers it was booked on
+since (the stickiness window's own rule: a replica last used ``window_s`` ago no longer holds
+the prefix). A prefix spreading over new replicas therefore counts one flap per new replica; a
+request without a full block, or whose prefix nobody served lately, never flaps. The flap rate
+is flaps per booked decision. Memory is bounded by ``max_keys`` (least recently used first).
 """
 
 from __future__ import annotations

@@ -135,3 +135,36 @@ class Usage:
 
     def snapshot(self) -> dict[Level, int]:
         return dict(self._used)
+
+
+def usage_ratios(
+    quotas: Quotas, models: Iterable[str], used: Mapping[Level, int]
+) -> dict[tuple[str, str], float]:
+    """The used share of every per-model level with a limit, keyed ``(kind, name)`` with
+    names ``MODEL``, ``MODEL/BAND`` and ``MODEL/TENANT`` (for metrics). Tenants not named in
+    a model's ``tenant_limits`` share one key, ``MODEL/*``: the fullest of them against the
+    default tenant limit, so the keys stay bounded by the configuration. A limit of 0 counts
+    as full once anything uses it."""
+    out: dict[tuple[str, str], float] = {}
+    for m in models:
+        q = quotas.of(m)
+        if q.limit is not None:
+            out["model", m] = _ratio(used.get(("model", m), 0), q.limit)
+        for b, limit in q.band_limits.items():
+            out["model-band", f"{m}/{b}"] = _ratio(used.get(("model-band", m, b), 0), limit)
+        for t, limit in q.tenant_limits.items():
+            out["model-tenant", f"{m}/{t}"] = _ratio(used.get(("model-tenant", m, t), 0), limit)
+        if q.default_tenant_limit is not None:
+            others = [
+                n
+                for lv, n in used.items()
+                if lv[0] == "model-tenant" and lv[1] == m and lv[2] not in q.tenant_limits
+            ]
+            out["model-tenant", f"{m}/*"] = _ratio(max(others, default=0), q.default_tenant_limit)
+    return out
+
+
+def _ratio(used: int, limit: int) -> float:
+    if limit <= 0:
+        return 1.0 if used > 0 else 0.0
+    return used / limit

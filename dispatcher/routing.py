@@ -14,8 +14,8 @@ hooks.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 import xxhash
@@ -142,6 +142,8 @@ class PolicyStats:
     """Prefixes with a live replica set."""
     max_replicas: int = 0
     """The largest replica set."""
+    replica_sets: Mapping[int, int] = field(default_factory=dict)
+    """Replica-set size -> how many prefixes have a live set of that size."""
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sluice.dispatcher.admission import AdmissionConfig
-from sluice.dispatcher.quotas import ModelQuota, Quotas
+from sluice.dispatcher.quotas import ModelQuota, Quotas, usage_ratios
 from sluice.dispatcher.routing import LeastLoaded
 from sluice.dispatcher.scheduler import Request, Scheduler, WorkerInfo
 
@@ -179,3 +179,33 @@ def test_quotas_from_a_config_file(tmp_path: object) -> None:
     assert (llama.limit, llama.unit, llama.tenant_limit("acme"), llama.tenant_limit("x")) == (
         120, "tokens", 40, 10)  # fmt: skip
     assert q.of("other").tenant_limit("anyone") == 20
+
+
+def test_usage_ratios_cover_every_level_with_a_limit_and_stay_bounded() -> None:
+    """The quota gauges' figures: one key per configured level, tenants without their own
+    limit folded into ``MODEL/*`` (the fullest of them). Mutations: the ``MODEL/*`` key taking
+    the sum instead of the fullest; a level without a limit reported."""
+    quotas = Quotas(
+        {
+            "m": ModelQuota(
+                limit=10,
+                band_limits={"batch": 4},
+                tenant_limits={"acme": 5},
+                default_tenant_limit=2,
+            )
+        }
+    )
+    used = {
+        ("model", "m"): 5,
+        ("model-band", "m", "batch"): 1,
+        ("model-band", "m", "interactive"): 4,  # no limit: not reported
+        ("model-tenant", "m", "acme"): 3,
+        ("model-tenant", "m", "t1"): 1,
+        ("model-tenant", "m", "t2"): 2,
+    }
+    assert usage_ratios(quotas, ["m", "other"], used) == {
+        ("model", "m"): 0.5,
+        ("model-band", "m/batch"): 0.25,
+        ("model-tenant", "m/acme"): 0.6,
+        ("model-tenant", "m/*"): 1.0,
+    }

@@ -121,6 +121,8 @@ class Agent:
         self._tasks: list[asyncio.Task[None]] = []
         self._subs: list[Subscription] = []
         self._hb_seq = 0
+        self._busy_counted_s = 0.0
+        """Engine busy seconds already counted in ``sluice_agent_engine_busy_seconds_total``."""
         self._draining = False
         self._exit_when_drained = False
         self._announced_drained = False
@@ -666,6 +668,10 @@ class Agent:
     async def _heartbeat(self, *, leaving: bool = False) -> None:
         load = self.engine.load()
         metrics.KV_USAGE.labels(self.worker_id).set(load.kv_blocks_used / load.kv_blocks_total)
+        metrics.ENGINE_WAITING.labels(self.worker_id).set(load.waiting)
+        busy_s = load.busy_s / self.settings.speed
+        metrics.ENGINE_BUSY.labels(self.worker_id).inc(max(0.0, busy_s - self._busy_counted_s))
+        self._busy_counted_s = max(busy_s, self._busy_counted_s)
         self._hb_seq += 1
         full = self._outbox.full
         hb = reports.heartbeat(

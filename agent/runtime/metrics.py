@@ -29,3 +29,11 @@ TOKEN_CHUNKS_LOST = Counter(
     ["worker"],
 )
 OUTBOX = Gauge("sluice_agent_outbox_reports", "Finished requests not yet reported", ["worker"])
+ENGINE_BUSY = Counter(
+    "sluice_agent_engine_busy_seconds_total",
+    "Real seconds the engine spent working (its rate is the worker's utilisation)",
+    ["worker"],
+)
+ENGINE_WAITING = Gauge(
+    "sluice_agent_engine_waiting_requests", "Requests waiting inside the engine", ["worker"]
+)

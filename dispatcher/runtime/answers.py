@@ -80,7 +80,11 @@ class Answers:
 
     async def publish_rejection(self, req: SubmitRequest, rejection: Rejection) -> bool:
         """Store the typed rejection of a request, counted as one (metrics and feedback)."""
-        metrics.REJECTED.labels(rejection.reason.value).inc()
+        st = self.state
+        known = st.scheduler.known_model(req.model) and req.band in st.scheduler.config.bands
+        # Label values stay bounded: an unknown model or band is counted under "".
+        model, band = (req.model, req.band) if known else ("", "")
+        metrics.REJECTED.labels(model, band, rejection.reason.value).inc()
         self.state.feedback.rejected(req.model, req.band, time.monotonic())
         return await self.publish_result_of(req, rejection)
 
@@ -117,7 +121,7 @@ class Answers:
         """Answer input that is not a valid request: on its result subject when it names a
         usable request id, else into the dead-letter stream. Then ack it (it will never run);
         if the answer could not be stored, leave it for redelivery."""
-        metrics.REJECTED.labels(reason.value).inc()
+        metrics.REJECTED.labels("", "", reason.value).inc()
         if request_id and len(request_id) <= 128 and set(request_id) <= _REQUEST_ID_CHARS:
             stored = await self.publish_result(
                 Result(

@@ -12,6 +12,7 @@ from nats.aio.msg import Msg
 
 from sluice.dispatcher.feedback import WaitFigures
 from sluice.dispatcher.planner import HOLD_REASONS
+from sluice.dispatcher.quotas import usage_ratios
 from sluice.dispatcher.runtime import metrics
 from sluice.dispatcher.runtime.answers import respond
 from sluice.dispatcher.runtime.sizing import QueueSizing
@@ -36,6 +37,17 @@ _EXPIRE_MAX_BLOCKS = 20_000
 """One expiry pass drops at most this many index blocks: the event loop must not stall."""
 
 
+_WORKER_GAUGES = (
+    metrics.WORKER_LEASE_AGE,
+    metrics.WORKER_IN_FLIGHT,
+    metrics.WORKER_BOOKED,
+    metrics.WORKER_CAPACITY,
+    metrics.WORKER_WAITING,
+    metrics.WORKER_KV_USED,
+    metrics.WORKER_KV_TOTAL,
+)
+
+
 class Gauges:
     """Keeps the metrics current and answers stats and wait queries."""
 
@@ -45,6 +57,12 @@ class Gauges:
         self._spent: dict[str, float] = {}
         self._last_expire_s = 0.0
         self.sizing = QueueSizing(state)
+        self._workers: set[str] = set()
+        """Workers with per-worker gauges (removed when their lease ends)."""
+        self._replica_sizes: set[str] = set()
+        self._quota_levels: set[tuple[str, str]] = set()
+        self._flaps_seen = (0, 0)
+        """The flap meter's (decisions, flaps) already counted in the counters."""
 
     def update(self, now: float) -> None:
         st = self.state
@@ -61,16 +79,62 @@ class Gauges:
             held = st.scheduler.held_by(now)
             for reason in HOLD_REASONS:
                 metrics.HELD.labels(reason).set(held.get(reason, 0))
+            self._worker_gauges(now)
+            self._quota_gauges(now)
+            self._count_flaps()
         if now - self._last_expire_s >= _EXPIRE_EVERY_S:
             self._last_expire_s = now
             st.policy.expire(now, max_blocks=_EXPIRE_MAX_BLOCKS)
             stats = st.policy.stats(now)
             metrics.INDEX_BLOCKS.set(stats.index_blocks)
-            metrics.REPLICAS.labels("prefixes").set(stats.replicated_prefixes)
-            metrics.REPLICAS.labels("max").set(stats.max_replicas)
-            metrics.FLAP_RATE.set(st.scheduler.flaps.rate)
+            metrics.INDEX_CAPACITY.set(st.settings.routing_index_max_blocks)
+            sizes = {str(n): count for n, count in stats.replica_sets.items()}
+            for size in self._replica_sizes | set(sizes):
+                metrics.REPLICA_SETS.labels(size).set(sizes.get(size, 0))
+            self._replica_sizes |= set(sizes)
             if st.decisions is not None:
                 st.decisions.flush()
+
+    def _count_flaps(self) -> None:
+        """Carry the flap meter's counts into the counters (PromQL takes their rate)."""
+        meter = self.state.scheduler.flaps
+        decisions, flaps = self._flaps_seen
+        metrics.FLAP_DECISIONS.inc(max(0, meter.decisions - decisions))
+        metrics.FLAPS.inc(max(0, meter.flaps - flaps))
+        self._flaps_seen = (meter.decisions, meter.flaps)
+
+    def _worker_gauges(self, now: float) -> None:
+        """Per leased worker, from its last heartbeat; a worker gone loses its series."""
+        st = self.state
+        seen = {w for w in st.leases if w in st.heartbeats}
+        for worker_id in seen:
+            hb = st.heartbeats[worker_id]
+            metrics.WORKER_LEASE_AGE.labels(worker_id).set(st.leases.age_s(worker_id, now))
+            metrics.WORKER_IN_FLIGHT.labels(worker_id).set(len(hb.in_flight))
+            metrics.WORKER_BOOKED.labels(worker_id).set(len(st.scheduler.booked_on(worker_id)))
+            metrics.WORKER_CAPACITY.labels(worker_id).set(hb.capacity)
+            metrics.WORKER_WAITING.labels(worker_id).set(hb.load.waiting)
+            metrics.WORKER_KV_USED.labels(worker_id).set(hb.load.kv_blocks_used)
+            metrics.WORKER_KV_TOTAL.labels(worker_id).set(hb.load.kv_blocks_total)
+        for worker_id in self._workers - seen:
+            for gauge in _WORKER_GAUGES:
+                gauge.remove(worker_id)
+        self._workers = seen
+
+    def _quota_gauges(self, now: float) -> None:
+        """The used share of every level with a limit (names bounded by the configuration)."""
+        sched = self.state.scheduler
+        config = sched.config
+        ratios = {("global", ""): sched.running / max(1, config.global_limit)}
+        for snap in sched.band_snapshots(now):
+            if snap.band in config.band_limits:
+                ratios["band", snap.band] = snap.running / max(1, snap.limit)
+        ratios |= usage_ratios(config.quotas, sched.known_models(), sched.usage())
+        for (kind, name), ratio in ratios.items():
+            metrics.QUOTA_USAGE.labels(kind, name).set(ratio)
+        for kind, name in self._quota_levels - set(ratios):  # a limit removed at run time
+            metrics.QUOTA_USAGE.remove(kind, name)
+        self._quota_levels = set(ratios)
 
     def wait_figures(self, model: str, band: str, now: float) -> WaitFigures:
         """The feedback figures of one model and band now."""
@@ -85,10 +149,6 @@ class Gauges:
             queued, running = counts.get((model, band), (0, 0))
             f = st.feedback.figures(model, band, queued, running, now)
             metrics.QUEUE_DEPTH.labels(model, band).set(queued)
-            metrics.WAIT_P50.labels(model, band).set(f.wait_p50_s)
-            metrics.WAIT_P99.labels(model, band).set(f.wait_p99_s)
-            metrics.ADMIT_RATE.labels(model, band).set(f.admitted_per_s)
-            metrics.REJECT_RATE.labels(model, band).set(f.rejected_per_s)
             expected = math.nan if f.expected_wait_s is None else f.expected_wait_s
             metrics.EXPECTED_WAIT.labels(model, band).set(expected)
             signal = st.advisor.observe(f, now)

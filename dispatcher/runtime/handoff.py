@@ -124,8 +124,8 @@ class HandOff:
             b is None or b.worker_id != d.worker_id or b.request.attempt != r.attempt
         ):
             return False
-        metrics.ADMITTED.labels(r.band).inc()
-        metrics.QUEUE_WAIT.labels(r.band).observe(max(0.0, booked_s - r.arrived_s))
+        metrics.ADMITTED.labels(r.model, r.band).inc()
+        metrics.QUEUE_WAIT.labels(r.model, r.band).observe(max(0.0, booked_s - r.arrived_s))
         st.feedback.admitted(r.model, r.band, booked_s - r.arrived_s, booked_s)
         metrics.ROUTED.labels(d.choice.reason if d.choice else "").inc()
         if st.decisions is not None:

@@ -6,10 +6,14 @@ from prometheus_client import Counter, Gauge, Histogram
 
 QUEUED = Gauge("sluice_dispatcher_queued", "Requests waiting in the dispatcher", ["band"])
 RUNNING = Gauge("sluice_dispatcher_running", "Requests booked on workers", ["band"])
-ADMITTED = Counter("sluice_dispatcher_admitted_total", "Requests handed to a worker", ["band"])
+ADMITTED = Counter(
+    "sluice_dispatcher_admitted_total", "Requests handed to a worker", ["model", "band"]
+)
 COMPLETED = Counter("sluice_dispatcher_completed_total", "Requests completed", ["band"])
 REJECTED = Counter(
-    "sluice_dispatcher_rejected_total", "Requests answered with a rejection", ["reason"]
+    "sluice_dispatcher_rejected_total",
+    "Requests answered with a rejection, by reason (model and band empty when unknown)",
+    ["model", "band", "reason"],
 )
 DUPLICATES = Counter("sluice_dispatcher_duplicates_total", "Duplicate submissions dropped")
 REQUEUED = Counter("sluice_dispatcher_requeued_total", "Requests re-run after a worker was lost")
@@ -37,7 +41,7 @@ RECONCILE_DRIFT = Counter(
 QUEUE_WAIT = Histogram(
     "sluice_dispatcher_queue_wait_seconds",
     "Time from arrival to hand-off",
-    ["band"],
+    ["model", "band"],
     buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
 )
 HANDOFF = Histogram(
@@ -55,15 +59,20 @@ ROUTED = Counter(
     "Routing decisions booked, by the rule that decided",
     ["reason"],
 )
-FLAP_RATE = Gauge(
-    "sluice_dispatcher_flap_rate",
-    "Flaps per booked decision since start (a prefix booked on a worker that has not served it "
-    "within the stickiness window: sluice.dispatcher.flaps)",
+FLAPS = Counter(
+    "sluice_dispatcher_flaps_total",
+    "Booked decisions that flapped: a prefix booked on a worker that has not served it within "
+    "the stickiness window (sluice.dispatcher.flaps); the flap rate is its rate() over "
+    "sluice_dispatcher_flap_decisions_total's",
 )
-REPLICAS = Gauge(
-    "sluice_dispatcher_prefix_replicas",
-    "Live replica sets of prefixes: how many prefixes, and the largest set",
-    ["stat"],
+FLAP_DECISIONS = Counter(
+    "sluice_dispatcher_flap_decisions_total",
+    "Booked decisions the flap meter counted (the flap rate's denominator)",
+)
+REPLICA_SETS = Gauge(
+    "sluice_dispatcher_prefix_replica_sets",
+    "Prefixes with a live replica set, by its size in workers (bounded by the replica cap)",
+    ["replicas"],
 )
 WORKER_PROMPT_TOKENS = Counter(
     "sluice_dispatcher_prompt_tokens_total", "Prompt tokens completed, per worker", ["worker"]
@@ -80,20 +89,12 @@ HIT_ERROR = Histogram(
     buckets=(-4096, -1024, -256, -64, -16, 0, 16, 64, 256, 1024, 4096),
 )
 INDEX_BLOCKS = Gauge("sluice_dispatcher_cache_index_blocks", "Block hashes in the cache index")
+INDEX_CAPACITY = Gauge(
+    "sluice_dispatcher_cache_index_capacity_blocks",
+    "Block hashes the cache index keeps at most (routing_index_max_blocks)",
+)
 QUEUE_DEPTH = Gauge(
     "sluice_dispatcher_queue_depth", "Requests queued, by model and band", ["model", "band"]
-)
-WAIT_P50 = Gauge(
-    "sluice_dispatcher_wait_p50_seconds", "Queue wait P50 over the window", ["model", "band"]
-)
-WAIT_P99 = Gauge(
-    "sluice_dispatcher_wait_p99_seconds", "Queue wait P99 over the window", ["model", "band"]
-)
-ADMIT_RATE = Gauge(
-    "sluice_dispatcher_admitted_per_second", "Admissions per second", ["model", "band"]
-)
-REJECT_RATE = Gauge(
-    "sluice_dispatcher_rejected_per_second", "Rejections per second", ["model", "band"]
 )
 EXPECTED_WAIT = Gauge(
     "sluice_dispatcher_expected_wait_seconds",
@@ -167,3 +168,39 @@ ENGINE_IDLE = Gauge(
 LEADER = Gauge("sluice_dispatcher_leader", "1 while this dispatcher leads, else 0")
 EPOCH = Gauge("sluice_dispatcher_epoch", "The leadership epoch of this dispatcher's last term")
 TAKEOVERS = Counter("sluice_dispatcher_takeovers_total", "Times this dispatcher became leader")
+
+WORKER_LEASE_AGE = Gauge(
+    "sluice_dispatcher_worker_lease_age_seconds",
+    "Seconds since a leased worker's last heartbeat (its lease ends at lease_s)",
+    ["worker"],
+)
+WORKER_IN_FLIGHT = Gauge(
+    "sluice_dispatcher_worker_in_flight_requests",
+    "Requests a worker's last heartbeat lists as running",
+    ["worker"],
+)
+WORKER_BOOKED = Gauge(
+    "sluice_dispatcher_worker_booked_requests", "Requests booked on a worker", ["worker"]
+)
+WORKER_CAPACITY = Gauge(
+    "sluice_dispatcher_worker_capacity_requests",
+    "The capacity a worker's last heartbeat announced (0 while it takes no work)",
+    ["worker"],
+)
+WORKER_WAITING = Gauge(
+    "sluice_dispatcher_worker_engine_waiting_requests",
+    "Requests waiting inside a worker's engine (its queue, from the last heartbeat)",
+    ["worker"],
+)
+WORKER_KV_USED = Gauge(
+    "sluice_dispatcher_worker_kv_used_blocks", "KV blocks in use at a worker's engine", ["worker"]
+)
+WORKER_KV_TOTAL = Gauge(
+    "sluice_dispatcher_worker_kv_capacity_blocks", "KV blocks of a worker's engine", ["worker"]
+)
+QUOTA_USAGE = Gauge(
+    "sluice_dispatcher_quota_usage_ratio",
+    "Used share of every quota level with a limit: global, band, model, model-band, "
+    "model-tenant (tenants not named in the quotas: the fullest of them, name MODEL/*)",
+    ["level", "name"],
+)
