@@ -114,7 +114,9 @@ class RequestHandle:
         with unavailable_on_broker_errors("subscribe to the request's results"):
             try:  # each subscription is kept as it is made, so a failure drops what was made
                 self._subs.append(
-                    await nc.subscribe(names.token_subject(self.request_id), cb=self._on_chunk)
+                    await nc.subscribe(
+                        names.token_subject(self.request.tenant, self.request_id), cb=self._on_chunk
+                    )
                 )
                 self._subs.append(
                     await nc.subscribe(

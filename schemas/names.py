@@ -167,12 +167,19 @@ def dead_letter_subject(reason: str) -> str:
 # --- live traffic (core NATS) ----------------------------------------------------------------
 
 
-TOKEN_SUBJECTS = f"{PREFIX}.out.*"
+TOKEN_SUBJECTS = f"{PREFIX}.out.*.*"
 
 
-def token_subject(request_id: str) -> str:
-    """Live token chunks of one request (core NATS; the final result is authoritative)."""
-    return f"{PREFIX}.out.{subject_token(request_id)}"
+def token_subject(tenant: str, request_id: str) -> str:
+    """Live token chunks (and the queued notice) of one request, ``sluice.out.<tenant>.<id>``
+    (core NATS; the final result is authoritative). The tenant is in the subject so that a
+    producer's broker permissions can let it follow its own tenant's streams only."""
+    return f"{PREFIX}.out.{subject_token(tenant)}.{subject_token(request_id)}"
+
+
+def tokens_filter(tenant: str) -> str:
+    """The token subjects of one tenant."""
+    return f"{PREFIX}.out.{subject_token(tenant)}.>"
 
 
 def work_subject(worker_id: str) -> str:

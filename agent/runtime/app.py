@@ -533,7 +533,9 @@ class Agent:
             text=self.engine.detokenize(chunk),
         )
         try:
-            await self.nc.publish(names.token_subject(run.request_id), encode(msg))
+            await self.nc.publish(
+                names.token_subject(run.assignment.request.tenant, run.request_id), encode(msg)
+            )
         except _BROKER_ERRORS:
             # Live tokens are best effort: the stored result carries every token.
             metrics.TOKEN_CHUNKS_LOST.labels(self.worker_id).inc()
