@@ -121,8 +121,8 @@ class TokenChunk(_Wire):
 
 class QueuedNotice(_Wire):
     """Dispatcher → client on ``sluice.out.<tenant>.<request_id>``, once, when a request is
-    held in the queue instead of starting: where it stands and how long it may wait, so that a caller can
-    wait or degrade. ``held_by`` names the layer that holds it: ``global-limit``,
+    held in the queue instead of starting: where it stands and how long it may wait, so that a
+    caller can wait or degrade. ``held_by`` names the layer that holds it: ``global-limit``,
     ``band-limit``, ``band-share``, ``quota:model``, ``quota:model-band``,
     ``quota:model-tenant``, ``no-worker-room``, ``queue`` (requests ahead of it) or
     ``learning`` (a dispatcher that just started learns what runs before it dispatches)."""
