@@ -171,7 +171,11 @@ class Agent:
     async def start(self) -> Agent:
         if self._nc is None:
             try:
-                self._nc = await connect(self.settings.nats_url, f"sluice-agent-{self.worker_id}")
+                self._nc = await connect(
+                    self.settings.nats_url,
+                    f"sluice-agent-{self.worker_id}",
+                    auth=self.settings.broker_auth(),
+                )
             except TransportError as exc:
                 raise AgentBrokerUnreachable(str(exc)) from exc
         self._subs = [
