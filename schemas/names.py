@@ -202,6 +202,9 @@ def tokens_filter(tenant: str) -> str:
     return f"{PREFIX}.out.{subject_token(tenant)}.>"
 
 
+WORK_SUBJECTS = f"{PREFIX}.work.*"
+
+
 def work_subject(worker_id: str) -> str:
     """Assignments for one worker (request/reply: the agent confirms or refuses)."""
     return f"{PREFIX}.work.{subject_token(worker_id)}"
