@@ -25,13 +25,14 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 
-from sluice.client import Client, ClientSettings, ServiceUnavailable
+from sluice.client import Cancelled, Client, ClientSettings, ServiceUnavailable
 from sluice.common.brokerroles import ack_subjects, inbox_prefix, js_api, kv_stream
 from sluice.common.transport import BrokerAuth, TransportError, connect
 from sluice.schemas import names
 from sluice.schemas.codec import decode, encode
-from sluice.schemas.models import CancelReply, CancelRequest
+from sluice.schemas.models import CancelReply, CancelRequest, TokenChunk
 from sluice.testing.cluster import LocalCluster
 from sluice.testing.natsserver import EmbeddedNats
 
@@ -175,8 +176,15 @@ def _producer(layout: Layout, tenant: str) -> Client:
 
 
 async def test_a_producer_submits_and_reads_only_its_own(
-    layout: Layout, fleet: LocalCluster
+    layout: Layout, fleet: LocalCluster, probe: Any
 ) -> None:
+    live: list[str] = []  # its tenant's token stream, as the broker delivers it
+
+    async def on_chunk(msg: Msg) -> None:
+        live.append(decode(msg.data, TokenChunk).request_id)
+
+    tap: Probe = await probe("producer-acme")
+    await tap.nc.subscribe(names.tokens_filter("acme"), cb=on_chunk)
     async with _producer(layout, "acme") as acme:
         handle = await acme.submit("sim", "hello there", max_tokens=5, request_id="acme-1")
         chunks = [c async for c in handle]
@@ -184,6 +192,7 @@ async def test_a_producer_submits_and_reads_only_its_own(
         assert result.ok and result.tenant == "acme"
         assert [t for c in chunks for t in c.tokens] == result.output_tokens
         assert len(result.output_tokens) == 5
+        assert "acme-1" in live and not tap.errors
         stored = await acme.fetch_result("acme-1")
         assert stored is not None and stored.request_id == "acme-1"
         async with acme.results(idle_timeout_s=5) as sub:  # its tenant's durable subscription
@@ -247,11 +256,19 @@ async def test_a_producer_cannot_act_for_another_tenant_or_a_worker(
 async def test_a_cancel_body_of_another_tenant_is_refused_by_the_dispatcher(
     layout: Layout, fleet: LocalCluster, probe: Any
 ) -> None:
-    p: Probe = await probe("producer-acme")
-    body = encode(CancelRequest(request_id="beta-1", tenant="beta"))
-    msg = await p.nc.request(names.cancel_subject("acme"), body, timeout=5)
-    reply = decode(msg.data, CancelReply)
-    assert reply.status == "unknown" and "own subject" in (reply.message or "")
+    async with _producer(layout, "beta") as beta:
+        handle = await beta.submit("sim", "a long answer", max_tokens=20_000, request_id="beta-1")
+        await anext(aiter(handle))  # it runs
+        # acme may publish on its own cancel subject only; a body naming beta's request there
+        # is refused by the dispatcher, and beta's request runs on.
+        p: Probe = await probe("producer-acme")
+        body = encode(CancelRequest(request_id="beta-1", tenant="beta"))
+        msg = await p.nc.request(names.cancel_subject("acme"), body, timeout=5)
+        reply = decode(msg.data, CancelReply)
+        assert reply.status == "unknown" and "own subject" in (reply.message or "")
+        assert (await beta.cancel("beta-1")).status == "cancelled"  # its own tenant may
+        with pytest.raises(Cancelled):
+            await handle.result(timeout_s=10)
 
 
 async def test_an_agent_acts_only_as_itself(
