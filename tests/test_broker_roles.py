@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import io
 import ipaddress
+import json
 import shlex
 import subprocess
 import sys
@@ -26,10 +28,12 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from openai import AsyncOpenAI
 
 from sluice.client import Cancelled, Client, ClientSettings, ServiceUnavailable
 from sluice.common.brokerroles import ack_subjects, inbox_prefix, js_api, kv_stream
 from sluice.common.transport import BrokerAuth, TransportError, connect
+from sluice.gateway import ApiKey, GatewayServer, GatewaySettings
 from sluice.schemas import names
 from sluice.schemas.codec import decode, encode
 from sluice.schemas.models import CancelReply, CancelRequest, TokenChunk
@@ -324,6 +328,50 @@ async def test_inbox_prefix_and_credentials_are_required(layout: Layout) -> None
             await nc.request(names.WAIT_SUBJECT, b"", timeout=1)
     finally:
         await nc.close()
+
+
+async def test_the_gateway_serves_chat_and_batches_as_its_role(
+    layout: Layout, fleet: LocalCluster
+) -> None:
+    key = "sk-roles-acme"
+    settings = GatewaySettings(
+        nats_url=layout.url,
+        port=0,
+        keys=[ApiKey(key=key, tenant="acme")],
+        batch_sweep_every_s=0.5,
+        **_settings(layout.env("gateway")),
+    )
+    line = {
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    }
+    data = "".join(json.dumps({"custom_id": f"q{i}", **line}) + "\n" for i in range(3))
+    async with GatewayServer(settings) as gw:
+        oa = AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=key, max_retries=0, timeout=30)
+        try:
+            chat = await oa.chat.completions.create(
+                model="sim", messages=[{"role": "user", "content": "hello"}], max_tokens=3
+            )
+            assert chat.usage is not None and chat.usage.completion_tokens == 3
+            streamed = await oa.chat.completions.create(
+                model="sim", messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True
+            )
+            assert [c async for c in streamed]
+            f = await oa.files.create(file=("in.jsonl", io.BytesIO(data.encode())), purpose="batch")
+            batch = await oa.batches.create(
+                input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
+            for _ in range(200):
+                batch = await oa.batches.retrieve(batch.id)
+                if batch.status in ("completed", "failed", "expired", "cancelled"):
+                    break
+                await asyncio.sleep(0.1)
+            assert batch.status == "completed" and batch.output_file_id is not None
+            out = (await oa.files.content(batch.output_file_id)).text.splitlines()
+            assert sorted(json.loads(x)["custom_id"] for x in out) == ["q0", "q1", "q2"]
+        finally:
+            await oa.close()
 
 
 # --- TLS -------------------------------------------------------------------------------------
