@@ -31,9 +31,11 @@ app = typer.Typer(help="Broker roles: NATS users and permissions per role.", no_
 AUTH_FILE = "auth.conf"
 USERS_DIR = "users"
 ACCOUNT = "SLUICE"
-BCRYPT_ROUNDS = 11
-"""nats-server checks the hash on every connect: 11 rounds is what ``nats server passwd``
-uses (a tenth of a second)."""
+BCRYPT_COST = 11
+"""nats-server checks the hash on every connect: 11 is what ``nats server passwd`` uses (a
+tenth of a second or so per connect, and per user written here)."""
+MIN_BCRYPT_COST = 4
+"""bcrypt's own minimum."""
 PASSWORD_BYTES = 24
 
 
@@ -74,7 +76,8 @@ def render_auth(users: list[tuple[BrokerUser, str]], tls: TlsFiles | None = None
     out = [
         "# Sluice broker roles, written by `sluice auth init`: include it from the server's",
         "# config (include auth.conf). Passwords are bcrypt hashes; the plain ones are in",
-        "# users/<user>.env only. Run `sluice auth init --force` again to rotate them all.",
+        "# users/<user>.env only. `sluice auth init --force` again adds users (--rotate: new",
+        "# passwords for all); then reload the server (nats-server --signal reload).",
         "accounts {",
         f"  {ACCOUNT} {{",
         "    jetstream: enabled",
@@ -118,19 +121,23 @@ def write_layout(
     nats_url: str,
     tls: TlsFiles | None = None,
     force: bool = False,
+    rotate: bool = False,
+    bcrypt_cost: int = BCRYPT_COST,
 ) -> dict[str, str]:
-    """Write ``auth.conf`` and ``users/<user>.env`` under ``out`` with fresh passwords; return
-    the plain password of each user. Refuses to replace an existing ``auth.conf`` unless
-    ``force`` (which rotates every password)."""
+    """Write ``auth.conf`` and ``users/<user>.env`` under ``out``; return the plain password
+    of each user. Refuses to replace an existing ``auth.conf`` unless ``force``. A user whose
+    env file exists keeps its password (adding a tenant or a worker disconnects no one)
+    unless ``rotate``: then every user gets a new one."""
     auth = out / AUTH_FILE
     if auth.exists() and not force:
-        raise FileExistsError(f"{auth} exists: --force replaces it (and every password)")
-    passwords = {u.name: secrets.token_urlsafe(PASSWORD_BYTES) for u in users}
+        raise FileExistsError(f"{auth} exists: --force replaces it (--rotate: new passwords)")
+    kept = {} if rotate else _existing_passwords(out / USERS_DIR)
+    passwords = {u.name: kept.get(u.name) or secrets.token_urlsafe(PASSWORD_BYTES) for u in users}
     hashed = [
         (
             u,
             bcrypt.hashpw(
-                passwords[u.name].encode(), bcrypt.gensalt(BCRYPT_ROUNDS, prefix=b"2a")
+                passwords[u.name].encode(), bcrypt.gensalt(bcrypt_cost, prefix=b"2a")
             ).decode(),
         )
         for u in users
@@ -142,6 +149,21 @@ def write_layout(
         )
     _write_secret(auth, render_auth(hashed, tls))
     return passwords
+
+
+def _existing_passwords(folder: Path) -> dict[str, str]:
+    """The passwords of the env files already in ``folder``, by user."""
+    out: dict[str, str] = {}
+    for path in folder.glob("*.env"):
+        values = dict(
+            line.split("=", 1)
+            for line in path.read_text().splitlines()
+            if "=" in line and not line.startswith("#")
+        )
+        user, password = values.get("SLUICE_NATS_USER"), values.get("SLUICE_NATS_PASSWORD")
+        if user and password:
+            out[shlex.split(user)[0]] = shlex.split(password)[0]
+    return out
 
 
 def _write_secret(path: Path, text: str) -> None:
@@ -185,8 +207,18 @@ def init(
         bool, typer.Option("--tls-verify-clients", help="--tls: require client certificates.")
     ] = False,
     force: Annotated[
-        bool, typer.Option("--force", help="Replace an existing auth.conf (new passwords).")
+        bool,
+        typer.Option("--force", help="Replace an existing auth.conf (users keep passwords)."),
     ] = False,
+    rotate: Annotated[
+        bool, typer.Option("--rotate", help="With --force: every user gets a new password.")
+    ] = False,
+    bcrypt_cost: Annotated[
+        int,
+        typer.Option(
+            "--bcrypt-cost", min=MIN_BCRYPT_COST, max=31, help="bcrypt work factor of the hashes."
+        ),
+    ] = BCRYPT_COST,
 ) -> None:
     """Write a nats-server config include with a user per role (dispatcher, gateway,
     operator, a producer per --tenant, an agent per --worker) and an env file per user."""
@@ -207,7 +239,15 @@ def init(
         )
     users = layout(tenant or [], worker or [], tuple(band or DEFAULT_BANDS))
     try:
-        write_layout(out, users, nats_url=nats_url, tls=files, force=force)
+        write_layout(
+            out,
+            users,
+            nats_url=nats_url,
+            tls=files,
+            force=force,
+            rotate=rotate,
+            bcrypt_cost=bcrypt_cost,
+        )
     except (FileExistsError, ValueError) as exc:
         raise fail(str(exc)) from exc
     except OSError as exc:

@@ -29,14 +29,16 @@ from cryptography.x509.oid import NameOID
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from openai import AsyncOpenAI
+from typer.testing import CliRunner
 
+from sluice.cli.app import app
 from sluice.client import Cancelled, Client, ClientSettings, ServiceUnavailable
 from sluice.common.brokerroles import ack_subjects, inbox_prefix, js_api, kv_stream
 from sluice.common.transport import BrokerAuth, TransportError, connect
 from sluice.gateway import ApiKey, GatewayServer, GatewaySettings
 from sluice.schemas import names
 from sluice.schemas.codec import decode, encode
-from sluice.schemas.models import CancelReply, CancelRequest, TokenChunk
+from sluice.schemas.models import CancelReply, CancelRequest
 from sluice.testing.cluster import LocalCluster
 from sluice.testing.natsserver import EmbeddedNats
 
@@ -46,19 +48,26 @@ pytestmark = pytest.mark.e2e
 
 TENANTS = ("acme", "beta")
 WORKERS = ("worker-0", "worker-1")
+BCRYPT_COST = "4"
+"""bcrypt's cheapest: the server checks a hash on every connect, the tests connect often."""
 REFUSAL_WAIT_S = 0.2
 """The server answers a refused publish or subscription with -ERR before the PONG of the flush
 that follows it, so the refusal is in by then: this is only a margin."""
 
 
-def _auth_init(out: Path, *extra: str) -> None:
-    """Run the real command: ``sluice auth init``."""
-    args = [sys.executable, "-m", "sluice.cli", "auth", "init", "--out", str(out)]
+def _auth_init(out: Path, *extra: str, in_process: bool = False) -> None:
+    """Run the real command, ``sluice auth init``, as a process (or in this one: faster)."""
+    args = ["auth", "init", "--out", str(out), "--bcrypt-cost", BCRYPT_COST]
     for t in TENANTS:
         args += ["--tenant", t]
     for w in WORKERS:
         args += ["--worker", w]
-    subprocess.run([*args, *extra], check=True, capture_output=True, timeout=60)
+    if in_process:
+        ran = CliRunner().invoke(app, [*args, *extra])
+        assert ran.exit_code == 0, ran.output
+    else:
+        cmd = [sys.executable, "-m", "sluice.cli", *args, *extra]
+        subprocess.run(cmd, check=True, capture_output=True, timeout=60)
     (out / "server.conf").write_text("include auth.conf\n")
 
 
@@ -185,7 +194,7 @@ async def test_a_producer_submits_and_reads_only_its_own(
     live: list[str] = []  # its tenant's token stream, as the broker delivers it
 
     async def on_chunk(msg: Msg) -> None:
-        live.append(decode(msg.data, TokenChunk).request_id)
+        live.append(msg.subject)
 
     tap: Probe = await probe("producer-acme")
     await tap.nc.subscribe(names.tokens_filter("acme"), cb=on_chunk)
@@ -196,7 +205,7 @@ async def test_a_producer_submits_and_reads_only_its_own(
         assert result.ok and result.tenant == "acme"
         assert [t for c in chunks for t in c.tokens] == result.output_tokens
         assert len(result.output_tokens) == 5
-        assert "acme-1" in live and not tap.errors
+        assert names.token_subject("acme", "acme-1") in live and not tap.errors
         stored = await acme.fetch_result("acme-1")
         assert stored is not None and stored.request_id == "acme-1"
         async with acme.results(idle_timeout_s=5) as sub:  # its tenant's durable subscription
@@ -316,10 +325,10 @@ async def test_no_one_but_the_dispatcher_acks_a_request(
 async def test_inbox_prefix_and_credentials_are_required(layout: Layout) -> None:
     env = layout.env("producer-acme")
     with pytest.raises(TransportError):
-        await connect(layout.url, "anonymous", connect_timeout_s=1)
+        await connect(layout.url, "anonymous", connect_timeout_s=0.5)
     wrong = BrokerAuth(user=env["SLUICE_NATS_USER"], password="not-it")
     with pytest.raises(TransportError):
-        await connect(layout.url, "wrong", connect_timeout_s=1, auth=wrong)
+        await connect(layout.url, "wrong", connect_timeout_s=0.5, auth=wrong)
     # Without its own inbox prefix a producer hears no reply: its request times out.
     plain = BrokerAuth(user=env["SLUICE_NATS_USER"], password=env["SLUICE_NATS_PASSWORD"])
     nc = await connect(layout.url, "no-prefix", auth=plain)
@@ -372,6 +381,22 @@ async def test_the_gateway_serves_chat_and_batches_as_its_role(
             assert sorted(json.loads(x)["custom_id"] for x in out) == ["q0", "q1", "q2"]
         finally:
             await oa.close()
+
+
+def test_auth_init_again_adds_users_and_rotates_only_when_asked(tmp_path: Path) -> None:
+    out = tmp_path / "nats"
+    _auth_init(out, in_process=True)
+    before = {u: _env(out, u)["SLUICE_NATS_PASSWORD"] for u in ("dispatcher", "producer-acme")}
+    again = CliRunner().invoke(app, ["auth", "init", "--out", str(out)])
+    assert again.exit_code == 2 and "--force" in again.output  # it never overwrites silently
+    _auth_init(out, "--tenant", "gamma", "--force", in_process=True)
+    assert {u: _env(out, u)["SLUICE_NATS_PASSWORD"] for u in before} == before
+    assert _env(out, "producer-gamma")["SLUICE_CLIENT_TENANT"] == "gamma"
+    assert '"producer-gamma"' in (out / "auth.conf").read_text()
+    _auth_init(out, "--force", "--rotate", in_process=True)
+    rotated = {u: _env(out, u)["SLUICE_NATS_PASSWORD"] for u in before}
+    assert all(rotated[u] != before[u] for u in before)
+    assert all(p.stat().st_mode & 0o077 == 0 for p in [out / "auth.conf", *out.glob("users/*")])
 
 
 # --- TLS -------------------------------------------------------------------------------------
@@ -440,7 +465,7 @@ async def test_tls_with_a_certificate_made_here(tmp_path: Path) -> None:
             await nc.close()
         plain = BrokerAuth(user=env["SLUICE_NATS_USER"], password=env["SLUICE_NATS_PASSWORD"])
         with pytest.raises(TransportError):  # the server requires TLS
-            await connect(server.url, "plain", connect_timeout_s=1, auth=plain)
+            await connect(server.url, "plain", connect_timeout_s=0.5, auth=plain)
         forged = BrokerAuth(user=plain.user, password=plain.password, tls_ca_file=str(other_ca))
         with pytest.raises(TransportError):  # a server the CA did not sign is not trusted
-            await connect(server.url, "other-ca", connect_timeout_s=1, auth=forged)
+            await connect(server.url, "other-ca", connect_timeout_s=0.5, auth=forged)
