@@ -12,6 +12,7 @@ import io
 import ipaddress
 import json
 import shlex
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -456,6 +457,9 @@ async def test_tls_with_a_certificate_made_here(tmp_path: Path) -> None:
     env = _env(out, "producer-acme")
     assert env["SLUICE_NATS_TLS_CA"] == str(ca.resolve())
     with EmbeddedNats(config_file=out / "server.conf") as server:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as raw:
+            info = raw.makefile("rb").readline()  # INFO {...}: what any client is told first
+        assert json.loads(info.split(b" ", 1)[1])["tls_required"] is True
         nc = await connect(server.url, "tls", auth=_auth(env))
         try:
             assert nc.connected_server_version.major >= 2
@@ -464,7 +468,7 @@ async def test_tls_with_a_certificate_made_here(tmp_path: Path) -> None:
         finally:
             await nc.close()
         plain = BrokerAuth(user=env["SLUICE_NATS_USER"], password=env["SLUICE_NATS_PASSWORD"])
-        with pytest.raises(TransportError):  # the server requires TLS
+        with pytest.raises(TransportError):  # the system's trust store knows no test CA
             await connect(server.url, "plain", connect_timeout_s=0.5, auth=plain)
         forged = BrokerAuth(user=plain.user, password=plain.password, tls_ca_file=str(other_ca))
         with pytest.raises(TransportError):  # a server the CA did not sign is not trusted
