@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -98,7 +99,7 @@ async def connect(
         "allow_reconnect": True,
         "max_reconnect_attempts": -1,
         "reconnect_time_wait": _RECONNECT_WAIT_S,
-        "error_cb": _ignore_error,
+        "error_cb": _on_error,
         **(auth or BrokerAuth()).options(),
     }
     if reconnected_cb is not None:
@@ -115,8 +116,15 @@ async def connect(
 
 _RECONNECT_WAIT_S = 0.5
 """The wait before trying a server again (nats-py's ``reconnect_time_wait``)."""
+_PERMISSIONS_VIOLATION = "permissions violation"
+"""How nats-py words (lowercased) the server's refusal of a publish or a subscription."""
+log = logging.getLogger("sluice.transport")
 
 
-async def _ignore_error(exc: Exception) -> None:
-    # Disconnects are expected during failover; nats-py reconnects on its own.
-    return None
+async def _on_error(exc: Exception) -> None:
+    """A refusal by the broker's permissions is a deployment mistake (a role without what its
+    process needs, or a process run as the wrong user): say so, since the refused publish or
+    subscription fails silently otherwise. Disconnects are expected during failover; nats-py
+    reconnects on its own."""
+    if _PERMISSIONS_VIOLATION in str(exc).lower():
+        log.warning("the broker refused: %s", exc)

@@ -190,7 +190,7 @@ def _producer(layout: Layout, tenant: str) -> Client:
 
 
 async def test_a_producer_submits_and_reads_only_its_own(
-    layout: Layout, fleet: LocalCluster, probe: Any
+    layout: Layout, fleet: LocalCluster, probe: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     live: list[str] = []  # its tenant's token stream, as the broker delivers it
 
@@ -219,6 +219,14 @@ async def test_a_producer_submits_and_reads_only_its_own(
         # confirmed, and the library says so.
         with pytest.raises(ServiceUnavailable):
             await acme.submit("sim", "as beta", tenant="beta", max_tokens=2)
+    # The server refused that submit's publish and subscriptions, and nothing that the
+    # dispatcher, the agents or the producer needed for the rest (each would be logged).
+    logged = caplog.get_records("setup") + caplog.records  # the fleet started in the setup
+    refused = [r.getMessage() for r in logged if r.name == "sluice.transport"]
+    publish = names.request_subject("standard", "sim", "beta")
+    beta = (publish, names.tokens_filter("beta")[:-1], names.results_filter("beta")[:-1])
+    assert all(any(b in m for b in beta) for m in refused), refused
+    assert any(publish in m for m in refused), refused
 
 
 async def test_a_producer_cannot_act_for_another_tenant_or_a_worker(
@@ -341,7 +349,7 @@ async def test_inbox_prefix_and_credentials_are_required(layout: Layout) -> None
 
 
 async def test_the_gateway_serves_chat_and_batches_as_its_role(
-    layout: Layout, fleet: LocalCluster
+    layout: Layout, fleet: LocalCluster, caplog: pytest.LogCaptureFixture
 ) -> None:
     key = "sk-roles-acme"
     settings = GatewaySettings(
@@ -382,6 +390,8 @@ async def test_the_gateway_serves_chat_and_batches_as_its_role(
             assert sorted(json.loads(x)["custom_id"] for x in out) == ["q0", "q1", "q2"]
         finally:
             await oa.close()
+    logged = caplog.get_records("setup") + caplog.records
+    assert not [r.getMessage() for r in logged if r.name == "sluice.transport"]
 
 
 def test_auth_init_again_adds_users_and_rotates_only_when_asked(tmp_path: Path) -> None:
