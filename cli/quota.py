@@ -43,7 +43,7 @@ def _with_nats(config: Path | None, go: Callable[[Any], Awaitable[Any]]) -> Any:
         raise fail(str(exc)) from exc
 
     async def run() -> Any:
-        nc = await connect(settings.nats_url, "sluice-quota")
+        nc = await connect(settings.nats_url, "sluice-quota", auth=settings.broker_auth())
         try:
             return await go(nc)
         finally:

@@ -38,7 +38,7 @@ from sluice.client.settings import (
 from sluice.client.subscriptions import DEFAULT_ACK_WAIT_S, ResultSubscription
 from sluice.common.aio import wait_at_most
 from sluice.common.tokenizer import PromptTokenizer
-from sluice.common.transport import TransportError, connect
+from sluice.common.transport import BrokerAuth, TransportError, connect
 from sluice.schemas import names
 from sluice.schemas.codec import decode, encode
 from sluice.schemas.errors import DecodeError
@@ -114,7 +114,9 @@ class RequestHandle:
         with unavailable_on_broker_errors("subscribe to the request's results"):
             try:  # each subscription is kept as it is made, so a failure drops what was made
                 self._subs.append(
-                    await nc.subscribe(names.token_subject(self.request_id), cb=self._on_chunk)
+                    await nc.subscribe(
+                        names.token_subject(self.request.tenant, self.request_id), cb=self._on_chunk
+                    )
                 )
                 self._subs.append(
                     await nc.subscribe(
@@ -312,8 +314,12 @@ class Client:
         publish_retry_s: float = DEFAULT_PUBLISH_RETRY_S,
         queue_full_retry_after_s: float = 1.0,
         tokenizer: PromptTokenizer | None = None,
+        auth: BrokerAuth | None = None,
     ) -> None:
         self.nats_url = nats_url
+        self.auth = auth
+        """Who the client is on the broker (its role's user, inbox prefix, TLS); None:
+        anonymous, plain TCP."""
         self.tokenizer = tokenizer
         """Turns text prompts into token ids before they are sent
         (:mod:`sluice.common.tokenizer`)."""
@@ -338,6 +344,7 @@ class Client:
             publish_timeout_s=settings.publish_timeout_s,
             publish_retry_s=settings.publish_retry_s,
             queue_full_retry_after_s=settings.queue_full_retry_after_s,
+            auth=settings.broker_auth(),
             tokenizer=(
                 None
                 if settings.tokenizer is None
@@ -348,7 +355,7 @@ class Client:
     async def connect(self) -> Client:
         if self._nc is None:
             try:
-                self._nc = await connect(self.nats_url, "sluice-client")
+                self._nc = await connect(self.nats_url, "sluice-client", auth=self.auth)
             except TransportError as exc:
                 raise ServiceUnavailable(str(exc)) from exc
         return self
@@ -641,7 +648,7 @@ class Client:
         request's worker has 4 s to stop it and store its result)."""
         query = CancelRequest(request_id=request_id, tenant=tenant or self.tenant)
         return await self._ask(
-            names.CANCEL_SUBJECT, encode(query), CancelReply, "cancel", timeout_s
+            names.cancel_subject(query.tenant), encode(query), CancelReply, "cancel", timeout_s
         )
 
     async def reconcile(self, timeout_s: float = 10.0) -> ReconcileReport:

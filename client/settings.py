@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from pydantic import AliasChoices, Field
+from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from sluice.common.settings import SluiceSettings
+from sluice.common.settings import BrokerSettings
 
 DEFAULT_PUBLISH_TIMEOUT_S = 5.0
 """How long one submit publish waits for the broker's acknowledgement."""
@@ -18,7 +18,7 @@ no-responders answer or a 503 while a stream leader moves: longer than a JetStre
 election after a node dies (NATS's Raft waits 4 to 9 s before it elects a new leader)."""
 
 
-class ClientSettings(SluiceSettings):
+class ClientSettings(BrokerSettings):
     """Settings of a producer."""
 
     model_config = SettingsConfigDict(
@@ -26,11 +26,6 @@ class ClientSettings(SluiceSettings):
     )
     toml_section: ClassVar[str] = "client"
 
-    nats_url: str = Field(
-        default="nats://127.0.0.1:4222",
-        validation_alias=AliasChoices("nats_url", "SLUICE_NATS_URL"),
-        description="The NATS server to connect to, or a cluster's servers separated by commas.",
-    )
     tenant: str = Field(default="default", min_length=1, description="Tenant of submissions.")
     band: str = Field(default="standard", min_length=1, description="Default priority band.")
     publish_timeout_s: float = Field(

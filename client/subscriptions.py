@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 from collections import OrderedDict, deque
 
@@ -52,10 +51,9 @@ log = logging.getLogger("sluice.client")
 
 
 def subscription_name(tenant: str, group: str | None) -> str:
-    """The durable consumer of a tenant's (or a group's) results when the caller names none:
-    the same for every process, so a restarted producer resumes where the last one stopped."""
-    key = f"{tenant}\x00{group or ''}".encode()
-    return f"sluice-results-{hashlib.sha256(key).hexdigest()[:20]}"
+    """The durable consumer of a tenant's (or a group's) results when the caller names none
+    (:func:`sluice.schemas.names.results_consumer`)."""
+    return names.results_consumer(tenant, group)
 
 
 class ResultSubscription:

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
-from pydantic import ValidationError
+from pydantic import AliasChoices, Field, SecretStr, ValidationError
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -16,8 +16,9 @@ from pydantic_settings import (
 )
 
 from sluice.common.errors import ConfigError
+from sluice.common.transport import DEFAULT_INBOX_PREFIX, BrokerAuth
 
-__all__ = ["ConfigError", "SluiceSettings"]
+__all__ = ["BrokerSettings", "ConfigError", "SluiceSettings"]
 
 S = TypeVar("S", bound="SluiceSettings")
 
@@ -118,3 +119,69 @@ class _Section(PydanticBaseSettingsSource):
             raise ValueError(f"[{self._section}] in the config file must be a table")
         out.update(table)
         return out
+
+
+def _shared(name: str) -> AliasChoices:
+    """A broker setting every process reads from the same variable (``SLUICE_NATS_…``)."""
+    return AliasChoices(name, f"SLUICE_{name.upper()}")
+
+
+class BrokerSettings(SluiceSettings):
+    """The settings every process that talks to NATS has: where the broker is and who this
+    process is on it (its broker role, ``sluice auth init``). Each is read from
+    ``SLUICE_NATS_…``, the same variable for every part, so one env file per role serves
+    whichever process runs it."""
+
+    nats_url: str = Field(
+        default="nats://127.0.0.1:4222",
+        validation_alias=_shared("nats_url"),
+        description="The NATS server to connect to, or a cluster's servers separated by commas.",
+    )
+    nats_user: str | None = Field(
+        default=None,
+        validation_alias=_shared("nats_user"),
+        description="The broker user this process connects as (none: anonymous).",
+    )
+    nats_password: SecretStr | None = Field(
+        default=None,
+        validation_alias=_shared("nats_password"),
+        description="That user's password.",
+    )
+    nats_creds: str | None = Field(
+        default=None,
+        validation_alias=_shared("nats_creds"),
+        description="A NATS .creds file (JWT and nkey) instead of a user and password.",
+    )
+    nats_inbox_prefix: str = Field(
+        default=DEFAULT_INBOX_PREFIX,
+        min_length=1,
+        validation_alias=_shared("nats_inbox_prefix"),
+        description="Replies to this process arrive under this prefix (its role's own).",
+    )
+    nats_tls_ca: str | None = Field(
+        default=None,
+        validation_alias=_shared("nats_tls_ca"),
+        description="A CA file to verify the broker's certificate with (turns TLS on).",
+    )
+    nats_tls_cert: str | None = Field(
+        default=None,
+        validation_alias=_shared("nats_tls_cert"),
+        description="A client certificate, for a broker that verifies clients.",
+    )
+    nats_tls_key: str | None = Field(
+        default=None,
+        validation_alias=_shared("nats_tls_key"),
+        description="The client certificate's key.",
+    )
+
+    def broker_auth(self) -> BrokerAuth:
+        """This process's broker identity and TLS, for :func:`sluice.common.transport.connect`."""
+        return BrokerAuth(
+            user=self.nats_user,
+            password=None if self.nats_password is None else self.nats_password.get_secret_value(),
+            creds_file=self.nats_creds,
+            inbox_prefix=self.nats_inbox_prefix,
+            tls_ca_file=self.nats_tls_ca,
+            tls_cert_file=self.nats_tls_cert,
+            tls_key_file=self.nats_tls_key,
+        )

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import ssl
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import nats.errors
@@ -12,7 +15,53 @@ from nats.aio.client import Client as NATS
 
 from sluice.common.errors import TransportError
 
-__all__ = ["TransportError", "connect", "servers_of"]
+__all__ = ["DEFAULT_INBOX_PREFIX", "BrokerAuth", "TransportError", "connect", "servers_of"]
+
+DEFAULT_INBOX_PREFIX = "_INBOX"
+"""nats-py's own reply-inbox prefix: what a process uses unless its broker role gives it one."""
+
+
+@dataclass(frozen=True)
+class BrokerAuth:
+    """Who a process is on the broker, and how it reaches it: a user and password (or a
+    ``.creds`` file), its reply-inbox prefix, and TLS. The default is anonymous, plain TCP,
+    nats-py's inbox prefix: what an unsecured development server expects."""
+
+    user: str | None = None
+    password: str | None = None
+    creds_file: str | None = None
+    inbox_prefix: str = DEFAULT_INBOX_PREFIX
+    """Replies to this process arrive under ``<prefix>.…``; with broker roles each user has
+    its own prefix and may subscribe to nothing else, so no user reads another's replies."""
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+
+    def tls_context(self) -> ssl.SSLContext | None:
+        """The TLS context when a CA or a client certificate is set, else None (plain TCP, or
+        the system's trust store if the URL says ``tls://``)."""
+        if self.tls_ca_file is None and self.tls_cert_file is None:
+            return None
+        try:
+            ctx = ssl.create_default_context(cafile=self.tls_ca_file)
+            if self.tls_cert_file is not None:
+                ctx.load_cert_chain(self.tls_cert_file, self.tls_key_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise TransportError(f"cannot load the TLS files: {exc}") from exc
+        return ctx
+
+    def options(self) -> dict[str, Any]:
+        """nats-py ``connect`` options for this identity."""
+        out: dict[str, Any] = {"inbox_prefix": self.inbox_prefix}
+        if self.user is not None:
+            out["user"] = self.user
+            out["password"] = self.password or ""
+        if self.creds_file is not None:
+            out["user_credentials"] = self.creds_file
+        ctx = self.tls_context()
+        if ctx is not None:
+            out["tls"] = ctx
+        return out
 
 
 def servers_of(url: str) -> list[str]:
@@ -31,11 +80,13 @@ async def connect(
     *,
     connect_timeout_s: float = 5.0,
     reconnected_cb: Callable[[], Awaitable[None]] | None = None,
+    auth: BrokerAuth | None = None,
 ) -> NATS:
     """Connect with reconnects enabled; raises :class:`TransportError` if the first connect
     fails (no endless retry loop on a wrong URL). ``url`` may list several servers separated
     by commas (:func:`servers_of`): the first that answers is used, and on a disconnect the
-    client reconnects to any of them (and to the nodes the cluster announces)."""
+    client reconnects to any of them (and to the nodes the cluster announces). ``auth``: the
+    process's broker identity and TLS (default: anonymous, plain TCP)."""
     servers = servers_of(url)
     nc = NATS()
     # nats-py retries the first connect for ever when reconnects are unlimited: bound it, so
@@ -48,7 +99,8 @@ async def connect(
         "allow_reconnect": True,
         "max_reconnect_attempts": -1,
         "reconnect_time_wait": _RECONNECT_WAIT_S,
-        "error_cb": _ignore_error,
+        "error_cb": _on_error,
+        **(auth or BrokerAuth()).options(),
     }
     if reconnected_cb is not None:
         options["reconnected_cb"] = reconnected_cb
@@ -64,8 +116,15 @@ async def connect(
 
 _RECONNECT_WAIT_S = 0.5
 """The wait before trying a server again (nats-py's ``reconnect_time_wait``)."""
+_PERMISSIONS_VIOLATION = "permissions violation"
+"""How nats-py words (lowercased) the server's refusal of a publish or a subscription."""
+log = logging.getLogger("sluice.transport")
 
 
-async def _ignore_error(exc: Exception) -> None:
-    # Disconnects are expected during failover; nats-py reconnects on its own.
-    return None
+async def _on_error(exc: Exception) -> None:
+    """A refusal by the broker's permissions is a deployment mistake (a role without what its
+    process needs, or a process run as the wrong user): say so, since the refused publish or
+    subscription fails silently otherwise. Disconnects are expected during failover; nats-py
+    reconnects on its own."""
+    if _PERMISSIONS_VIOLATION in str(exc).lower():
+        log.warning("the broker refused: %s", exc)

@@ -78,6 +78,7 @@ class Gateway:
                 tenant=settings.open_tenant,
                 band=settings.default_band,
                 tokenizer=tokenizer,
+                auth=settings.broker_auth(),
             )
         self.client = client
         self.catalog = Catalog(client, settings.models_ttl_s)

@@ -20,11 +20,11 @@ from __future__ import annotations
 import ipaddress
 from typing import ClassVar
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from sluice.client.batches import MAX_FILE_BYTES
-from sluice.common.settings import SluiceSettings
+from sluice.common.settings import BrokerSettings
 
 DEFAULT_BAND = "interactive"
 """The band of a request that names none, on an open gateway or for a key without its own."""
@@ -75,7 +75,7 @@ def is_loopback(host: str) -> bool:
         return False  # a name: it may resolve to anything
 
 
-class GatewaySettings(SluiceSettings):
+class GatewaySettings(BrokerSettings):
     """Settings of one gateway (``sluice gateway``)."""
 
     model_config = SettingsConfigDict(
@@ -84,11 +84,6 @@ class GatewaySettings(SluiceSettings):
     toml_section: ClassVar[str] = "gateway"
     redact_inputs: ClassVar[bool] = True
 
-    nats_url: str = Field(
-        default="nats://127.0.0.1:4222",
-        validation_alias=AliasChoices("nats_url", "SLUICE_NATS_URL"),
-        description="The NATS server to connect to, or a cluster's servers separated by commas.",
-    )
     host: str = Field(default="127.0.0.1", min_length=1, description="Address to bind.")
     port: int = Field(default=8080, ge=0, le=65535, description="Port to bind (0: any free).")
     keys: list[ApiKey] = Field(

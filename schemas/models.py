@@ -106,7 +106,7 @@ class AssignmentReply(_Wire):
 
 
 class TokenChunk(_Wire):
-    """Agent → client on ``sluice.out.<request_id>``: coalesced tokens, in order.
+    """Agent → client on ``sluice.out.<tenant>.<request_id>``: coalesced tokens, in order.
 
     ``index`` is the position of the chunk's first token in the output, so a client can drop
     what it already has when a retried attempt streams the same positions again.
@@ -120,9 +120,9 @@ class TokenChunk(_Wire):
 
 
 class QueuedNotice(_Wire):
-    """Dispatcher → client on ``sluice.out.<request_id>``, once, when a request is held in the
-    queue instead of starting: where it stands and how long it may wait, so that a caller can
-    wait or degrade. ``held_by`` names the layer that holds it: ``global-limit``,
+    """Dispatcher → client on ``sluice.out.<tenant>.<request_id>``, once, when a request is
+    held in the queue instead of starting: where it stands and how long it may wait, so that a
+    caller can wait or degrade. ``held_by`` names the layer that holds it: ``global-limit``,
     ``band-limit``, ``band-share``, ``quota:model``, ``quota:model-band``,
     ``quota:model-tenant``, ``no-worker-room``, ``queue`` (requests ahead of it) or
     ``learning`` (a dispatcher that just started learns what runs before it dispatches)."""

@@ -8,6 +8,7 @@ message body always carries the real name.
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 PREFIX = "sluice"
@@ -64,6 +65,16 @@ def token_value(token: str) -> str:
 def request_subject(band: str, model: str, tenant: str) -> str:
     """Where a producer publishes a request: ``sluice.req.<band>.<model>.<tenant>``."""
     return f"{PREFIX}.req.{subject_token(band)}.{subject_token(model)}.{subject_token(tenant)}"
+
+
+REQUEST_SUBJECTS = f"{PREFIX}.req.>"
+"""Every request subject, of every band."""
+
+
+def tenant_requests_filter(tenant: str) -> str:
+    """The request subjects of one tenant, in every band and for every model: what that
+    tenant's producers may publish to."""
+    return f"{PREFIX}.req.*.*.{subject_token(tenant)}"
 
 
 def request_filter(band: str) -> str:
@@ -134,6 +145,15 @@ def results_filter(tenant: str, group: str | None = None) -> str:
     return f"{PREFIX}.result.{subject_token(tenant)}.{subject_token(group)}.*"
 
 
+def results_consumer(tenant: str, group: str | None) -> str:
+    """The durable consumer (on :data:`RESULT_STREAM`) of a tenant's, or a group's, results
+    when the subscriber names none: the same for every process, so a restarted producer
+    resumes where the last one stopped, and known in advance, so a tenant's broker
+    permissions can name it."""
+    key = f"{tenant}\x00{group or ''}".encode()
+    return f"sluice-results-{hashlib.sha256(key).hexdigest()[:20]}"
+
+
 # --- offline batches (a JetStream KV bucket and an object store) ------------------------------
 
 BATCH_BUCKET = "SLUICE_BATCHES"
@@ -167,12 +187,22 @@ def dead_letter_subject(reason: str) -> str:
 # --- live traffic (core NATS) ----------------------------------------------------------------
 
 
-TOKEN_SUBJECTS = f"{PREFIX}.out.*"
+TOKEN_SUBJECTS = f"{PREFIX}.out.*.*"
 
 
-def token_subject(request_id: str) -> str:
-    """Live token chunks of one request (core NATS; the final result is authoritative)."""
-    return f"{PREFIX}.out.{subject_token(request_id)}"
+def token_subject(tenant: str, request_id: str) -> str:
+    """Live token chunks (and the queued notice) of one request, ``sluice.out.<tenant>.<id>``
+    (core NATS; the final result is authoritative). The tenant is in the subject so that a
+    producer's broker permissions can let it follow its own tenant's streams only."""
+    return f"{PREFIX}.out.{subject_token(tenant)}.{subject_token(request_id)}"
+
+
+def tokens_filter(tenant: str) -> str:
+    """The token subjects of one tenant."""
+    return f"{PREFIX}.out.{subject_token(tenant)}.>"
+
+
+WORK_SUBJECTS = f"{PREFIX}.work.*"
 
 
 def work_subject(worker_id: str) -> str:
@@ -213,8 +243,24 @@ def remove_subject(worker_id: str) -> str:
     return f"{PREFIX}.ctl.{subject_token(worker_id)}.remove"
 
 
-CANCEL_SUBJECT = f"{PREFIX}.cancel"
-"""Request/reply: a ``CancelRequest`` answered by a ``CancelReply`` (``Client.cancel``)."""
+CANCEL_SUBJECTS = f"{PREFIX}.cancel.*"
+
+
+def cancel_subject(tenant: str) -> str:
+    """Request/reply: a ``CancelRequest`` of ``tenant`` answered by a ``CancelReply``
+    (``Client.cancel``). The tenant is in the subject so that broker permissions can let a
+    producer cancel its own tenant's requests only; the dispatcher refuses a body that names
+    another tenant."""
+    return f"{PREFIX}.cancel.{subject_token(tenant)}"
+
+
+def parse_cancel_subject(subject: str) -> str:
+    """The tenant of a cancel subject; ``ValueError`` if it is not one."""
+    parts = subject.split(".")
+    if len(parts) != 3 or parts[0] != PREFIX or parts[1] != "cancel":
+        raise ValueError(f"not a cancel subject: {subject!r}")
+    return token_value(parts[2])
+
 
 STATS_SUBJECT = f"{PREFIX}.stats"
 """Request/reply: the dispatcher answers with its queue depths and in-flight counts."""
@@ -244,8 +290,8 @@ that agents learn the newest epoch before its first assignment reaches them."""
 # --- feedback (core NATS) -----------------------------------------------------------------------
 
 WAIT_SUBJECT = f"{PREFIX}.wait"
+"""Request/reply: a ``WaitQuery`` answered by a ``WaitEstimate`` (``Client.estimate_wait``)."""
 RECONCILE_SUBJECT = f"{PREFIX}.reconcile"
 """Request/reply: reconcile the books with the workers' reports now (a ``ReconcileReport``)."""
-"""Request/reply: a ``WaitQuery`` answered by a ``WaitEstimate`` (``Client.estimate_wait``)."""
 SCALE_EVENTS_SUBJECT = f"{PREFIX}.events.scale"
 """``ScaleEvent`` messages for autoscalers: a model and band needs more or fewer workers."""

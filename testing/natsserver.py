@@ -52,11 +52,19 @@ def find_binary() -> str:
 
 
 class EmbeddedNats:
-    """A ``nats-server -js`` child process on 127.0.0.1. Use as a (sync) context manager."""
+    """A ``nats-server -js`` child process on 127.0.0.1. Use as a (sync) context manager.
+    ``config_file``: a nats-server config it also reads (accounts and users, TLS: what
+    ``sluice auth init`` writes); the address, port and store given here still win."""
 
     def __init__(
-        self, *, store_dir: str | None = None, port: int = -1, start_timeout_s: float = 10.0
+        self,
+        *,
+        store_dir: str | None = None,
+        port: int = -1,
+        start_timeout_s: float = 10.0,
+        config_file: str | Path | None = None,
     ) -> None:
+        self.config_file = None if config_file is None else str(config_file)
         self._own_dir = store_dir is None
         self.store_dir = store_dir or tempfile.mkdtemp(prefix="sluice-nats-")
         self._port_arg = port
@@ -78,8 +86,10 @@ class EmbeddedNats:
         """Start the server and wait until it accepts connections."""
         Path(self.store_dir).mkdir(parents=True, exist_ok=True)
         log_path = Path(self.store_dir) / "nats-server.log"
+        config = [] if self.config_file is None else ["-c", self.config_file]
         cmd = [
             find_binary(),
+            *config,
             "-a", "127.0.0.1",
             "-p", str(self._port_arg),
             "-js",

@@ -167,7 +167,7 @@ async def test_ten_thousand_hostile_messages_while_real_load_runs(nats_url: str)
             "hb": [names.heartbeat_subject(w) for w in ("worker-0", "forged-1", "forged-2")],
             "done": [names.completion_subject(w) for w in ("worker-0", "worker-1", "forged-1")],
             "work": [names.work_subject(w) for w in ("worker-0", "worker-1")],
-            "query": [names.STATS_SUBJECT, names.WAIT_SUBJECT, names.CANCEL_SUBJECT],
+            "query": [names.STATS_SUBJECT, names.WAIT_SUBJECT, names.cancel_subject("default")],
             "ctl": [names.control_subject(w) for w in ("worker-0", "worker-1")],
         }
         inbox = c.nc.new_inbox()

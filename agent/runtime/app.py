@@ -190,7 +190,11 @@ class Agent:
     async def start(self) -> Agent:
         if self._nc is None:
             try:
-                self._nc = await connect(self.settings.nats_url, f"sluice-agent-{self.worker_id}")
+                self._nc = await connect(
+                    self.settings.nats_url,
+                    f"sluice-agent-{self.worker_id}",
+                    auth=self.settings.broker_auth(),
+                )
             except TransportError as exc:
                 raise AgentBrokerUnreachable(str(exc)) from exc
         self._subs = [
@@ -552,7 +556,9 @@ class Agent:
             text=self.engine.detokenize(chunk),
         )
         try:
-            await self.nc.publish(names.token_subject(run.request_id), encode(msg))
+            await self.nc.publish(
+                names.token_subject(run.assignment.request.tenant, run.request_id), encode(msg)
+            )
         except _BROKER_ERRORS:
             # Live tokens are best effort: the stored result carries every token.
             metrics.TOKEN_CHUNKS_LOST.labels(self.worker_id).inc()

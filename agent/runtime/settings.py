@@ -7,7 +7,7 @@ import os
 import socket
 from typing import ClassVar, Literal
 
-from pydantic import AliasChoices, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from sluice.agent.errors import KVEventError
@@ -19,7 +19,7 @@ from sluice.agent.reports import (
     DEFAULT_HEARTBEAT_S,
     DEFAULT_SNAPSHOT_EVERY,
 )
-from sluice.common.settings import SluiceSettings
+from sluice.common.settings import BrokerSettings
 from sluice.schemas.hashing import DEFAULT_INDEX_TOKENS
 
 
@@ -27,7 +27,7 @@ def _default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-class AgentSettings(SluiceSettings):
+class AgentSettings(BrokerSettings):
     """Settings of one agent (one GPU engine)."""
 
     model_config = SettingsConfigDict(
@@ -35,11 +35,6 @@ class AgentSettings(SluiceSettings):
     )
     toml_section: ClassVar[str] = "agent"
 
-    nats_url: str = Field(
-        default="nats://127.0.0.1:4222",
-        validation_alias=AliasChoices("nats_url", "SLUICE_NATS_URL"),
-        description="The NATS server to connect to, or a cluster's servers separated by commas.",
-    )
     worker_id: str = Field(
         default_factory=_default_worker_id,
         min_length=1,

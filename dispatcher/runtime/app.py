@@ -159,6 +159,7 @@ class Dispatcher:
                     s.nats_url,
                     f"sluice-{s.dispatcher_id}",
                     reconnected_cb=self._workers.on_reconnected,
+                    auth=s.broker_auth(),
                 )
             except TransportError as exc:
                 raise BrokerUnreachable(str(exc)) from exc
@@ -172,7 +173,7 @@ class Dispatcher:
             await nc.subscribe(names.STATS_SUBJECT, cb=self._gauges.on_stats),
             await nc.subscribe(names.WORKERS_SUBJECT, cb=self._gauges.on_workers),
             await nc.subscribe(names.WAIT_SUBJECT, cb=self._gauges.on_wait),
-            await nc.subscribe(names.CANCEL_SUBJECT, cb=self._cancels.on_cancel),
+            await nc.subscribe(names.CANCEL_SUBJECTS, cb=self._cancels.on_cancel),
             await nc.subscribe(names.RECONCILE_SUBJECT, cb=self.reconciler.on_request),
         ]
         for band in s.bands:

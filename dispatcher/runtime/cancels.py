@@ -46,7 +46,7 @@ STOP_TIMEOUT_S = 4.0
 
 
 class Cancels:
-    """Answers ``sluice.cancel``."""
+    """Answers ``sluice.cancel.<tenant>``."""
 
     def __init__(self, state: State, answers: Answers, intake: Intake) -> None:
         self.state = state
@@ -66,6 +66,20 @@ class Cancels:
             metrics.BAD_INPUT.labels("cancel").inc()
             bad = CancelReply(request_id="invalid", status="unknown", message=str(exc))
             await respond(msg, encode(bad))
+            return
+        try:
+            tenant = names.parse_cancel_subject(msg.subject)
+        except ValueError:
+            tenant = None
+        if tenant != q.tenant:  # the subject is what the broker's permissions checked
+            metrics.BAD_INPUT.labels("cancel").inc()
+            wrong = CancelReply(
+                request_id=q.request_id,
+                status="unknown",
+                message=f"a cancel of tenant {q.tenant!r} must be sent to its own subject "
+                f"{names.cancel_subject(q.tenant)}",
+            )
+            await respond(msg, encode(wrong))
             return
         reply = await self.cancel(q)
         metrics.CANCELS.labels(reply.status).inc()

@@ -109,7 +109,7 @@ class HandOff:
                 held_by="learning" if learning else reasons.get(rid, "queue"),
             )
             try:
-                await st.nc.publish(names.token_subject(rid), encode(notice))
+                await st.nc.publish(names.token_subject(held.request.tenant, rid), encode(notice))
             except BROKER_ERRORS:
                 log.debug("queued notice of %s not sent", rid)
             metrics.QUEUED_NOTICES.labels(notice.held_by).inc()

@@ -8,10 +8,10 @@ import socket
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from pydantic import AliasChoices, Field, model_validator
+from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from sluice.common.settings import SluiceSettings
+from sluice.common.settings import BrokerSettings
 from sluice.dispatcher.admission import DEFAULT_BAND_DELAY_S, AdmissionConfig
 from sluice.dispatcher.cacheaware import CacheAwareConfig
 from sluice.dispatcher.decisions import DEFAULT_MAX_BYTES
@@ -47,7 +47,7 @@ def model_quota(spec: QuotaSpec) -> ModelQuota:
     )
 
 
-class DispatcherSettings(SluiceSettings):
+class DispatcherSettings(BrokerSettings):
     """Settings of one dispatcher."""
 
     model_config = SettingsConfigDict(
@@ -55,11 +55,6 @@ class DispatcherSettings(SluiceSettings):
     )
     toml_section: ClassVar[str] = "dispatcher"
 
-    nats_url: str = Field(
-        default="nats://127.0.0.1:4222",
-        validation_alias=AliasChoices("nats_url", "SLUICE_NATS_URL"),
-        description="The NATS server to connect to, or a cluster's servers separated by commas.",
-    )
     dispatcher_id: str = Field(
         default_factory=lambda: f"dispatcher-{socket.gethostname()}-{os.getpid()}",
         min_length=1,
