@@ -70,7 +70,9 @@ class Answers:
 
     def __init__(self, state: State) -> None:
         self.state = state
-        self._unserved_advisories: deque[tuple[str, int, int]] = deque(maxlen=100_000)
+        self._unserved_advisories: deque[tuple[str, int, int]] = deque(
+            maxlen=state.settings.max_kept_advisories
+        )
         """Max-deliveries advisories a standby received, for when it leads (bounded)."""
 
     async def publish_result(self, result: Result) -> bool:

@@ -20,6 +20,7 @@ from sluice.common.errors import internal_error
 from sluice.common.tokenizer import Tokenizers
 from sluice.dispatcher.admission import AdmissionConfig
 from sluice.dispatcher.decisions import DecisionLog
+from sluice.dispatcher.defaults import CANCELLED_MAX_IDS
 from sluice.dispatcher.feedback import Feedback, ScaleAdvisor
 from sluice.dispatcher.leadership import Leadership
 from sluice.dispatcher.leases import LeaseTable
@@ -72,7 +73,7 @@ class Tombstones:
     is not resubmitted under its id after that), at most ``max_ids`` of them. Time is passed
     in."""
 
-    def __init__(self, ttl_s: float, max_ids: int = 100_000) -> None:
+    def __init__(self, ttl_s: float, max_ids: int = CANCELLED_MAX_IDS) -> None:
         self.ttl_s = ttl_s
         self.max_ids = max_ids
         self._ids: OrderedDict[str, float] = OrderedDict()
@@ -128,11 +129,11 @@ class State:
         """Counts the times this dispatcher became leader; a pull task runs for one term."""
         self.tokenizers = Tokenizers(s.tokenizer, s.model_tokenizers)
         """Text prompts become token ids here, as the engines tokenize them."""
-        self.leases = LeaseTable(s.lease_s)
+        self.leases = LeaseTable(s.lease_s, s.lease_max_removed)
         self.heartbeats: dict[str, Heartbeat] = {}
         """The last heartbeat of every worker holding a lease (``sluice workers``)."""
         self.held: dict[str, Held] = {}
-        self.cancelled = Tombstones(s.duplicate_window_s)
+        self.cancelled = Tombstones(s.duplicate_window_s, s.cancelled_max_ids)
         """Requests cancelled here: one that arrives (again) is answered, never run."""
         self.unnotified: set[str] = set()
         """Requests queued since the last scheduling pass: those still queued after it are
