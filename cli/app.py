@@ -493,6 +493,7 @@ def bench_memory_cmd(
     blocks: Annotated[
         int, typer.Option(help="Block hashes in the cache index.", min=1)
     ] = 1_000_000,
+    prefixes: Annotated[int, typer.Option(help="Prefix keys booked.", min=1)] = 200_000,
     prompts: Annotated[int, typer.Option(help="Prompts cached behind the agent.", min=1)] = 10_000,
     prompt_tokens: Annotated[int, typer.Option(help="Tokens per prompt.", min=1)] = 1_024,
     runs: Annotated[int, typer.Option(help="Measurements of each figure.", min=1)] = 3,
@@ -501,11 +502,20 @@ def bench_memory_cmd(
     ] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print the figures as JSON.")] = False,
 ) -> None:
-    """Resident memory of the dispatcher (queued requests, workers, indexed blocks) and of the
-    agent (cached prompts), per item, each measured in a fresh process against an empty one."""
+    """Resident memory of the dispatcher (queued requests, workers, indexed blocks, prefix keys)
+    and of the agent (cached prompts), per item, each in a fresh process against an empty one."""
     from sluice.cli.benchmemory import BenchMemoryError, Sizes, bench_memory, table
 
-    sizes = Sizes(queued, workers, blocks, prompts, prompt_tokens, runs, attribution)
+    sizes = Sizes(
+        queued=queued,
+        workers=workers,
+        blocks=blocks,
+        prefixes=prefixes,
+        prompts=prompts,
+        prompt_tokens=prompt_tokens,
+        runs=runs,
+        attribution=attribution,
+    )
     try:
         result = bench_memory(sizes, progress=lambda line: err.print(f"[dim]{line}[/dim]"))
     except BenchMemoryError as exc:

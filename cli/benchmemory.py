@@ -32,6 +32,7 @@ shared 512-token prefixes, as a fleet's system prompts do.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import gc
 import json
 import os
@@ -68,6 +69,18 @@ CHILD_TIMEOUT_S = 1_800.0
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _trimmed_rss_bytes(default: int) -> int:
+    """The resident set once the C allocator has returned the free memory it can to the
+    system (glibc's ``malloc_trim``): what the process holds live, less the allocator's
+    slack (``default`` where there is no glibc)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        return default
+    return _rss_bytes()
 
 
 def _maxrss_bytes() -> int:
@@ -220,6 +233,20 @@ class _Dispatcher:
             await self.heartbeat(_worker(i), [rng.getrandbits(64) for _ in range(k)])
         assert self.state.policy.stats(time.monotonic()).index_blocks == n, "all indexed"
 
+    def prefixes(self, n: int, workers: int, seed: int) -> None:
+        from sluice.dispatcher.routing import RouteRequest
+
+        rng = random.Random(seed)
+        st = self.state
+        now = time.monotonic()
+        for i in range(n):
+            # What Scheduler.book records per prefix (its index guesses aside: a one-block
+            # prompt has no indexed block): the stickiness and traffic share, and the flaps.
+            hashes = (rng.getrandbits(64),)
+            w = _worker(i % workers)
+            st.policy.observe(RouteRequest(f"p{i}", "m", 16, 16, hashes), w, now)
+            st.scheduler.flaps.booked(hashes, w, now)
+
 
 def _worker(i: int) -> str:
     return f"worker-{i:05d}"
@@ -292,7 +319,7 @@ class _AgentPrompts:
                 tracker.cache_changes()
         tracker.cache_changes()
         self.tracker = tracker
-        return len(tracker._blocks)
+        return len(tracker)
 
 
 def _build(scenario: str, p: dict[str, int]) -> tuple[Callable[[], Any], Callable[[], int]]:
@@ -300,19 +327,24 @@ def _build(scenario: str, p: dict[str, int]) -> tuple[Callable[[], Any], Callabl
     if scenario not in _SCENARIOS:
         raise ValueError(f"unknown scenario {scenario!r}; known: {', '.join(_SCENARIOS)}")
     seed = p.get("seed", 0)
-    d = _Dispatcher() if scenario in ("queued", "workers", "blocks", "dispatcher") else None
+    d = (
+        _Dispatcher()
+        if scenario in ("queued", "workers", "blocks", "prefixes", "dispatcher")
+        else None
+    )
     a = _AgentPrompts() if scenario.startswith("agent-") else None
 
     def setup() -> None:
         if a is not None:
             a.engine()
-        if d is not None and scenario == "blocks":
+        if d is not None and scenario in ("blocks", "prefixes"):
             asyncio.run(_each_worker(d, p["workers"]))
 
     async def everything() -> None:
         assert d is not None
         await d.workers(p["workers"])
         await d.blocks(p["blocks"], p["workers"], seed)
+        d.prefixes(p["prefixes"], p["workers"], seed)
         await d.queue(p["queued"], p["prompt_tokens"], seed)
 
     runs: dict[str, Callable[[], object]] = {"empty": lambda: None}
@@ -320,6 +352,7 @@ def _build(scenario: str, p: dict[str, int]) -> tuple[Callable[[], Any], Callabl
         runs["queued"] = lambda: asyncio.run(d.queue(p["items"], p["prompt_tokens"], seed))
         runs["workers"] = lambda: asyncio.run(d.workers(p["items"]))
         runs["blocks"] = lambda: asyncio.run(d.blocks(p["items"], p["workers"], seed))
+        runs["prefixes"] = lambda: d.prefixes(p["items"], p["workers"], seed)
         runs["dispatcher"] = lambda: asyncio.run(everything())
     if a is not None:
         runs["agent-served"] = lambda: a.served(p["items"], p["prompt_tokens"], seed)
@@ -332,7 +365,16 @@ def _build(scenario: str, p: dict[str, int]) -> tuple[Callable[[], Any], Callabl
     return setup, build
 
 
-_SCENARIOS = ("empty", "queued", "workers", "blocks", "dispatcher", "agent-served", "agent-kv")
+_SCENARIOS = (
+    "empty",
+    "queued",
+    "workers",
+    "blocks",
+    "prefixes",
+    "dispatcher",
+    "agent-served",
+    "agent-kv",
+)
 
 
 async def _each_worker(d: _Dispatcher, n: int) -> None:
@@ -366,12 +408,14 @@ def child(scenario: str, params: dict[str, int], trace: bool) -> dict[str, Any]:
     built = build()
     seconds = time.perf_counter() - t0
     gc.collect()
+    after = _rss_bytes()
     out: dict[str, Any] = {
         "scenario": scenario,
         "params": params,
         "items": built,
         "rss_before_bytes": before,
-        "rss_after_bytes": _rss_bytes(),
+        "rss_after_bytes": after,
+        "rss_trimmed_bytes": _trimmed_rss_bytes(after),
         "maxrss_bytes": _maxrss_bytes(),
         "seconds": round(seconds, 3),
     }
@@ -414,6 +458,8 @@ class Sizes:
     queued: int = 100_000
     workers: int = 1_000
     blocks: int = 1_000_000
+    prefixes: int = 200_000
+    """Prefix keys booked (the default bound, ``routing_prefix_max_keys``)."""
     prompts: int = 10_000
     prompt_tokens: int = 1_024
     runs: int = 3
@@ -451,6 +497,8 @@ class _Term:
     unit: str
     growth: list[float] = field(default_factory=list)
     per_item: list[float] = field(default_factory=list)
+    live_per_item: list[float] = field(default_factory=list)
+    """After ``malloc_trim``: without the C allocator's free memory."""
     seconds: list[float] = field(default_factory=list)
     attribution: dict[str, Any] | None = None
 
@@ -461,6 +509,7 @@ class _Term:
             "unit": self.unit,
             "growth_bytes": _spread(self.growth),
             "bytes_per_item": _spread(self.per_item),
+            "live_bytes_per_item": _spread(self.live_per_item),
             "build_s": _spread(self.seconds),
         }
         if self.attribution is not None:
@@ -485,6 +534,7 @@ def bench_memory(sizes: Sizes, progress: Callable[[str], None] | None = None) ->
         "indexed_block": _Term(
             "blocks", {"items": s.blocks, "workers": s.workers}, "indexed block"
         ),
+        "prefix_key": _Term("prefixes", {"items": s.prefixes, "workers": s.workers}, "prefix key"),
         "served_prompt": _Term(
             "agent-served", {"items": s.prompts, "prompt_tokens": s.prompt_tokens}, "cached prompt"
         ),
@@ -496,6 +546,7 @@ def bench_memory(sizes: Sizes, progress: Callable[[str], None] | None = None) ->
         "queued": s.queued,
         "workers": s.workers,
         "blocks": s.blocks,
+        "prefixes": s.prefixes,
         "prompt_tokens": s.prompt_tokens,
     }
     baseline: list[float] = []
@@ -511,6 +562,8 @@ def bench_memory(sizes: Sizes, progress: Callable[[str], None] | None = None) ->
             growth = r["rss_after_bytes"] - r["rss_before_bytes"]
             term.growth.append(growth)
             term.per_item.append(growth / max(1, r["items"]))
+            live = r["rss_trimmed_bytes"] - r["rss_before_bytes"]
+            term.live_per_item.append(live / max(1, r["items"]))
             term.seconds.append(r["seconds"])
         say(f"run {run + 1}/{s.runs}: the dispatcher with everything")
         r = run_child("dispatcher", {**combined_params, **params_seed})
@@ -521,7 +574,7 @@ def bench_memory(sizes: Sizes, progress: Callable[[str], None] | None = None) ->
             say(f"attribution: {name}")
             params = dict(term.params)
             params["items"] = min(params["items"], TRACE_MAX_ITEMS)
-            if "workers" in params and term.scenario == "blocks":
+            if term.scenario in ("blocks", "prefixes"):
                 params["workers"] = min(params["workers"], params["items"])
             r = run_child(term.scenario, params, trace=True)
             term.attribution = {
@@ -544,7 +597,12 @@ def _report(
     span = s.prompt_tokens - SHORT_PROMPT_TOKENS
     per_token = (long_q - short_q) / span if span > 0 else 0.0
     fixed = short_q - per_token * SHORT_PROMPT_TOKENS
-    predicted = s.queued * long_q + s.workers * med["worker"] + s.blocks * med["indexed_block"]
+    predicted = (
+        s.queued * long_q
+        + s.workers * med["worker"]
+        + s.blocks * med["indexed_block"]
+        + s.prefixes * med["prefix_key"]
+    )
     base = statistics.median(baseline)
     agent = {
         "served": base + s.prompts * med["served_prompt"],
@@ -558,6 +616,7 @@ def _report(
             "queued": s.queued,
             "workers": s.workers,
             "blocks": s.blocks,
+            "prefixes": s.prefixes,
             "prompts": s.prompts,
             "prompt_tokens": s.prompt_tokens,
             "runs": s.runs,
@@ -600,6 +659,7 @@ def table(result: dict[str, Any]) -> list[str]:
     )
     for name, t in result["terms"].items():
         p = t["bytes_per_item"]
+        live = t["live_bytes_per_item"]["median"]
         g = t["growth_bytes"]
         size = t["params"]["items"]
         extra = (
@@ -609,7 +669,7 @@ def table(result: dict[str, Any]) -> list[str]:
         )
         lines.append(
             f"{name:<22} {size:>9,} x: {p['median']:>9,.0f} B per {t['unit']} "
-            f"(min {p['min']:,.0f}, max {p['max']:,.0f}); "
+            f"(min {p['min']:,.0f}, max {p['max']:,.0f}; {live:,.0f} live); "
             f"{g['median'] / mib:,.1f} MiB in all{extra}"
         )
         a = t.get("attribution")

@@ -10,7 +10,8 @@ import sys
 
 def test_the_memory_benchmark_reports_every_term_as_json() -> None:
     cmd = [sys.executable, "-m", "sluice.cli", "bench-memory", "--json", "--runs", "1"]
-    cmd += ["--queued", "60", "--workers", "6", "--blocks", "300", "--prompts", "40"]
+    cmd += ["--queued", "60", "--workers", "6", "--blocks", "300", "--prefixes", "50"]
+    cmd += ["--prompts", "40"]
     cmd += ["--prompt-tokens", "1100"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -19,6 +20,7 @@ def test_the_memory_benchmark_reports_every_term_as_json() -> None:
         "queued": 60,
         "workers": 6,
         "blocks": 300,
+        "prefixes": 50,
         "prompts": 40,
         "prompt_tokens": 1100,
         "runs": 1,
@@ -28,11 +30,13 @@ def test_the_memory_benchmark_reports_every_term_as_json() -> None:
         "queued_request_short",
         "worker",
         "indexed_block",
+        "prefix_key",
         "served_prompt",
         "kv_prompt",
     }
     for term in r["terms"].values():
-        assert set(term["bytes_per_item"]) == {"min", "median", "max"}
+        for figure in ("bytes_per_item", "live_bytes_per_item", "growth_bytes"):
+            assert set(term[figure]) == {"min", "median", "max"}
         assert term["attribution"]["items"] == term["params"]["items"]
         assert term["attribution"]["top"], "tracemalloc named no source line"
     assert r["baseline_rss_bytes"]["median"] > 0
