@@ -575,7 +575,10 @@ def bench_memory(sizes: Sizes, progress: Callable[[str], None] | None = None) ->
             params = dict(term.params)
             params["items"] = min(params["items"], TRACE_MAX_ITEMS)
             if term.scenario in ("blocks", "prefixes"):
-                params["workers"] = min(params["workers"], params["items"])
+                # As many items per worker as measured: each worker's digest heartbeat costs
+                # something of its own, which would count against fewer blocks.
+                scaled = params["workers"] * params["items"] // term.params["items"]
+                params["workers"] = max(1, scaled)
             r = run_child(term.scenario, params, trace=True)
             term.attribution = {
                 "items": r["items"],
