@@ -436,6 +436,8 @@ def _top(snap: tracemalloc.Snapshot, traced: int, n: int = 6) -> list[dict[str, 
         name = frame.filename
         if "site-packages/" in name:
             name = name.split("site-packages/")[-1]
+        elif "/lib/python" in name:  # the standard library
+            name = "python" + name.split("/lib/python")[-1]
         elif name.startswith(here):
             name = os.path.relpath(name, here)
         rows.append(
