@@ -27,6 +27,7 @@ from typing import Any
 
 import msgpack
 
+from sluice.agent.defaults import KV_MAX_BLOCKS
 from sluice.agent.errors import KVEventError
 from sluice.schemas.hashing import block_hashes
 
@@ -174,7 +175,7 @@ class TrackerStats:
     unknown_events: int = 0
 
 
-@dataclass
+@dataclass(slots=True)
 class _Block:
     sluice: int
     depth: int
@@ -183,15 +184,27 @@ class _Block:
 
 @dataclass
 class KVEventTracker:
-    """What an engine's KV events say its cache holds, as Sluice digest changes."""
+    """What an engine's KV events say its cache holds, as Sluice digest changes. It mirrors
+    at most ``max_blocks`` blocks: past that, the oldest stored are dropped (and reported
+    evicted), as if the engine had evicted them: a block whose removal event was lost (a gap
+    no replay filled) must not stay forever."""
 
     block_tokens: int
     stride: int = 1
+    max_blocks: int = KV_MAX_BLOCKS
     expected_seq: int | None = None
     stats: TrackerStats = field(default_factory=TrackerStats)
     _blocks: dict[EngineHash, _Block] = field(default_factory=dict)
     _stored: list[int] = field(default_factory=list)
     _evicted: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.max_blocks < 1:
+            raise ValueError("max_blocks must be >= 1")
+
+    def __len__(self) -> int:
+        """Engine blocks mirrored now."""
+        return len(self._blocks)
 
     def apply(self, seq: int, batch: EventBatch) -> int | None:
         """Apply batch ``seq``. Returns the sequence to replay from when ``seq`` skipped some
@@ -240,12 +253,15 @@ class KVEventTracker:
                 return
             parent_hash, depth = parent.sluice, parent.depth
         ours = block_hashes(ev.token_ids, self.block_tokens, parent_hash)
+        blocks = self._blocks
         for engine_hash, h in zip(ev.block_hashes, ours, strict=True):
             depth += 1
-            if engine_hash not in self._blocks:
-                self._blocks[engine_hash] = _Block(h, depth)
+            if engine_hash not in blocks:
+                blocks[engine_hash] = _Block(h, depth)
                 if depth % self.stride == 0:
                     self._stored.append(h)
+        while len(blocks) > self.max_blocks:
+            self._remove(next(iter(blocks)))
 
     def _remove(self, engine_hash: EngineHash) -> None:
         block = self._blocks.pop(engine_hash, None)

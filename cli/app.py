@@ -501,6 +501,49 @@ def bench_engine_cmd(
     console.print(verdict(r))
 
 
+@app.command("bench-memory")
+def bench_memory_cmd(
+    queued: Annotated[
+        int, typer.Option(help="Requests queued in the dispatcher.", min=1)
+    ] = 100_000,
+    workers: Annotated[int, typer.Option(help="Live workers.", min=1)] = 1_000,
+    blocks: Annotated[
+        int, typer.Option(help="Block hashes in the cache index.", min=1)
+    ] = 1_000_000,
+    prefixes: Annotated[int, typer.Option(help="Prefix keys booked.", min=1)] = 200_000,
+    prompts: Annotated[int, typer.Option(help="Prompts cached behind the agent.", min=1)] = 10_000,
+    prompt_tokens: Annotated[int, typer.Option(help="Tokens per prompt.", min=1)] = 1_024,
+    runs: Annotated[int, typer.Option(help="Measurements of each figure.", min=1)] = 3,
+    attribution: Annotated[
+        bool, typer.Option(help="Also name the source lines holding the memory (tracemalloc).")
+    ] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the figures as JSON.")] = False,
+) -> None:
+    """Resident memory of the dispatcher (queued requests, workers, indexed blocks, prefix keys)
+    and of the agent (cached prompts), per item, each in a fresh process against an empty one."""
+    from sluice.cli.benchmemory import BenchMemoryError, Sizes, bench_memory, table
+
+    sizes = Sizes(
+        queued=queued,
+        workers=workers,
+        blocks=blocks,
+        prefixes=prefixes,
+        prompts=prompts,
+        prompt_tokens=prompt_tokens,
+        runs=runs,
+        attribution=attribution,
+    )
+    try:
+        result = bench_memory(sizes, progress=lambda line: err.print(f"[dim]{line}[/dim]"))
+    except BenchMemoryError as exc:
+        raise fail(str(exc)) from exc
+    if as_json:
+        print(json.dumps(result))
+        return
+    for line in table(result):
+        console.print(line, highlight=False)
+
+
 @app.command("bench-gateway")
 def bench_gateway_cmd(
     requests: Annotated[int, typer.Option(help="Sequential requests per path.", min=2)] = 200,

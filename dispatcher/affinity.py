@@ -22,7 +22,13 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from sluice.dispatcher.defaults import HOT_TAU_S, MAX_REPLICAS, REPLICA_HEADROOM, STICKY_WINDOW_S
+from sluice.dispatcher.defaults import (
+    HOT_TAU_S,
+    MAX_REPLICAS,
+    PREFIX_MAX_KEYS,
+    REPLICA_HEADROOM,
+    STICKY_WINDOW_S,
+)
 
 
 def prefix_key(block_hashes: Sequence[int], key_blocks: int) -> int | None:
@@ -32,12 +38,13 @@ def prefix_key(block_hashes: Sequence[int], key_blocks: int) -> int | None:
     return block_hashes[min(key_blocks, len(block_hashes)) - 1]
 
 
-@dataclass
+@dataclass(slots=True)
 class _Key:
     count: float = 0.0
     at_s: float = 0.0
-    replicas: OrderedDict[str, float] = field(default_factory=OrderedDict)
-    """worker -> last used (oldest first)."""
+    replicas: dict[str, float] = field(default_factory=dict)
+    """worker -> last used (oldest first: a use moves it last). A plain dict: an OrderedDict
+    costs twice the memory, for every one of up to ``max_keys`` keys."""
 
 
 class Affinity:
@@ -50,7 +57,7 @@ class Affinity:
         tau_s: float = HOT_TAU_S,
         headroom: float = REPLICA_HEADROOM,
         max_replicas: int = MAX_REPLICAS,
-        max_keys: int = 200_000,
+        max_keys: int = PREFIX_MAX_KEYS,
     ) -> None:
         if window_s <= 0 or tau_s <= 0 or headroom <= 0 or max_replicas < 1 or max_keys < 1:
             raise ValueError("affinity settings must be positive")
@@ -103,7 +110,7 @@ class Affinity:
         for w in [w for w, t in k.replicas.items() if now_s - t >= self.window_s]:
             del k.replicas[w]
         if worker_id in k.replicas:
-            k.replicas.move_to_end(worker_id)
+            del k.replicas[worker_id]
             k.replicas[worker_id] = now_s
         elif len(k.replicas) < budget:
             k.replicas[worker_id] = now_s

@@ -49,6 +49,7 @@ from sluice.dispatcher.defaults import (
     INDEX_MAX_BLOCKS,
     KEY_TOKENS,
     MAX_REPLICAS,
+    PREFIX_MAX_KEYS,
     REPLICA_HEADROOM,
     STICKY_WINDOW_S,
     key_blocks,
@@ -96,6 +97,8 @@ class CacheAwareConfig:
     decode_step_s: float = 0.03
     guess_ttl_s: float = GUESS_TTL_S
     index_max_blocks: int = INDEX_MAX_BLOCKS
+    prefix_max_keys: int = PREFIX_MAX_KEYS
+    """Prefix keys the stickiness (and the flap meter) remember at most."""
     explain: bool = False
     sticky_cached: bool = True
     calibrate: bool = True
@@ -156,6 +159,7 @@ class CacheAware:
             tau_s=c.hot_tau_s,
             headroom=c.replica_headroom,
             max_replicas=c.max_replicas,
+            max_keys=c.prefix_max_keys,
         )
         self._key_blocks = c.key_blocks
         self._stride = c.index_stride

@@ -20,6 +20,16 @@ REPLICA_HEADROOM = 1.5
 MAX_REPLICAS = 64
 KEY_TOKENS = 1024
 """Leading prompt tokens that name a prefix (stickiness, replica budgets, flaps)."""
+PREFIX_MAX_KEYS = 200_000
+"""Prefix keys remembered at most, least recently used forgotten first: by the stickiness
+and traffic shares (:mod:`~sluice.dispatcher.affinity`), and by the flap meter."""
+CANCELLED_MAX_IDS = 100_000
+"""Cancelled request ids a dispatcher remembers at most (within the duplicate window)."""
+KEPT_ADVISORIES_MAX = 100_000
+"""Max-deliveries advisories a standby keeps at most for when it leads."""
+REMOVED_WORKERS_MAX = 10_000
+"""Workers whose lease expired that the lease table remembers at most, so that their late
+heartbeats are told apart from a fresh registration (oldest forgotten first)."""
 FEEDBACK_WINDOW_S = 60.0
 SCALE_UP_WAIT_S = 5.0
 SCALE_UP_SUSTAIN_S = 10.0

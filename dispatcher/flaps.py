@@ -17,14 +17,14 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from sluice.dispatcher.affinity import prefix_key
-from sluice.dispatcher.defaults import STICKY_WINDOW_S
+from sluice.dispatcher.defaults import PREFIX_MAX_KEYS, STICKY_WINDOW_S
 
 
 class FlapMeter:
     """Counts decisions and flaps (see the module docstring)."""
 
     def __init__(
-        self, key_blocks: int, window_s: float = STICKY_WINDOW_S, max_keys: int = 100_000
+        self, key_blocks: int, window_s: float = STICKY_WINDOW_S, max_keys: int = PREFIX_MAX_KEYS
     ) -> None:
         if key_blocks < 1 or window_s <= 0 or max_keys < 1:
             raise ValueError("key_blocks, window_s and max_keys must be positive")

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Literal
 
+from sluice.dispatcher.defaults import REMOVED_WORKERS_MAX
+
 Standing = Literal["current", "stale", "replaced"]
 """How a heartbeat stands against the table: ``current`` (renew the lease), ``stale`` (of a
 registration that was removed, or older than the lease's: ignore it), ``replaced`` (a newer
@@ -22,10 +24,13 @@ registration of a worker holding a lease: what the old one ran is gone)."""
 class LeaseTable:
     """Lease bookkeeping: ``renew`` on each heartbeat, ``expired`` finds the silent ones."""
 
-    def __init__(self, lease_s: float) -> None:
-        if lease_s <= 0:
-            raise ValueError("lease_s must be > 0")
+    def __init__(self, lease_s: float, max_removed: int = REMOVED_WORKERS_MAX) -> None:
+        """``max_removed``: removed registrations remembered at most (oldest forgotten first:
+        a worker that never comes back must not be remembered forever)."""
+        if lease_s <= 0 or max_removed < 1:
+            raise ValueError("lease_s must be > 0 and max_removed >= 1")
         self.lease_s = lease_s
+        self.max_removed = max_removed
         self._last_s: dict[str, float] = {}
         self._registration: dict[str, int] = {}
         self._removed: dict[str, int] = {}
@@ -75,7 +80,10 @@ class LeaseTable:
         self._last_s.pop(worker_id, None)
         registration = self._registration.pop(worker_id, 0)
         if registration:
+            self._removed.pop(worker_id, None)  # re-inserted last: the newest removal
             self._removed[worker_id] = registration
+            while len(self._removed) > self.max_removed:
+                del self._removed[next(iter(self._removed))]
         return registration
 
     def removed(self, worker_id: str) -> int | None:

@@ -23,4 +23,4 @@ def build_policy(name: str, routing: CacheAwareConfig, seed: int = 0) -> Routing
 def flap_meter(routing: CacheAwareConfig) -> FlapMeter:
     """The flap meter for a routing configuration: prefixes named as the policy names them,
     over its stickiness window."""
-    return FlapMeter(routing.key_blocks, routing.sticky_window_s)
+    return FlapMeter(routing.key_blocks, routing.sticky_window_s, routing.prefix_max_keys)

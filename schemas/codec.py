@@ -18,6 +18,22 @@ def encode(message: BaseModel) -> bytes:
     return data
 
 
+def encode_nested(head: BaseModel, name: str, body: bytes) -> bytes:
+    """Serialise ``head`` as :func:`encode` does, with one more field, ``name``, whose value
+    is ``body``: msgpack bytes already (a message as its producer encoded it, validated by
+    :func:`decode` since). The body is not decoded and encoded again, so a holder of a message
+    need keep only its bytes, a few per token id, not the decoded ids (some 40 bytes each)."""
+    fields = head.model_dump(mode="python")
+    if name in fields:
+        raise ValueError(f"{type(head).__name__} has a field {name!r} already")
+    packer = msgpack.Packer(use_bin_type=True)
+    parts = [packer.pack_map_header(len(fields) + 1)]
+    for key, value in fields.items():
+        parts += (packer.pack(key), packer.pack(value))
+    parts += (packer.pack(name), body)
+    return b"".join(parts)
+
+
 def decode(data: bytes, model: type[M]) -> M:
     """Parse msgpack bytes into ``model``; raises :class:`DecodeError` on any bad input."""
     try:

@@ -75,10 +75,10 @@ class SubmitRequest(_Wire):
         return self
 
 
-class Assignment(_Wire):
-    """Dispatcher → agent on ``sluice.work.<worker>``: run this request (attempt N)."""
+class AssignmentHead(_Wire):
+    """An :class:`Assignment` without its request: what the dispatcher encodes around the
+    request's body as the producer sent it (:func:`~sluice.schemas.codec.encode_nested`)."""
 
-    request: SubmitRequest
     attempt: int = Field(ge=1)
     dispatcher_id: Name
     queued_s: float = Field(ge=0)
@@ -86,6 +86,12 @@ class Assignment(_Wire):
     """The leadership epoch of the dispatcher that sent it (0: a dispatcher without
     leadership). An agent refuses an assignment from an epoch older than the newest it has
     seen: a deposed leader that wakes up cannot dispatch."""
+
+
+class Assignment(AssignmentHead):
+    """Dispatcher → agent on ``sluice.work.<worker>``: run this request (attempt N)."""
+
+    request: SubmitRequest
 
 
 class LeaderLease(_Wire):

@@ -50,5 +50,7 @@ def build_engine(settings: AgentSettings) -> Engine:
             digest_min_tokens=settings.digest_min_prefix_tokens,
             block_tokens=DEFAULT_BLOCK_TOKENS,
             stride=index_stride(DEFAULT_BLOCK_TOKENS, settings.digest_index_tokens),
+            max_blocks=settings.engine_record_max_blocks,
+            kv_max_blocks=settings.engine_kv_max_blocks,
         )
     )

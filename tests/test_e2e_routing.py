@@ -31,6 +31,11 @@ def _prompt(prefix: int, request: int) -> list[int]:
     return shared + own
 
 
+HIT_RATES: dict[str, float | None] = {}
+"""Each worker's ``sluice_dispatcher_worker_hit_rate`` at the end of the last ``_run``, read
+while it is alive (a worker that left has no series any more)."""
+
+
 async def _run(nats_url: str, policy: RoutingPolicy | None, **dispatcher: object) -> list[Result]:
     """Rounds of one request per shared prefix; returns every result."""
     kwargs = cluster_kwargs(WORKERS, dispatcher=dict(dispatcher))
@@ -48,6 +53,11 @@ async def _run(nats_url: str, policy: RoutingPolicy | None, **dispatcher: object
                 handles.append(await c.submit("sim", _prompt(p, n), max_tokens=8))
                 n += 1
             results += await asyncio.gather(*(h.result(timeout_s=30) for h in handles))
+        HIT_RATES.clear()
+        for a in cluster.agents:
+            HIT_RATES[a.worker_id] = REGISTRY.get_sample_value(
+                "sluice_dispatcher_worker_hit_rate", {"worker": a.worker_id}
+            )
     return results
 
 
@@ -72,8 +82,7 @@ async def test_repeated_prefixes_raise_the_hit_rate_against_round_robin(
     ours = await _run(nats_url, None, decision_log=str(log))
     # The metrics count every decision by its rule, and each worker's hit rate.
     assert _routed() - routed_before == PREFIXES * ROUNDS
-    rates = {r.worker_id: REGISTRY.get_sample_value(
-        "sluice_dispatcher_worker_hit_rate", {"worker": r.worker_id}) for r in ours}  # fmt: skip
+    rates = {r.worker_id: HIT_RATES[r.worker_id] for r in ours}
     assert all(v is not None and 0 <= v <= 1 for v in rates.values())
     assert max(v or 0.0 for v in rates.values()) > 0.5
     workers = [f"worker-{i}" for i in range(WORKERS)]

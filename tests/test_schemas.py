@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sluice.schemas import (
+    Assignment,
     DecodeError,
     Heartbeat,
     Result,
@@ -17,12 +18,14 @@ from sluice.schemas import (
     encode,
     names,
 )
+from sluice.schemas.codec import encode_nested
 from sluice.schemas.hashing import (
     block_hashes,
     estimate_text_tokens,
     prompt_hashes,
     text_block_hashes,
 )
+from sluice.schemas.models import AssignmentHead
 
 
 def _req(**kw: object) -> SubmitRequest:
@@ -57,6 +60,25 @@ def test_codec_round_trip() -> None:
         ),
     )
     assert decode(encode(hb), Heartbeat) == hb
+
+
+@given(
+    tokens=st.lists(st.integers(min_value=0, max_value=2**31 - 1), min_size=1, max_size=300),
+    attempt=st.integers(min_value=1, max_value=10),
+    queued_s=st.floats(min_value=0, max_value=1e6),
+    epoch=st.integers(min_value=0, max_value=2**40),
+)
+def test_an_assignment_around_the_producers_bytes_decodes_as_one_encoded_whole(
+    tokens: list[int], attempt: int, queued_s: float, epoch: int
+) -> None:
+    """The dispatcher sends a request's body as the producer encoded it (it keeps only those
+    bytes): the agent decodes the same Assignment as if it had been encoded whole."""
+    req = _req(prompt_tokens=tokens, tenant="acme", max_tokens=7)
+    head = AssignmentHead(attempt=attempt, dispatcher_id="d", queued_s=queued_s, epoch=epoch)
+    whole = Assignment(request=req, **head.model_dump(exclude={"v"}))
+    assert decode(encode_nested(head, "request", encode(req)), Assignment) == whole
+    with pytest.raises(ValueError, match="attempt"):
+        encode_nested(head, "attempt", encode(req))
 
 
 @pytest.mark.parametrize(

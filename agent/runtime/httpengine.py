@@ -40,6 +40,7 @@ from typing import Any
 
 import httpx
 
+from sluice.agent.defaults import KV_MAX_BLOCKS, RECORD_MAX_BLOCKS
 from sluice.agent.engine import EngineError, EngineLoad, Failed, Finished, Step, TokensOut
 from sluice.agent.errors import KVEventError
 from sluice.agent.kvevents import (
@@ -82,7 +83,10 @@ class HttpEngineConfig:
     poll_s: float = 0.002
     digest_min_tokens: int | None = 256
     stride: int = 1
-    max_blocks: int = 200_000
+    max_blocks: int = RECORD_MAX_BLOCKS
+    """Block hashes the record of served prompts keeps at most."""
+    kv_max_blocks: int = KV_MAX_BLOCKS
+    """Engine blocks the KV-event mirror keeps at most."""
 
 
 @dataclass
@@ -131,7 +135,7 @@ class HttpEngine:
         self.kv_dropped = 0
         self._kv_task: asyncio.Task[None] | None = None
         if c.kv_events is not None:
-            self.kv_tracker = KVEventTracker(c.block_tokens, c.stride)
+            self.kv_tracker = KVEventTracker(c.block_tokens, c.stride, c.kv_max_blocks)
         self.busy_s = 0.0
         self._last_step_s = time.monotonic()
         self.failures = 0

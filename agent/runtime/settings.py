@@ -10,6 +10,7 @@ from typing import ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from sluice.agent.defaults import KV_MAX_BLOCKS, RECORD_MAX_BLOCKS
 from sluice.agent.errors import KVEventError
 from sluice.agent.kvevents import replay_endpoint
 from sluice.agent.outbox import DEFAULT_MAX_REPORTS
@@ -95,6 +96,16 @@ class AgentSettings(BrokerSettings):
     )
     engine_metrics_stale_s: float = Field(
         default=5.0, gt=0, description="openai-http: older metrics count as a saturated engine."
+    )
+    engine_record_max_blocks: int = Field(
+        default=RECORD_MAX_BLOCKS,
+        ge=1,
+        description="openai-http: block hashes its record of served prompts keeps at most.",
+    )
+    engine_kv_max_blocks: int = Field(
+        default=KV_MAX_BLOCKS,
+        ge=1,
+        description="openai-http: engine KV blocks mirrored from its KV events at most.",
     )
     tokenizer: str | None = Field(
         default=None,

@@ -11,6 +11,7 @@ import json
 import logging
 import time
 from collections import deque
+from typing import Protocol
 
 from nats.aio.msg import Msg
 
@@ -51,12 +52,27 @@ async def respond(msg: Msg, data: bytes = b"") -> None:
         log.debug("could not respond on %s", msg.reply)
 
 
+class Named(Protocol):
+    """What an answer names of its request (a decoded request, or a held one)."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def model(self) -> str: ...
+    @property
+    def tenant(self) -> str: ...
+    @property
+    def band(self) -> str: ...
+
+
 class Answers:
     """Publishes results of requests that did not run, and dead letters."""
 
     def __init__(self, state: State) -> None:
         self.state = state
-        self._unserved_advisories: deque[tuple[str, int, int]] = deque(maxlen=100_000)
+        self._unserved_advisories: deque[tuple[str, int, int]] = deque(
+            maxlen=state.settings.max_kept_advisories
+        )
         """Max-deliveries advisories a standby received, for when it leads (bounded)."""
 
     async def publish_result(self, result: Result) -> bool:
@@ -78,7 +94,7 @@ class Answers:
         metrics.ANSWER_FAILURES.inc()
         return False
 
-    async def publish_rejection(self, req: SubmitRequest, rejection: Rejection) -> bool:
+    async def publish_rejection(self, req: Named, rejection: Rejection) -> bool:
         """Store the typed rejection of a request, counted as one (metrics and feedback)."""
         st = self.state
         known = st.scheduler.known_model(req.model) and req.band in st.scheduler.config.bands
@@ -88,7 +104,7 @@ class Answers:
         self.state.feedback.rejected(req.model, req.band, time.monotonic())
         return await self.publish_result_of(req, rejection)
 
-    async def publish_result_of(self, req: SubmitRequest, rejection: Rejection) -> bool:
+    async def publish_result_of(self, req: Named, rejection: Rejection) -> bool:
         """Store a request's not-ok result (a rejection, or a cancel, which is not counted as
         a rejection)."""
         return await self.publish_result(
@@ -149,7 +165,7 @@ class Answers:
         held = self.state.release_held(ended.request.request_id)
         if held is None:
             return
-        if await self.publish_rejection(held.request, ended.rejection):
+        if await self.publish_rejection(held, ended.rejection):
             await ack(held.msg)
         # Not stored: un-acked, it comes back after ack_wait and is rejected again.
 

@@ -318,4 +318,4 @@ class Dispatcher:
                 try:
                     await held.msg.in_progress()
                 except BROKER_ERRORS:
-                    log.debug("in-progress ack of %s failed", held.request.request_id)
+                    log.debug("in-progress ack of %s failed", held.request_id)

@@ -89,7 +89,7 @@ class Cancels:
         st = self.state
         rid = q.request_id
         held = st.held.get(rid)
-        if held is None or held.request.tenant != q.tenant:
+        if held is None or held.tenant != q.tenant:
             return await self._not_held(q)
         st.cancelled.add(rid, time.monotonic())
         sched = st.scheduler
@@ -130,7 +130,7 @@ class Cancels:
         if held is None:
             return False
         rejection = Rejection(reason=RejectReason.CANCELLED, message=message)
-        if await self.answers.publish_result_of(held.request, rejection):
+        if await self.answers.publish_result_of(held, rejection):
             await ack(held.msg)
         return True
 

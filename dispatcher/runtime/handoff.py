@@ -20,9 +20,9 @@ from sluice.dispatcher.runtime.state import BROKER_ERRORS, State
 from sluice.dispatcher.runtime.workers import WorkerTraffic
 from sluice.dispatcher.scheduler import Dispatch, Scheduler
 from sluice.schemas import names
-from sluice.schemas.codec import decode, encode
+from sluice.schemas.codec import decode, encode, encode_nested
 from sluice.schemas.errors import DecodeError
-from sluice.schemas.models import Assignment, AssignmentReply, QueuedNotice
+from sluice.schemas.models import AssignmentHead, AssignmentReply, QueuedNotice
 
 log = logging.getLogger("sluice.dispatcher")
 
@@ -99,7 +99,7 @@ class HandOff:
             position = st.scheduler.position(rid)
             if held is None or position is None:
                 continue  # it started (or ended) in this pass
-            key = (held.request.model, held.request.band)
+            key = (held.model, held.band)
             if key not in waits:
                 waits[key] = self.gauges.wait_figures(*key, now).expected_wait_s
             notice = QueuedNotice(
@@ -138,18 +138,17 @@ class HandOff:
         held = st.held.get(d.request.request_id)
         if held is None or not st.leading():
             return False
-        assignment = Assignment(
-            request=held.request,
+        head = AssignmentHead(
             attempt=d.request.attempt,
             dispatcher_id=st.settings.dispatcher_id,
-            queued_s=max(0.0, time.time() - held.request.submitted_unix_ms / 1000),
+            queued_s=max(0.0, time.time() - held.submitted_unix_ms / 1000),
             epoch=st.leadership.epoch,
         )
         t0 = time.perf_counter()
         try:
             reply = await st.nc.request(
                 names.work_subject(d.worker_id),
-                encode(assignment),
+                encode_nested(head, "request", held.msg.data),  # an Assignment
                 timeout=st.settings.handoff_timeout_s,
             )
             answer = decode(reply.data, AssignmentReply)

@@ -100,7 +100,7 @@ class Intake:
         ids = st.tokenizers.prompt_ids(req.model, req.prompt_tokens, req.prompt_text)
         outcome = st.scheduler.enqueue(_request(req, msg, now, ids), now)
         if outcome.status in ("queued", "adopted"):
-            st.hold(Held(msg, req, meta.sequence.stream))
+            st.hold(Held.of(msg, req, meta.sequence.stream))
             if outcome.status == "queued":
                 st.unnotified.add(rid)
         elif outcome.status == "duplicate":

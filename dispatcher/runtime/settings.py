@@ -16,7 +16,10 @@ from sluice.dispatcher.admission import DEFAULT_BAND_DELAY_S, AdmissionConfig
 from sluice.dispatcher.cacheaware import CacheAwareConfig
 from sluice.dispatcher.decisions import DEFAULT_MAX_BYTES
 from sluice.dispatcher.defaults import (
+    CANCELLED_MAX_IDS,
     FEEDBACK_WINDOW_S,
+    KEPT_ADVISORIES_MAX,
+    REMOVED_WORKERS_MAX,
     SCALE_DOWN_IDLE_S,
     SCALE_UP_SUSTAIN_S,
     SCALE_UP_WAIT_S,
@@ -226,6 +229,21 @@ class DispatcherSettings(BrokerSettings):
     duplicate_window_s: float = Field(
         default=120.0, gt=0, description="Request-id deduplication window of the streams."
     )
+    cancelled_max_ids: int = Field(
+        default=CANCELLED_MAX_IDS,
+        ge=1,
+        description="Cancelled request ids remembered (within the duplicate window) at most.",
+    )
+    max_kept_advisories: int = Field(
+        default=KEPT_ADVISORIES_MAX,
+        ge=1,
+        description="Max-deliveries advisories a standby keeps for when it leads, at most.",
+    )
+    lease_max_removed: int = Field(
+        default=REMOVED_WORKERS_MAX,
+        ge=1,
+        description="Workers whose lease expired remembered at most (their late heartbeats).",
+    )
     fetch_timeout_s: float = Field(default=1.0, gt=0, description="Long-poll of each band task.")
     tick_s: float = Field(default=0.1, gt=0, description="Scheduling loop tick (deadlines).")
     seed: int = Field(default=0, description="Salt of the least-loaded policy's hash tie-breaks.")
@@ -339,6 +357,11 @@ class DispatcherSettings(BrokerSettings):
     routing_index_max_blocks: int = Field(
         default=_R.index_max_blocks, ge=1, description="Block hashes the cache index keeps at most."
     )
+    routing_prefix_max_keys: int = Field(
+        default=_R.prefix_max_keys,
+        ge=1,
+        description="Prefix keys remembered for stickiness and flap counting, at most.",
+    )
     decision_log: Path | None = Field(
         default=None, description="Write one JSON line per routing decision here (off: unset)."
     )
@@ -413,6 +436,7 @@ class DispatcherSettings(BrokerSettings):
             decode_step_s=self.routing_decode_step_s,
             guess_ttl_s=self.routing_guess_ttl_s,
             index_max_blocks=self.routing_index_max_blocks,
+            prefix_max_keys=self.routing_prefix_max_keys,
             index_tokens=self.routing_index_tokens,
             explain=self.decision_log is not None,
         )

@@ -20,6 +20,7 @@ from sluice.common.errors import internal_error
 from sluice.common.tokenizer import Tokenizers
 from sluice.dispatcher.admission import AdmissionConfig
 from sluice.dispatcher.decisions import DecisionLog
+from sluice.dispatcher.defaults import CANCELLED_MAX_IDS
 from sluice.dispatcher.feedback import Feedback, ScaleAdvisor
 from sluice.dispatcher.leadership import Leadership
 from sluice.dispatcher.leases import LeaseTable
@@ -27,6 +28,7 @@ from sluice.dispatcher.policies import build_policy, flap_meter
 from sluice.dispatcher.routing import RoutingPolicy
 from sluice.dispatcher.runtime.settings import DispatcherSettings
 from sluice.dispatcher.scheduler import Scheduler
+from sluice.schemas.codec import decode
 from sluice.schemas.models import Heartbeat, SubmitRequest
 
 log = logging.getLogger("sluice.dispatcher")
@@ -36,13 +38,34 @@ BROKER_ERRORS = (nats.errors.Error, OSError, TimeoutError)
 JetStream errors derive from ``nats.errors.Error``): expected, handled where they happen."""
 
 
-@dataclass
+@dataclass(slots=True)
 class Held:
-    """A request message the dispatcher holds un-acked until the request ends."""
+    """A request message the dispatcher holds un-acked until the request ends.
+
+    It keeps the message, whose body is the request as its producer encoded it (a few bytes
+    per prompt token), and of the decoded request only what the loops read often: the decoded
+    prompt would cost some 40 bytes per token id, ten times its body. An offer sends the body
+    as it is (:func:`~sluice.schemas.codec.encode_nested`); :attr:`request` decodes it again
+    for the rare answers that need it whole."""
 
     msg: Msg
-    request: SubmitRequest
     stream_seq: int
+    request_id: str
+    model: str
+    tenant: str
+    band: str
+    submitted_unix_ms: int
+
+    @classmethod
+    def of(cls, msg: Msg, request: SubmitRequest, stream_seq: int) -> Held:
+        """Hold ``msg``, whose body decoded to ``request``."""
+        r = request
+        return cls(msg, stream_seq, r.request_id, r.model, r.tenant, r.band, r.submitted_unix_ms)
+
+    @property
+    def request(self) -> SubmitRequest:
+        """The request, decoded from the message's body (it decoded once, so it does again)."""
+        return decode(self.msg.data, SubmitRequest)
 
 
 class Tombstones:
@@ -50,7 +73,7 @@ class Tombstones:
     is not resubmitted under its id after that), at most ``max_ids`` of them. Time is passed
     in."""
 
-    def __init__(self, ttl_s: float, max_ids: int = 100_000) -> None:
+    def __init__(self, ttl_s: float, max_ids: int = CANCELLED_MAX_IDS) -> None:
         self.ttl_s = ttl_s
         self.max_ids = max_ids
         self._ids: OrderedDict[str, float] = OrderedDict()
@@ -106,11 +129,11 @@ class State:
         """Counts the times this dispatcher became leader; a pull task runs for one term."""
         self.tokenizers = Tokenizers(s.tokenizer, s.model_tokenizers)
         """Text prompts become token ids here, as the engines tokenize them."""
-        self.leases = LeaseTable(s.lease_s)
+        self.leases = LeaseTable(s.lease_s, s.lease_max_removed)
         self.heartbeats: dict[str, Heartbeat] = {}
         """The last heartbeat of every worker holding a lease (``sluice workers``)."""
         self.held: dict[str, Held] = {}
-        self.cancelled = Tombstones(s.duplicate_window_s)
+        self.cancelled = Tombstones(s.duplicate_window_s, s.cancelled_max_ids)
         """Requests cancelled here: one that arrives (again) is answered, never run."""
         self.unnotified: set[str] = set()
         """Requests queued since the last scheduling pass: those still queued after it are
@@ -184,14 +207,14 @@ class State:
         return self._background
 
     def hold(self, held: Held) -> None:
-        self.held[held.request.request_id] = held
-        self.held_by_band[held.request.band] += 1
+        self.held[held.request_id] = held
+        self.held_by_band[held.band] += 1
 
     def release_held(self, request_id: str) -> Held | None:
         held = self.held.pop(request_id, None)
         self.unnotified.discard(request_id)
         if held is not None:
-            band = held.request.band
+            band = held.band
             self.held_by_band[band] -= 1
             self.room[band].set()
         return held

@@ -67,7 +67,11 @@ class WorkerTraffic:
             await self.lose_worker(hb.worker_id)
         now = time.monotonic()
         st.leases.renew(hb.worker_id, now, hb.registration)
-        st.heartbeats[hb.worker_id] = hb
+        # Kept for `sluice workers`, without its digest: a snapshot lists up to
+        # digest_max_blocks hashes, which the cache index holds already.
+        st.heartbeats[hb.worker_id] = (
+            hb if hb.cache is None else hb.model_copy(update={"cache": None})
+        )
         effects = feed.apply_heartbeat(
             st.scheduler, hb, now, index_block_tokens=st.index_block_tokens
         )
@@ -136,6 +140,21 @@ class WorkerTraffic:
         if booking is not None and booking.worker_id == w:
             metrics.HIT_ERROR.observe(c.cached_tokens - booking.expected_hit_tokens)
 
+    def _forget_counts(self, worker_id: str) -> None:
+        """Drop a lost worker's counters and metric series: a fleet whose workers come and go
+        under new names would otherwise keep every name it ever saw."""
+        self._prompt_tokens.pop(worker_id, None)
+        self._hit_tokens.pop(worker_id, None)
+        per_worker = (
+            metrics.DRIFT,
+            metrics.WORKER_PROMPT_TOKENS,
+            metrics.WORKER_CACHED_TOKENS,
+            metrics.WORKER_HIT_RATE,
+        )
+        for metric in per_worker:
+            with contextlib.suppress(KeyError):  # it had no such series yet
+                metric.remove(worker_id)
+
     async def expire_worker(self, worker_id: str) -> None:
         """The worker's lease expired: forget it, queue its requests again, and tell it (it
         may come back: then it registers afresh)."""
@@ -167,8 +186,7 @@ class WorkerTraffic:
             st.leases.drop(worker_id)
         st.heartbeats.pop(worker_id, None)
         requeued, ended = feed.remove_worker(st.scheduler, worker_id)
-        with contextlib.suppress(KeyError):  # it had no drift gauge yet
-            metrics.DRIFT.remove(worker_id)
+        self._forget_counts(worker_id)
         for e in ended:
             await self.answers.end(e)
         for r in requeued:
