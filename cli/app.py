@@ -192,8 +192,9 @@ def _print_hot(hot: Any) -> None:
     )
     console.print(
         f"end to end ({hot.throughput_requests} requests, {hot.submitters} submitters, instant "
-        f"engines): {hot.throughput_rps:,.0f} requests/s; raw JetStream publish + fetch + ack "
-        f"loop in the same run {hot.raw_jetstream_rps:,.0f} messages/s"
+        f"engines): {hot.throughput_rps:,.0f} requests/s; same-run raw JetStream loop (publish, "
+        f"fetch, ack, one at a time) {hot.raw_jetstream_rps:,.0f} messages/s, with "
+        f"{hot.submitters} concurrent publishers {hot.raw_jetstream_concurrent_rps:,.0f}/s"
     )
     for v in verdicts(hot):
         how = "within target" if v.met else "off target"
