@@ -31,6 +31,7 @@ from pathlib import Path
 from tempfile import TemporaryDirectory
 
 import nats
+from nats.aio.msg import Msg
 from nats.js import api
 
 from sluice.client import Client
@@ -189,7 +190,7 @@ async def _broker_rtts(url: str, n: int) -> tuple[list[float], list[float]]:
         js = nc.jetstream()
         await js.add_stream(name="BENCH_RTT", subjects=["bench.rtt"], storage=api.StorageType.FILE)
 
-        async def echo(msg: nats.aio.msg.Msg) -> None:
+        async def echo(msg: Msg) -> None:
             await msg.respond(b"")
 
         await nc.subscribe("bench.echo", cb=echo)
