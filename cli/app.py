@@ -186,7 +186,8 @@ def _print_hot(hot: Any) -> None:
     console.print(
         f"live dispatch latency ({hot.latency_requests} sequential requests, idle fleet of 1 "
         f"dispatcher and {hot.agents} agents as processes; submit -> worker accepted): p50 "
-        f"{hot.dispatch_p50_ms:.2f} ms, p99 {hot.dispatch_p99_ms:.2f} ms; same-run baselines: "
+        f"{hot.dispatch_p50_ms:.2f} ms, p99 {hot.dispatch_p99_ms:.2f} ms (of which submit "
+        f"returning p50 {hot.submit_p50_ms:.2f} ms); same-run baselines: "
         f"JetStream publish ack p50 {hot.publish_ack_p50_ms:.2f} ms, core request/reply p50 "
         f"{hot.request_reply_p50_ms:.2f} ms"
     )
@@ -194,7 +195,9 @@ def _print_hot(hot: Any) -> None:
         f"end to end ({hot.throughput_requests} requests, {hot.submitters} submitters, instant "
         f"engines): {hot.throughput_rps:,.0f} requests/s; same-run raw JetStream loop (publish, "
         f"fetch, ack, one at a time) {hot.raw_jetstream_rps:,.0f} messages/s, with "
-        f"{hot.submitters} concurrent publishers {hot.raw_jetstream_concurrent_rps:,.0f}/s"
+        f"{hot.submitters} concurrent publishers {hot.raw_jetstream_concurrent_rps:,.0f}/s; CPU "
+        f"per request: dispatcher {hot.dispatcher_cpu_ms_per_request:.3f} ms, agents "
+        f"{hot.agent_cpu_ms_per_request:.3f} ms"
     )
     for v in verdicts(hot):
         how = "within target" if v.met else "off target"

@@ -77,11 +77,17 @@ class HotFigures:
     dispatch_p50_ms: float
     dispatch_p99_ms: float
     publish_ack_p50_ms: float
+    submit_p50_ms: float
+    """``Client.submit`` returning (the request's own publish acknowledged), in the fleet."""
     request_reply_p50_ms: float
     throughput_requests: int
     submitters: int
     agents: int
     throughput_rps: float
+    dispatcher_cpu_ms_per_request: float
+    """The dispatcher process's CPU time over the throughput run, per request (-1: unknown)."""
+    agent_cpu_ms_per_request: float
+    """The agent processes' CPU time over the throughput run, per request (-1: unknown)."""
     raw_jetstream_rps: float
     """The raw loop: publish, fetch, ack, one message at a time."""
     raw_jetstream_concurrent_rps: float
@@ -147,8 +153,10 @@ async def bench_hot(sizes: HotSizes | None = None) -> HotFigures:
                 procs.append(_spawn(["agent"], _agent_env(server.url, i), Path(tmp), f"a{i}"))
             async with Client(server.url) as client:
                 await _ready(client, z.agents, procs)
-                dispatch_ms = await _dispatch_latency(client, z.latency_requests)
+                dispatch_ms, submit_ms = await _dispatch_latency(client, z.latency_requests)
+                cpu0 = [_cpu_s(p.pid) for p in procs]
                 rps = await _throughput(client, z.throughput_requests, z.submitters)
+                cpu = [b - a for a, b in zip(cpu0, [_cpu_s(p.pid) for p in procs], strict=True)]
         finally:
             _stop(procs)
     return HotFigures(
@@ -156,11 +164,14 @@ async def bench_hot(sizes: HotSizes | None = None) -> HotFigures:
         dispatch_p50_ms=percentile(dispatch_ms, 50),
         dispatch_p99_ms=percentile(dispatch_ms, 99),
         publish_ack_p50_ms=percentile(pub_ms, 50),
+        submit_p50_ms=percentile(submit_ms, 50),
         request_reply_p50_ms=percentile(rr_ms, 50),
         throughput_requests=z.throughput_requests,
         submitters=z.submitters,
         agents=z.agents,
         throughput_rps=rps,
+        dispatcher_cpu_ms_per_request=_per_request_ms(cpu[:1], z.throughput_requests),
+        agent_cpu_ms_per_request=_per_request_ms(cpu[1:], z.throughput_requests),
         raw_jetstream_rps=raw_rps,
         raw_jetstream_concurrent_rps=raw_concurrent_rps,
     )
@@ -306,6 +317,22 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
             p.wait(5)
 
 
+def _cpu_s(pid: int) -> float:
+    """A process's CPU time so far (user + system), from /proc; -1 where there is none."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return -1.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _per_request_ms(cpu_s: list[float], requests: int) -> float:
+    if any(c < 0 for c in cpu_s):
+        return -1.0
+    return sum(cpu_s) / requests * 1000
+
+
 async def _ready(client: Client, agents: int, procs: list[subprocess.Popen[bytes]]) -> None:
     """Until the dispatcher leads with every agent registered and a request has run."""
     deadline = time.monotonic() + _READY_TIMEOUT_S
@@ -326,19 +353,21 @@ async def _ready(client: Client, agents: int, procs: list[subprocess.Popen[bytes
         await h.result(timeout_s=_READY_TIMEOUT_S)
 
 
-async def _dispatch_latency(client: Client, n: int) -> list[float]:
-    """Sequential requests on the idle fleet: submit until a worker accepted it, in ms. The
-    agent's accept time is the result's ``queued_s`` after the request's submission stamp."""
-    out = []
+async def _dispatch_latency(client: Client, n: int) -> tuple[list[float], list[float]]:
+    """Sequential requests on the idle fleet, in ms: submit until a worker accepted it, and
+    until ``submit`` returned (its publish acknowledged). The agent's accept time is the
+    result's ``queued_s`` after the request's submission stamp."""
+    out, submits = [], []
     for _ in range(n):
         t0 = time.time()
         h = await client.submit(_MODEL, _PROMPT, max_tokens=1, band="interactive")
+        submits.append((time.time() - t0) * 1000)
         r = await h.result(timeout_s=30)
         if r.timings is None:
             raise BenchError(f"request {r.request_id} did not run: {r.rejection}")
         accepted_unix_s = h.request.submitted_unix_ms / 1000 + r.timings.queued_s
         out.append((accepted_unix_s - t0) * 1000)
-    return out
+    return out, submits
 
 
 async def _throughput(client: Client, n: int, submitters: int) -> float:
