@@ -14,13 +14,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from nats.aio.msg import Msg
+from nats.js.client import JetStreamContext
 from prometheus_client import REGISTRY
 
 from sluice.cli.benchlive import Verdict
 from sluice.client import Client
 from sluice.schemas import names
 from sluice.testing.cluster import LocalCluster
-from tests.conftest import cluster_kwargs, eventually
+from tests.conftest import FAST_DISPATCHER, cluster_kwargs, eventually
 
 pytestmark = pytest.mark.e2e
 
@@ -132,3 +133,57 @@ def test_a_verdict_is_met_exactly_when_it_is_within_its_target(
 ) -> None:
     v = Verdict("x", value, target, higher)
     assert v.met == (v.off_by <= 1.0) or abs(v.off_by - 1.0) < 1e-9
+
+
+async def test_a_takeover_looks_up_redelivered_results_at_once(nats_url: str) -> None:
+    """A leader hands six held requests back (a clean stop naks them) and their results
+    exist already: the next leader gets them redelivered in one batch and looks their results
+    up concurrently (all six lookups sent before the first answer; one after the other, each
+    answer would come before the next lookup), then acks all six without running them."""
+    from sluice.dispatcher.runtime import Dispatcher, DispatcherSettings
+    from sluice.schemas.codec import encode
+    from sluice.schemas.models import Result
+
+    def settings(name: str) -> DispatcherSettings:
+        return DispatcherSettings(nats_url=nats_url, dispatcher_id=name, **FAST_DISPATCHER)
+
+    seen: list[str] = []
+    lookups: set[str] = set()
+    async with Client(nats_url) as client:
+
+        async def on_lookup(msg: Msg) -> None:
+            lookups.add(msg.reply)
+            seen.append("lookup")
+
+        async def on_inbox(msg: Msg) -> None:
+            if msg.subject in lookups:
+                seen.append("answer")
+
+        first = await Dispatcher(settings("d-1")).start()
+        try:
+            ids = [
+                await client.enqueue("sim", _PROMPT, max_tokens=2, band="interactive")
+                for _ in range(6)
+            ]
+            await eventually(lambda: _true(first.held == 6))
+        finally:
+            await first.stop()  # hands the six back
+        js = client.nc.jetstream()
+        for rid in ids:
+            result = Result(request_id=rid, ok=True, model="sim", band="interactive")
+            await js.publish(names.result_subject("default", rid), encode(result))
+        await client.nc.subscribe(f"$JS.API.DIRECT.GET.{names.RESULT_STREAM}.>", cb=on_lookup)
+        await client.nc.subscribe("_INBOX.>", cb=on_inbox)
+        await client.nc.flush()
+        second = await Dispatcher(settings("d-2")).start()
+        try:
+            stream = names.request_stream("interactive")
+            await eventually(lambda: _stream_empty(js, stream))
+            assert second.held == 0  # acked as done, never queued to run
+        finally:
+            await second.stop()
+    assert seen[:6] == ["lookup"] * 6, f"lookups and answers interleaved: {seen}"
+
+
+async def _stream_empty(js: JetStreamContext, stream: str) -> bool:
+    return (await js.stream_info(stream)).state.messages == 0
