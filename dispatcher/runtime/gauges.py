@@ -46,8 +46,6 @@ class Gauges:
         self._last_expire_s = 0.0
         self._last_update_s: float | None = None
         self.sizing = QueueSizing(state)
-        self.updates = 0
-        """Passes that refreshed the gauges (the rest were within ``gauges_every_s``)."""
 
     def update(self, now: float) -> None:
         """Refresh the metrics, at most once per ``gauges_every_s``: the scheduling loop calls
@@ -58,7 +56,6 @@ class Gauges:
         if last is not None and now - last < st.settings.gauges_every_s:
             return
         self._last_update_s = now
-        self.updates += 1
         metrics.WORKERS.set(len(st.leases))
         for snap in st.scheduler.band_snapshots(now):
             metrics.QUEUED.labels(snap.band).set(snap.queued)
