@@ -107,31 +107,111 @@ def demo(
 
 @app.command()
 def bench(
-    requests: Annotated[int, typer.Option(help="Requests per benchmark.", min=10)] = 50_000,
-    live_requests: Annotated[int, typer.Option(help="Requests of the live run.", min=10)] = 300,
-    skip_live: Annotated[bool, typer.Option(help="Only the pure-core benchmark.")] = False,
+    requests: Annotated[int, typer.Option(help="Requests per core benchmark.", min=10)] = 50_000,
+    decision_requests: Annotated[
+        int, typer.Option(help="Requests per worker count of decision_us.", min=10)
+    ] = 2_000,
+    live_requests: Annotated[
+        int | None,
+        typer.Option(help="Sequential requests of the dispatch latency.", min=10),
+    ] = None,
+    throughput_requests: Annotated[
+        int | None,
+        typer.Option(help="Requests of the end-to-end throughput.", min=10),
+    ] = None,
+    submitters: Annotated[
+        int | None,
+        typer.Option(help="Concurrent submitters and raw publishers.", min=1),
+    ] = None,
+    skip_live: Annotated[bool, typer.Option(help="Only the pure-core benchmarks.")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print every figure as one JSON object, nothing else.")
+    ] = False,
 ) -> None:
-    """Measure the dispatcher's own cost against baselines measured in the same run."""
-    from sluice.cli.bench import bench_core, bench_live
+    """Measure the dispatcher's own cost and its live hot path against baselines measured in
+    the same run, and how far each figure is from its target."""
+    from sluice.cli.bench import bench_core
+    from sluice.cli.benchlive import BenchError, HotSizes, bench_hot, verdicts
 
+    figures: dict[str, Any] = {"core": {}}
     for policy in ("cache-aware", "least-loaded"):
         core = bench_core(requests=requests, policy=policy)
-        console.print(
-            f"core ({policy}): {core.decisions:,} decisions; sluice scheduler "
-            f"{core.sluice_us_per_decision:.1f} us CPU/decision, minimal FIFO+round-robin "
-            f"baseline {core.baseline_us_per_decision:.2f} us; ratio {core.ratio:.1f}x"
-        )
-    if skip_live:
-        return
-    live = run(bench_live(requests=live_requests))
+        figures["core"][policy] = {
+            "decisions": core.decisions,
+            "us_per_decision": core.sluice_us_per_decision,
+            "baseline_us_per_decision": core.baseline_us_per_decision,
+            "ratio": core.ratio,
+        }
+        if not as_json:
+            console.print(
+                f"core ({policy}): {core.decisions:,} decisions; sluice scheduler "
+                f"{core.sluice_us_per_decision:.1f} us CPU/decision, minimal FIFO+round-robin "
+                f"baseline {core.baseline_us_per_decision:.2f} us; ratio {core.ratio:.1f}x"
+            )
+    decision_us, baseline_us = _decision_us(decision_requests)
+    figures["decision_us"], figures["baseline_decision_us"] = decision_us, baseline_us
+    if not as_json:
+        by_count = ", ".join(f"{n} workers {us:.1f} us" for n, us in decision_us.items())
+        console.print(f"decision cost by fleet size: {by_count}; baseline {baseline_us:.2f} us")
+    if not skip_live:
+        given = {
+            "latency_requests": live_requests,
+            "throughput_requests": throughput_requests,
+            "submitters": submitters,
+        }
+        sizes = HotSizes(**{k: v for k, v in given.items() if v is not None})
+        try:
+            hot = run(bench_hot(sizes))
+        except BenchError as exc:
+            raise fail(str(exc)) from exc
+        figures.update(hot.as_dict())
+        figures["targets"] = {
+            v.name: {"value": v.value, "target": v.target, "met": v.met, "off_by": v.off_by}
+            for v in verdicts(hot)
+        }
+        if not as_json:
+            _print_hot(hot)
+    if as_json:
+        print(json.dumps(figures))
+
+
+def _decision_us(requests: int) -> tuple[dict[str, float], float]:
+    """CPU per scheduling decision by fleet size (``"16"``, ``"256"``, ``"1024"`` workers),
+    and the minimal baseline's (on 16 workers)."""
+    from sluice.cli.bench import bench_core
+
+    results = {n: bench_core(requests=requests, workers=n) for n in (16, 256, 1024)}
+    return {str(n): r.sluice_us_per_decision for n, r in results.items()}, results[
+        16
+    ].baseline_us_per_decision
+
+
+def _print_hot(hot: Any) -> None:
+    from sluice.cli.benchlive import verdicts
+
     console.print(
-        f"live ({live.requests} sequential requests, idle cluster): dispatch latency "
-        f"(submit -> worker accepted) p50 {live.dispatch_p50_ms:.2f} ms, "
-        f"p99 {live.dispatch_p99_ms:.2f} ms; same-run broker baselines: JetStream publish ack "
-        f"p50 {live.js_publish_p50_ms:.2f} ms, core request/reply p50 "
-        f"{live.request_reply_p50_ms:.2f} ms; dispatch / publish-ack = "
-        f"{live.dispatch_p50_ms / live.js_publish_p50_ms:.1f}x"
+        f"live dispatch latency ({hot.latency_requests} sequential requests, idle fleet of 1 "
+        f"dispatcher and {hot.agents} agents as processes; submit -> worker accepted): p50 "
+        f"{hot.dispatch_p50_ms:.2f} ms, p99 {hot.dispatch_p99_ms:.2f} ms (of which submit "
+        f"returning p50 {hot.submit_p50_ms:.2f} ms); same-run baselines: "
+        f"JetStream publish ack p50 {hot.publish_ack_p50_ms:.2f} ms, core request/reply p50 "
+        f"{hot.request_reply_p50_ms:.2f} ms"
     )
+    console.print(
+        f"end to end ({hot.throughput_requests} requests, {hot.submitters} submitters, instant "
+        f"engines): {hot.throughput_rps:,.0f} requests/s; same-run raw JetStream loop (publish, "
+        f"fetch, ack, one at a time) {hot.raw_jetstream_rps:,.0f} messages/s, with "
+        f"{hot.submitters} concurrent publishers {hot.raw_jetstream_concurrent_rps:,.0f}/s; CPU "
+        f"per request: dispatcher {hot.dispatcher_cpu_ms_per_request:.3f} ms, agents "
+        f"{hot.agent_cpu_ms_per_request:.3f} ms"
+    )
+    for v in verdicts(hot):
+        how = "within target" if v.met else "off target"
+        sign = ">=" if v.higher_is_better else "<="
+        console.print(
+            f"  {v.name}: {v.value:.2f} (target {sign} {v.target:g}); {how}, "
+            f"{v.off_by:.2f}x the target"
+        )
 
 
 @app.command()

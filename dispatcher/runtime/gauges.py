@@ -56,6 +56,7 @@ class Gauges:
         self._last_feedback_s = 0.0
         self._spent: dict[str, float] = {}
         self._last_expire_s = 0.0
+        self._last_update_s: float | None = None
         self.sizing = QueueSizing(state)
         self._workers: set[str] = set()
         """Workers with per-worker gauges (removed when their lease ends)."""
@@ -65,7 +66,14 @@ class Gauges:
         """The flap meter's (decisions, flaps) already counted in the counters."""
 
     def update(self, now: float) -> None:
+        """Refresh the metrics, at most once per ``gauges_every_s``: the scheduling loop calls
+        this on every pass, and under load it passes once per arrival or completion, far more
+        often than anyone scrapes."""
         st = self.state
+        last = self._last_update_s
+        if last is not None and now - last < st.settings.gauges_every_s:
+            return
+        self._last_update_s = now
         metrics.WORKERS.set(len(st.leases))
         for snap in st.scheduler.band_snapshots(now):
             metrics.QUEUED.labels(snap.band).set(snap.queued)

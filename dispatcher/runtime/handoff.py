@@ -63,10 +63,15 @@ class HandOff:
             return  # a standby only follows: it ends, answers and dispatches nothing
         for ended in st.scheduler.sweep(now):
             await self.answers.end(ended)
-        self.gauges.update(now)
-        learning = not st.leadership.may_dispatch(now, unbooked(st.scheduler))
+        # Once learned, a term stays open: the count of unbooked requests is only needed
+        # before that (it walks every worker's report).
+        learning = not st.leadership.may_dispatch(
+            now, 0 if st.leadership.learned else unbooked(st.scheduler)
+        )
         if not learning:  # while learning, only listen to heartbeats
             await self._dispatch(now)
+        # The metrics after the hand-offs: they must not delay a request's start.
+        self.gauges.update(now)
         await self._notify(now, learning)
 
     async def _dispatch(self, now: float) -> None:
@@ -74,7 +79,10 @@ class HandOff:
         decisions = st.scheduler.plan(now)
         if not decisions:
             return
-        accepted = await asyncio.gather(*(self.offer(d) for d in decisions))
+        if len(decisions) == 1:  # the idle case: no task to wrap the one offer in
+            accepted = [await self.offer(decisions[0])]
+        else:
+            accepted = await asyncio.gather(*(self.offer(d) for d in decisions))
         booked_s = time.monotonic()
         for d, ok in zip(decisions, accepted, strict=True):
             if ok:

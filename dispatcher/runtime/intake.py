@@ -59,16 +59,46 @@ class Intake:
                 log.warning("fetch on band %s failed; retrying", band, exc_info=True)
                 await asyncio.sleep(0.5)
                 continue
+            known = await self._results_of_redeliveries(msgs)
             for msg in msgs:
                 if st.term != term or not st.leading():
                     return  # deposed while fetching: not ours to ack or hold
                 try:
-                    await self.on_request(band, msg)
+                    await self.on_request(band, msg, known)
                 except Exception:  # one message must never stop its band: log and count it
                     internal_error(log, "dispatcher.intake", "a request of band %s failed", band)
             st.kick.set()
 
-    async def on_request(self, band: str, msg: Msg) -> None:
+    async def _results_of_redeliveries(self, msgs: list[Msg]) -> dict[tuple[str, str], bool]:
+        """Whether the results of a batch's redelivered requests exist, by (tenant, request
+        id), looked up concurrently: after a takeover every message comes back redelivered,
+        and one lookup after the other would cost a round trip per request. Keyed by the
+        subject's tenant and the ``Nats-Msg-Id`` header; :meth:`_seen` uses an answer only for
+        a body that says the same (else it looks up itself)."""
+        keys: list[tuple[str, str]] = []
+        for msg in msgs:
+            rid = (msg.headers or {}).get(names.MSG_ID_HEADER, "")
+            if msg.metadata.num_delivered <= 1 or not rid:
+                continue
+            try:
+                tenant = names.parse_request_subject(msg.subject)[2]
+            except ValueError:
+                continue
+            keys.append((tenant, rid))
+        if not keys:
+            return {}
+        try:
+            found = await asyncio.gather(*(self.result_exists(t, rid) for t, rid in keys))
+        except Exception:  # a bug here must not stop the band: each request looks up itself
+            internal_error(log, "dispatcher.intake", "looking up redelivered results failed")
+            return {}
+        return dict(zip(keys, found, strict=True))
+
+    async def on_request(
+        self, band: str, msg: Msg, known: dict[tuple[str, str], bool] | None = None
+    ) -> None:
+        """One pulled request message. ``known``: whether results exist, looked up already
+        for the batch (:meth:`_results_of_redeliveries`)."""
         st = self.state
         now = time.monotonic()
         meta = msg.metadata
@@ -94,7 +124,7 @@ class Intake:
                 f"published on {msg.subject}",
             )
             return
-        if await self._seen(req, msg, now):
+        if await self._seen(req, msg, now, known or {}):
             return
         rid = req.request_id
         ids = st.tokenizers.prompt_ids(req.model, req.prompt_tokens, req.prompt_text)
@@ -111,7 +141,9 @@ class Intake:
             if await self.answers.publish_rejection(req, outcome.rejection):
                 await ack(msg)
 
-    async def _seen(self, req: SubmitRequest, msg: Msg, now: float) -> bool:
+    async def _seen(
+        self, req: SubmitRequest, msg: Msg, now: float, known: dict[tuple[str, str], bool]
+    ) -> bool:
         """Handle a request this dispatcher has seen before (held, cancelled, or finished):
         True if it was, and is now dealt with."""
         st, rid = self.state, req.request_id
@@ -128,7 +160,12 @@ class Intake:
             if await self.answers.publish_result_of(req, rejection):
                 await ack(msg)
             return True
-        if msg.metadata.num_delivered > 1 and await self.result_exists(req.tenant, rid):
+        if msg.metadata.num_delivered <= 1:
+            return False
+        exists = known.get((req.tenant, rid))
+        if exists is None:
+            exists = await self.result_exists(req.tenant, rid)
+        if exists:
             metrics.DUPLICATES.inc()
             await ack(msg)
             return True

@@ -246,6 +246,11 @@ class DispatcherSettings(BrokerSettings):
     )
     fetch_timeout_s: float = Field(default=1.0, gt=0, description="Long-poll of each band task.")
     tick_s: float = Field(default=0.1, gt=0, description="Scheduling loop tick (deadlines).")
+    gauges_every_s: float = Field(
+        default=0.1,
+        ge=0,
+        description="Queue and engine gauges refresh at most this often (0: every pass).",
+    )
     seed: int = Field(default=0, description="Salt of the least-loaded policy's hash tie-breaks.")
     metrics_port: int = Field(
         default=0, ge=0, le=65535, description="Serve /metrics, /healthz and /readyz here (0: off)."

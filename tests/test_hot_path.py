@@ -1,0 +1,192 @@
+"""The hot path: requests queued together are handed off in one planning round (all offers in
+flight at once), the gauges are refreshed at most every ``gauges_every_s``, and
+``sluice bench --json`` keeps its contract."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from nats.aio.msg import Msg
+from nats.js.client import JetStreamContext
+from prometheus_client import REGISTRY
+
+from sluice.cli.benchlive import Verdict
+from sluice.client import Client
+from sluice.schemas import names
+from sluice.testing.cluster import LocalCluster
+from tests.conftest import FAST_DISPATCHER, cluster_kwargs, eventually
+
+pytestmark = pytest.mark.e2e
+
+_PROMPT = list(range(64))
+
+
+async def test_requests_queued_together_are_offered_in_one_round(nats_url: str) -> None:
+    """Six requests wait while the dispatcher learns; its first planning round offers all six
+    before any worker's answer arrives (offered one by one, each answer would come before the
+    next offer)."""
+    seen: list[tuple[str, str]] = []  # ("offer", reply subject) or ("answer", its subject)
+    replies: set[str] = set()
+    kw = cluster_kwargs(workers=1, dispatcher={"learn_s": 1.5}, agent={"capacity": 8})
+    async with LocalCluster(nats_url, **kw) as cluster, Client(nats_url) as client:
+
+        async def on_offer(msg: Msg) -> None:
+            replies.add(msg.reply)
+            seen.append(("offer", msg.reply))
+
+        async def on_inbox(msg: Msg) -> None:
+            if msg.subject in replies:
+                seen.append(("answer", msg.subject))
+
+        await client.nc.subscribe(names.work_subject(cluster.agents[0].worker_id), cb=on_offer)
+        await client.nc.subscribe("_INBOX.>", cb=on_inbox)
+        await client.nc.flush()
+        handles = [
+            await client.submit("sim", _PROMPT, max_tokens=2, band="interactive") for _ in range(6)
+        ]
+        for h in handles:
+            assert (await h.result(timeout_s=20)).ok
+        await eventually(lambda: _true(len(seen) >= 12))
+    kinds = [kind for kind, _ in seen]
+    assert kinds[:6] == ["offer"] * 6, f"offers and answers interleaved: {kinds}"
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+def _workers_gauge() -> float:
+    return REGISTRY.get_sample_value("sluice_dispatcher_workers") or 0.0
+
+
+@pytest.mark.parametrize("every_s", [60.0, 0.05])
+async def test_gauges_refresh_at_most_every_gauges_every_s(nats_url: str, every_s: float) -> None:
+    """The workers gauge reads 0 at the dispatcher's first pass; two agents join and run
+    requests (many passes): within ``gauges_every_s`` it is not refreshed, after it it is."""
+    kw = cluster_kwargs(workers=2, dispatcher={"gauges_every_s": every_s})
+    cluster = LocalCluster(nats_url, **kw)
+    agents, cluster.agents = cluster.agents, []
+    async with cluster, Client(nats_url) as client:
+        await eventually(lambda: _true(cluster.dispatcher.leading))
+        await asyncio.sleep(3 * cluster.dispatcher_settings.tick_s)  # a pass refreshed them
+        assert _workers_gauge() == 0.0
+        for a in agents:
+            cluster.agents.append(await a.start())
+        for _ in range(5):
+            h = await client.submit("sim", _PROMPT, max_tokens=2, band="interactive")
+            assert (await h.result(timeout_s=20)).ok
+        if every_s > 1:
+            assert _workers_gauge() == 0.0
+        else:
+            await eventually(lambda: _true(_workers_gauge() == 2.0))
+
+
+_CONTRACT = (
+    "decision_us",
+    "baseline_decision_us",
+    "dispatch_p50_ms",
+    "dispatch_p99_ms",
+    "publish_ack_p50_ms",
+    "throughput_rps",
+    "raw_jetstream_rps",
+)
+
+
+def test_bench_json_prints_the_contract() -> None:
+    """``sluice bench --json`` at a tiny size, as a real process: one JSON object with every
+    contract key, each figure a positive number (no timing thresholds)."""
+    cmd = [sys.executable, "-m", "sluice.cli", "bench", "--json", "--requests", "200"]
+    cmd += ["--decision-requests", "50", "--live-requests", "10"]
+    cmd += ["--throughput-requests", "40", "--submitters", "4"]
+    # Its own process group: if it hangs, the fleet it started goes down with it.
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        out, errors = proc.communicate(timeout=100)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+    assert proc.returncode == 0, errors.decode()[-2000:]
+    figures = json.loads(out)
+    assert set(_CONTRACT) <= set(figures)
+    assert set(figures["decision_us"]) == {"16", "256", "1024"}
+    numbers = [*figures["decision_us"].values()] + [figures[k] for k in _CONTRACT[1:]]
+    assert all(isinstance(v, int | float) and v > 0 for v in numbers), figures
+    with pytest.raises(ProcessLookupError):  # nothing it started outlived it
+        os.killpg(proc.pid, 0)
+
+
+@given(
+    value=st.floats(min_value=1e-6, max_value=1e6),
+    target=st.floats(min_value=1e-6, max_value=1e6),
+    higher=st.booleans(),
+)
+def test_a_verdict_is_met_exactly_when_it_is_within_its_target(
+    value: float, target: float, higher: bool
+) -> None:
+    v = Verdict("x", value, target, higher)
+    assert v.met == (v.off_by <= 1.0) or abs(v.off_by - 1.0) < 1e-9
+
+
+async def test_a_takeover_looks_up_redelivered_results_at_once(nats_url: str) -> None:
+    """A leader hands six held requests back (a clean stop naks them) and their results
+    exist already: the next leader gets them redelivered in one batch and looks their results
+    up concurrently (all six lookups sent before the first answer; one after the other, each
+    answer would come before the next lookup), then acks all six without running them."""
+    from sluice.dispatcher.runtime import Dispatcher, DispatcherSettings
+    from sluice.schemas.codec import encode
+    from sluice.schemas.models import Result
+
+    def settings(name: str) -> DispatcherSettings:
+        return DispatcherSettings(nats_url=nats_url, dispatcher_id=name, **FAST_DISPATCHER)
+
+    seen: list[str] = []
+    lookups: set[str] = set()
+    async with Client(nats_url) as client:
+
+        async def on_lookup(msg: Msg) -> None:
+            lookups.add(msg.reply)
+            seen.append("lookup")
+
+        async def on_inbox(msg: Msg) -> None:
+            if msg.subject in lookups:
+                seen.append("answer")
+
+        first = await Dispatcher(settings("d-1")).start()
+        try:
+            ids = [
+                await client.enqueue("sim", _PROMPT, max_tokens=2, band="interactive")
+                for _ in range(6)
+            ]
+            await eventually(lambda: _true(first.held == 6))
+        finally:
+            await first.stop()  # hands the six back
+        js = client.nc.jetstream()
+        for rid in ids:
+            result = Result(request_id=rid, ok=True, model="sim", band="interactive")
+            await js.publish(names.result_subject("default", rid), encode(result))
+        await client.nc.subscribe(f"$JS.API.DIRECT.GET.{names.RESULT_STREAM}.>", cb=on_lookup)
+        await client.nc.subscribe("_INBOX.>", cb=on_inbox)
+        await client.nc.flush()
+        second = await Dispatcher(settings("d-2")).start()
+        try:
+            stream = names.request_stream("interactive")
+            await eventually(lambda: _stream_empty(js, stream))
+            assert second.held == 0  # acked as done, never queued to run
+        finally:
+            await second.stop()
+    assert seen[:6] == ["lookup"] * 6, f"lookups and answers interleaved: {seen}"
+
+
+async def _stream_empty(js: JetStreamContext, stream: str) -> bool:
+    return (await js.stream_info(stream)).state.messages == 0
