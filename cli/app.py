@@ -106,7 +106,8 @@ def bench(
     skip_live: Annotated[bool, typer.Option(help="Only the pure-core benchmark.")] = False,
 ) -> None:
     """Measure the dispatcher's own cost against baselines measured in the same run."""
-    from sluice.cli.bench import bench_core, bench_live
+    from sluice.cli.bench import bench_live
+    from sluice.cli.benchcore import bench_core
 
     for policy in ("cache-aware", "least-loaded"):
         core = bench_core(requests=requests, policy=policy)

@@ -34,6 +34,7 @@ the speeds from the runtime (or the simulator).
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -49,11 +50,13 @@ from sluice.dispatcher.defaults import (
     KEY_TOKENS,
     MAX_REPLICAS,
     REPLICA_HEADROOM,
+    SHORTLIST_WORKERS,
     STICKY_WINDOW_S,
     key_blocks,
 )
 from sluice.dispatcher.routing import (
     Candidate,
+    CandidatePool,
     Choice,
     Digest,
     Outcome,
@@ -99,6 +102,9 @@ class CacheAwareConfig:
     sticky_cached: bool = True
     calibrate: bool = True
     """Learn each worker's speeds from completions (False: always the prior)."""
+    shortlist_workers: int = SHORTLIST_WORKERS
+    """Score only the prefix's holders and replicas, the newly joined workers and this many
+    least-loaded others (0: score every candidate)."""
 
     @property
     def index_stride(self) -> int:
@@ -119,6 +125,8 @@ class CacheAwareConfig:
             raise ValueError("min_hit_fraction and explore_share must be within [0, 1]")
         if not 0 < self.hard_load_fraction <= 1:
             raise ValueError("hard_load_fraction must be within (0, 1]")
+        if self.shortlist_workers < 0:
+            raise ValueError("shortlist_workers must be >= 0")
 
 
 @dataclass(slots=True)
@@ -136,6 +144,18 @@ class Scored:
     score: float
     over_hard: bool
     tie: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Context:
+    """What a decision knows before it scores anyone."""
+
+    indexed: int
+    """Index entries of the request's prompt."""
+    matches: dict[str, int]
+    """Worker -> leading index entries of the prompt it holds."""
+    reps: list[str]
+    budget: int
 
 
 class CacheAware:
@@ -169,12 +189,14 @@ class CacheAware:
         self, request: RouteRequest, candidates: Sequence[Candidate], now_s: float
     ) -> tuple[list[Scored], list[str], int]:
         """Every candidate's terms, the prefix's replicas and its budget. Changes nothing."""
-        c = self.config
-        hashes = request.block_hashes
-        indexed = self._indexed(hashes)
+        ctx = self._context(request, len(candidates), now_s)
+        return self._score(request, ctx, candidates), ctx.reps, ctx.budget
+
+    def _context(self, request: RouteRequest, candidates: int, now_s: float) -> _Context:
+        indexed = self._indexed(request.block_hashes)
         matches = self.index.match(indexed, now_s) if indexed else {}
         key = self._key(request)
-        fleet = max(len(self._fleet), len(candidates))
+        fleet = max(len(self._fleet), candidates)
         reps = self.affinity.replicas(key, now_s) if key is not None else []
         if key is not None and self.config.sticky_cached:
             # Workers that still cache the whole key prefix hold it too, however long ago
@@ -182,10 +204,17 @@ class CacheAware:
             need = min(self._key_blocks // self._stride, len(indexed)) or 1
             reps += sorted(w for w, b in matches.items() if b >= need and w not in reps)
         budget = self.affinity.budget(key, fleet, now_s) if key is not None else 1
-        rep_set = set(reps)
+        return _Context(len(indexed), matches, reps, budget)
+
+    def _score(
+        self, request: RouteRequest, ctx: _Context, candidates: Sequence[Candidate]
+    ) -> list[Scored]:
+        c = self.config
+        matches = ctx.matches
+        rep_set = set(ctx.reps)
         rh = request_hash(request.request_id)
-        # The loop below runs for every candidate of every decision: constants hoisted.
-        n_indexed = len(indexed)
+        # The loop below runs for every scored candidate of every decision: constants hoisted.
+        n_indexed = ctx.indexed
         prompt = request.prompt_tokens
         ibt = self.index_block_tokens
         min_hit, scale, w_busy = c.min_hit_fraction, c.ttft_scale_s, c.w_busy
@@ -214,20 +243,77 @@ class CacheAware:
             over = cand.booked >= hard_fraction * cand.capacity or ttft > hard_ttft
             tie = tie_rank(rh, w)
             out.append(Scored(cand, hit, ttft, load, queue, miss, moved, s, over, tie))
-        return out, reps, budget
+        return out
+
+    def shortlist(
+        self, request: RouteRequest, pool: CandidatePool, now_s: float
+    ) -> list[Candidate]:
+        """The candidates a decision scores: the holders of the request's prefix, its
+        replicas, the ``shortlist_workers`` least loaded and, if the request is one that
+        explores, the newly joined workers."""
+        ctx = self._context(request, len(pool), now_s)
+        return self._shortlist(ctx, pool, now_s, self._explores(request))
+
+    def _shortlist(
+        self, ctx: _Context, pool: CandidatePool, now_s: float, explores: bool
+    ) -> list[Candidate]:
+        picked: dict[str, Candidate] = {}
+        for w in ctx.reps:
+            if w not in picked and (cand := pool.get(w)) is not None:
+                picked[w] = cand
+        # Holders that hold as much of the prompt differ only in load (unless their speeds
+        # do): of each such group, the k least loaded. Those holding nothing are the group
+        # least_loaded() gives below.
+        k = self.config.shortlist_workers
+        groups: dict[int, list[tuple[float, str]]] = {}
+        for w, blocks in ctx.matches.items():
+            if w not in picked and (key := pool.load_key(w)) is not None:
+                groups.setdefault(blocks, []).append((key, w))
+        for group in groups.values():
+            for _, w in heapq.nsmallest(k, group) if len(group) > k else group:
+                if (cand := pool.get(w)) is not None:
+                    picked[w] = cand
+        if explores:
+            # Only a request that explores needs every new worker (and how many there are).
+            # A little early, so that the exact test in choose() decides who is new.
+            for cand in pool.joined_after(now_s - self.config.explore_window_s - 1.0):
+                picked.setdefault(cand.worker_id, cand)
+        for cand in pool.least_loaded(self.config.shortlist_workers):
+            picked.setdefault(cand.worker_id, cand)
+        return list(picked.values())
+
+    def load_key(self, booked: int, capacity: int, queued_prefill_tokens: int) -> float:
+        """The load term of a worker with this work at the prior speed, its report just in:
+        the order the least-loaded part of the shortlist is taken in."""
+        c = self.config
+        per_token = self.calibration.prior.prefill_s_per_token
+        return c.w_busy * booked / (capacity or 1) + queued_prefill_tokens * per_token / (
+            c.ttft_scale_s
+        )
 
     def choose(
         self, request: RouteRequest, candidates: Sequence[Candidate], now_s: float
     ) -> Choice:
+        """The decision (module docstring). Given a :class:`CandidatePool`, it scores only
+        the shortlist (unless ``shortlist_workers`` is 0): the same choice as scoring every
+        candidate whenever that choice is on the shortlist."""
         if not candidates:
             raise ValueError("choose() needs at least one candidate")
         c = self.config
-        scored, reps, budget = self.score(request, candidates, now_s)
+        n = len(candidates)
+        ctx = self._context(request, n, now_s)
+        explores = self._explores(request)
+        if c.shortlist_workers and isinstance(candidates, CandidatePool):
+            candidates = self._shortlist(ctx, candidates, now_s, explores)
+        if not c.explain:
+            return self._decide(request, ctx, candidates, now_s, n, explores)
+        scored = self._score(request, ctx, candidates)
+        reps, budget = ctx.reps, ctx.budget
         allowed = scored
         reason = "score"
         cold = [s for s in scored if now_s - s.candidate.joined_s < c.explore_window_s]
         sticky = [s for s in scored if s.candidate.worker_id in reps and not s.over_hard]
-        if cold and len(cold) < len(scored) and self._explores(request):
+        if cold and len(cold) < n and explores:
             allowed, reason = cold, "explore"
         elif sticky and len(reps) >= budget:
             allowed, reason = sticky, "sticky"
@@ -241,10 +327,76 @@ class CacheAware:
             best = min(allowed, key=lambda s: (round(s.queue, 2), s.miss, s.tie))
         else:
             best = min(allowed, key=lambda s: (s.score, s.tie))
-        terms: tuple[dict[str, float | str], ...] = ()
-        if c.explain:
-            terms = tuple(_terms(s, s in allowed) for s in scored)
+        terms = tuple(_terms(s, s in allowed) for s in scored)
         return Choice(best.candidate.worker_id, best.hit_tokens, reason, terms)
+
+    def _decide(
+        self,
+        request: RouteRequest,
+        ctx: _Context,
+        candidates: Sequence[Candidate],
+        now_s: float,
+        n: int,
+        explores: bool,
+    ) -> Choice:
+        """:meth:`choose` without the terms, in one pass: the same rules and the same terms
+        as :meth:`_score` (kept in step with it), but only the minimum each rule needs is
+        kept (this runs for every scored candidate of every decision)."""
+        c = self.config
+        matches, reps = ctx.matches, ctx.reps
+        rep_set = set(reps)
+        rh = request_hash(request.request_id)
+        n_indexed = ctx.indexed
+        prompt = request.prompt_tokens
+        ibt = self.index_block_tokens
+        min_hit, scale, w_busy = c.min_hit_fraction, c.ttft_scale_s, c.w_busy
+        w_load, w_cache, w_stable = c.w_load, c.w_cache, c.w_stable
+        hard_fraction, hard_ttft = c.hard_load_fraction, c.hard_ttft_s
+        window = c.explore_window_s
+        speeds = self.calibration.speeds if c.calibrate else None
+        prior = self.calibration.prior
+        best = sticky = cold = expand = None
+        n_cold = 0
+        for cand in candidates:
+            w = cand.worker_id
+            blocks = matches.get(w, 0)
+            hit = min(blocks * ibt, prompt - 1) if blocks else 0
+            fraction = blocks / n_indexed if n_indexed else 0.0
+            miss = 1.0 - fraction if fraction >= min_hit else 1.0
+            sp = speeds(w) if speeds else prior
+            per_token = sp.prefill_s_per_token
+            ahead = cand.reported_prefill_tokens - cand.report_age_s / per_token
+            ahead = (ahead if ahead > 0.0 else 0.0) + cand.unreported_prefill_tokens
+            own = prompt - hit if prompt - hit > 1 else 1
+            ttft = (ahead + own) * per_token + sp.decode_s_per_token
+            busy = w_busy * cand.booked / (cand.capacity or 1)
+            if rep_set:
+                is_rep = w in rep_set
+                s = w_load * (ttft / scale + busy) + w_cache * miss + (0.0 if is_rep else w_stable)
+            else:
+                is_rep = False
+                s = w_load * (ttft / scale + busy) + w_cache * miss
+            key = (s, tie_rank(rh, w), w, hit)
+            if best is None or key < best:
+                best = key
+            if is_rep and not (cand.booked >= hard_fraction * cand.capacity or ttft > hard_ttft):
+                if sticky is None or key < sticky:
+                    sticky = key
+            q = (round(ahead * per_token / scale + busy, 2), miss, key[1], w, hit)
+            if expand is None or q < expand:
+                expand = q
+            if explores and now_s - cand.joined_s < window:
+                n_cold += 1
+                if cold is None or key < cold:
+                    cold = key
+        assert best is not None and expand is not None
+        if cold is not None and n_cold < n:
+            return Choice(cold[2], cold[3], "explore")
+        if sticky is not None and len(reps) >= ctx.budget:
+            return Choice(sticky[2], sticky[3], "sticky")
+        if sticky is not None:
+            return Choice(expand[3], expand[4], "expand")
+        return Choice(best[2], best[3], "spill" if reps else "score")
 
     def _key(self, request: RouteRequest) -> int | None:
         """What the request sticks by: its session, or its prompt prefix."""
