@@ -16,7 +16,7 @@ import itertools
 import random
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from sluice.dispatcher.admission import AdmissionConfig
@@ -219,15 +219,20 @@ def _fleet(
     held: dict[str, list[int]] = {w: [] for w in ids}
     # The shared prefixes of the stream, each on 1-4 workers, as their digests report them.
     shared = {hashes[:32] for _, _, _, hashes in stream if len(hashes) >= 32}
+    distinct: set[int] = set()
     for prefix in sorted(shared):
+        entries = prefix[stride - 1 :: stride]
+        distinct.update(entries)
         for w in rng.sample(ids, min(len(ids), rng.randint(1, 4))):
-            held[w].extend(prefix[stride - 1 :: stride])
-    total = sum(len(v) for v in held.values())
+            held[w].extend(entries)
     # Unrelated cached prompts fill the rest: chains of 4-64 index entries on one worker each.
-    while total < indexed_blocks:
-        chain = [rng.getrandbits(63) for _ in range(min(rng.randint(4, 64), indexed_blocks - total))]
+    while len(distinct) < indexed_blocks:
+        chain = [
+            rng.getrandbits(63)
+            for _ in range(min(rng.randint(4, 64), indexed_blocks - len(distinct)))
+        ]
         held[rng.choice(ids)].extend(chain)
-        total += len(chain)
+        distinct.update(chain)
     for w in ids:
         chooser.heartbeat(w, Digest(0, True, tuple(held[w])), joined)
     return sched, len(getattr(chooser, "index", ()))
@@ -236,13 +241,14 @@ def _fleet(
 def _warm(sched: Scheduler, target: int, seed: int) -> list[str]:
     """Fill the fleet to ``target`` running requests (not measured); returns them."""
     running: list[str] = []
-    warm = _stream(target, seed + 3)
+    rng = random.Random(seed + 3)
     now = -1.0
-    for i in range(0, len(warm), 1024):
-        for rid, band, tokens, hashes in warm[i : i + 1024]:
-            sched.enqueue(
-                Request(f"warm{rid}", band, "m", "t", tokens, 128, now, None, hashes), now
-            )
+    for i in range(0, target, 1024):
+        for j in range(i, min(target, i + 1024)):
+            # No prompt blocks: the warm-up adds load, not index entries.
+            band = rng.choice(DEFAULT_BANDS)
+            request = Request(f"warm{j}", band, "m", "t", rng.randint(100, 4000), 128, now)
+            sched.enqueue(request, now)
         for d in sched.plan(now):
             sched.book(d, now)
             running.append(d.request.request_id)
@@ -257,7 +263,12 @@ def cost_table(costs: DecisionCosts) -> list[tuple[str, str, str, str]]:
         if n == 256:
             target = f"target <= {TARGET_US_AT_256:.0f} us: {us / TARGET_US_AT_256:.2f}x of it"
         rows.append(
-            (f"cache-aware decision, {n:,} workers", f"{us:.1f} us", f"{costs.ratio(n):.1f}x", target)
+            (
+                f"cache-aware decision, {n:,} workers",
+                f"{us:.1f} us",
+                f"{costs.ratio(n):.1f}x",
+                target,
+            )
         )
     rows.append(("minimal FIFO + round-robin", f"{costs.baseline_decision_us:.2f} us", "1.0x", ""))
     if 16 in costs.decision_us and 1024 in costs.decision_us:
@@ -273,11 +284,10 @@ def cost_table(costs: DecisionCosts) -> list[tuple[str, str, str, str]]:
     return rows
 
 
-def print_costs(costs: DecisionCosts, echo: object = print) -> None:
-    """Print :func:`cost_table` as aligned text (``echo``: a print-like callable)."""
+def print_costs(costs: DecisionCosts, echo: Callable[[str], object] = print) -> None:
+    """Print :func:`cost_table` as aligned text through ``echo``."""
     rows = [("figure", "CPU", "vs minimal", "vs target"), *cost_table(costs)]
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    say = echo if callable(echo) else print
-    say(f"index: {costs.indexed_blocks:,} blocks")
+    echo(f"cache index before the measured decisions: {costs.indexed_blocks:,} blocks")
     for r in rows:
-        say("  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip())
+        echo("  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip())

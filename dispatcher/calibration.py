@@ -116,20 +116,17 @@ class Calibration:
 
     def _refresh(self) -> None:
         # Speeds are read for every candidate of every decision; compute them once here.
-        self._fleet = Speeds(math.exp(self._median_prefill), math.exp(self._median_decode), 0)
-        self._current = {
-            w: Speeds(
-                self._pick(self._prefill.get(w), self._median_prefill),
-                self._pick(self._decode.get(w), self._median_decode),
-                n,
-            )
-            for w, n in self._count.items()
-        }
-
-    def _pick(self, own: _Quantile | None, median: float) -> float:
-        if own is None or abs(own.log - median) <= self._band:
-            return math.exp(median)
-        return own.value
+        med_p, med_d, band = self._median_prefill, self._median_decode, self._band
+        fleet_p, fleet_d = math.exp(med_p), math.exp(med_d)
+        self._fleet = Speeds(fleet_p, fleet_d, 0)
+        prefill, decode = self._prefill, self._decode
+        current = {}
+        for w, n in self._count.items():
+            own_p, own_d = prefill.get(w), decode.get(w)
+            p = fleet_p if own_p is None or abs(own_p.log - med_p) <= band else own_p.value
+            d = fleet_d if own_d is None or abs(own_d.log - med_d) <= band else own_d.value
+            current[w] = Speeds(p, d, n)
+        self._current = current
 
     def speeds(self, worker_id: str) -> Speeds:
         """The worker's current estimate (the prior until it has reported)."""
