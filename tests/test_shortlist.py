@@ -297,3 +297,21 @@ def test_a_request_that_explores_reaches_a_new_worker_outside_the_least_loaded()
     choice = policy.choose(RouteRequest("r", "m", 200, 8, ()), pool, 100.0)
     assert choice.worker_id == "w42" and choice.reason == "explore"
     assert not pool.walked
+
+
+def test_a_session_sticks_to_its_busy_replicas_on_a_large_fleet() -> None:
+    policy = CacheAware(CacheAwareConfig(block_tokens=BT, index_tokens=BT, explore_share=0.0))
+    for i in range(200):
+        policy.heartbeat(f"w{i}", None, 0.0)
+    for i in range(500):  # other sessions' traffic: this one's share buys it two replicas
+        policy.observe(RouteRequest(f"o{i}", "m", 64, 8, affinity_key=10_000 + i), "w0", 0.0)
+    for i, w in enumerate(("w10", "w10", "w20")):
+        policy.observe(RouteRequest(f"s{i}", "m", 64, 8, affinity_key=7), w, 0.5)
+    cands = [Candidate(f"w{i}", 32, 0, 0) for i in range(200)]
+    cands[10] = Candidate("w10", 32, 12, 9000)
+    cands[20] = Candidate("w20", 32, 8, 6000)
+    pool = _Counting(ListPool(cands, policy.load_key))
+    request = RouteRequest("r", "m", 64, 8, affinity_key=7)
+    choice = policy.choose(request, pool, 1.0)
+    assert (choice.worker_id, choice.reason) == ("w20", "sticky")
+    assert choice == policy.choose(request, cands, 1.0) and not pool.walked
