@@ -341,6 +341,12 @@ class DispatcherSettings(SluiceSettings):
     routing_index_max_blocks: int = Field(
         default=_R.index_max_blocks, ge=1, description="Block hashes the cache index keeps at most."
     )
+    routing_shortlist_workers: int = Field(
+        default=_R.shortlist_workers,
+        ge=0,
+        description="Least-loaded workers a decision scores besides the prefix's holders and "
+        "replicas (0: every worker).",
+    )
     decision_log: Path | None = Field(
         default=None, description="Write one JSON line per routing decision here (off: unset)."
     )
@@ -416,6 +422,7 @@ class DispatcherSettings(SluiceSettings):
             guess_ttl_s=self.routing_guess_ttl_s,
             index_max_blocks=self.routing_index_max_blocks,
             index_tokens=self.routing_index_tokens,
+            shortlist_workers=self.routing_shortlist_workers,
             explain=self.decision_log is not None,
         )
 
