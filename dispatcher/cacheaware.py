@@ -35,7 +35,7 @@ the speeds from the runtime (or the simulator).
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -156,6 +156,26 @@ class _Context:
     """Worker -> leading index entries of the prompt it holds."""
     reps: list[str]
     budget: int
+    rep_set: frozenset[str]
+    request_hash: int
+
+
+@dataclass(slots=True)
+class _Best:
+    """The minimum each rule needs, over the candidates scored so far: (score, tie rank,
+    worker, hit) for the score, sticky and explore rules, (rounded queue, miss, tie rank,
+    worker, hit) for the expand rule."""
+
+    best: tuple[float, float, str, int] | None = None
+    sticky: tuple[float, float, str, int] | None = None
+    cold: tuple[float, float, str, int] | None = None
+    expand: tuple[float, float, float, str, int] | None = None
+    n_cold: int = 0
+
+
+_SLACK = 1e-9
+"""A lower bound is lowered by this much before it is compared: rounding must not make it
+exceed the value it bounds."""
 
 
 class CacheAware:
@@ -204,15 +224,16 @@ class CacheAware:
             need = min(self._key_blocks // self._stride, len(indexed)) or 1
             reps += sorted(w for w, b in matches.items() if b >= need and w not in reps)
         budget = self.affinity.budget(key, fleet, now_s) if key is not None else 1
-        return _Context(len(indexed), matches, reps, budget)
+        rh = request_hash(request.request_id)
+        return _Context(len(indexed), matches, reps, budget, frozenset(reps), rh)
 
     def _score(
         self, request: RouteRequest, ctx: _Context, candidates: Sequence[Candidate]
     ) -> list[Scored]:
         c = self.config
         matches = ctx.matches
-        rep_set = set(ctx.reps)
-        rh = request_hash(request.request_id)
+        rep_set = ctx.rep_set
+        rh = ctx.request_hash
         # The loop below runs for every scored candidate of every decision: constants hoisted.
         n_indexed = ctx.indexed
         prompt = request.prompt_tokens
@@ -282,70 +303,83 @@ class CacheAware:
             picked.setdefault(cand.worker_id, cand)
         return list(picked.values())
 
-    def load_key(self, booked: int, capacity: int, queued_prefill_tokens: int) -> float:
-        """The load term of a worker with this work at the prior speed, its report just in:
-        the order the least-loaded part of the shortlist is taken in."""
+    def load_key(self, booked: int, capacity: int, unreported_prefill_tokens: int) -> float:
+        """The queue term (``queue`` of :class:`Scored`) of a worker with this work whose
+        reported queue has drained, at the prior speed: the order the least-loaded part of
+        the shortlist is taken in, and (scaled by the fastest speed) a lower bound of it."""
         c = self.config
         per_token = self.calibration.prior.prefill_s_per_token
-        return c.w_busy * booked / (capacity or 1) + queued_prefill_tokens * per_token / (
-            c.ttft_scale_s
-        )
+        busy = c.w_busy * booked / (capacity or 1)
+        return unreported_prefill_tokens * per_token / c.ttft_scale_s + busy
 
     def choose(
         self, request: RouteRequest, candidates: Sequence[Candidate], now_s: float
     ) -> Choice:
         """The decision (module docstring). Given a :class:`CandidatePool`, it scores only
-        the shortlist (unless ``shortlist_workers`` is 0): the same choice as scoring every
-        candidate whenever that choice is on the shortlist."""
+        the shortlist (unless ``shortlist_workers`` is 0), then any other worker whose load
+        key shows it could still win (its lower bound under the best so far): the same
+        choice as scoring every candidate, but for ties among workers left off."""
         if not candidates:
             raise ValueError("choose() needs at least one candidate")
         c = self.config
         n = len(candidates)
         ctx = self._context(request, n, now_s)
         explores = self._explores(request)
+        acc = _Best()
+        scored: list[Candidate] = []
         if c.shortlist_workers and isinstance(candidates, CandidatePool):
-            candidates = self._shortlist(ctx, candidates, now_s, explores)
-        if not c.explain:
-            return self._decide(request, ctx, candidates, now_s, n, explores)
-        scored = self._score(request, ctx, candidates)
-        reps, budget = ctx.reps, ctx.budget
-        allowed = scored
-        reason = "score"
-        cold = [s for s in scored if now_s - s.candidate.joined_s < c.explore_window_s]
-        sticky = [s for s in scored if s.candidate.worker_id in reps and not s.over_hard]
-        if cold and len(cold) < n and explores:
-            allowed, reason = cold, "explore"
-        elif sticky and len(reps) >= budget:
-            allowed, reason = sticky, "sticky"
-        elif sticky:
-            reason = "expand"
-        elif reps:
-            reason = "spill"
-        if reason == "expand":
-            # The prefix is hot and may gain a replica: whoever serves it soonest (its miss
-            # is in its predicted TTFT) wins, so its traffic spreads instead of herding.
-            best = min(allowed, key=lambda s: (round(s.queue, 2), s.miss, s.tie))
+            short = self._shortlist(ctx, candidates, now_s, explores)
+            scored.extend(short)
+            self._score_into(acc, request, ctx, short, now_s, explores)
+            if self._rule(acc, ctx, n) in ("score", "spill", "expand"):
+                seen = {cand.worker_id for cand in short}
+                more = self._beyond(acc, request, ctx, candidates, seen, scored)
+                self._score_into(acc, request, ctx, more, now_s, explores)
         else:
-            best = min(allowed, key=lambda s: (s.score, s.tie))
-        terms = tuple(_terms(s, s in allowed) for s in scored)
-        return Choice(best.candidate.worker_id, best.hit_tokens, reason, terms)
+            scored.extend(candidates)
+            self._score_into(acc, request, ctx, candidates, now_s, explores)
+        choice = self._verdict(acc, ctx, n)
+        if c.explain:
+            choice = self._explained(choice, request, ctx, scored, now_s)
+        return choice
 
-    def _decide(
+    def _explained(
         self,
+        choice: Choice,
         request: RouteRequest,
         ctx: _Context,
-        candidates: Sequence[Candidate],
+        scored: Sequence[Candidate],
         now_s: float,
-        n: int,
-        explores: bool,
     ) -> Choice:
-        """:meth:`choose` without the terms, in one pass: the same rules and the same terms
-        as :meth:`_score` (kept in step with it), but only the minimum each rule needs is
-        kept (this runs for every scored candidate of every decision)."""
+        """The choice with every scored candidate's terms (the decision log)."""
+        window, reps = self.config.explore_window_s, set(ctx.reps)
+
+        def allowed(s: Scored) -> bool:
+            if choice.reason == "explore":
+                return now_s - s.candidate.joined_s < window
+            if choice.reason == "sticky":
+                return s.candidate.worker_id in reps and not s.over_hard
+            return True
+
+        terms = tuple(_terms(s, allowed(s)) for s in self._score(request, ctx, scored))
+        return Choice(choice.worker_id, choice.expected_hit_tokens, choice.reason, terms)
+
+    def _score_into(
+        self,
+        acc: _Best,
+        request: RouteRequest,
+        ctx: _Context,
+        candidates: Iterable[Candidate],
+        now_s: float,
+        explores: bool,
+    ) -> None:
+        """Score candidates, keeping in ``acc`` only the minimum each rule needs: the same
+        terms as :meth:`_score` (kept in step with it), in one pass (this runs for every
+        scored candidate of every decision). ``candidates`` may be a generator that reads
+        ``acc`` between two of them."""
         c = self.config
-        matches, reps = ctx.matches, ctx.reps
-        rep_set = set(reps)
-        rh = request_hash(request.request_id)
+        matches, rep_set = ctx.matches, ctx.rep_set
+        rh = ctx.request_hash
         n_indexed = ctx.indexed
         prompt = request.prompt_tokens
         ibt = self.index_block_tokens
@@ -355,8 +389,6 @@ class CacheAware:
         window = c.explore_window_s
         speeds = self.calibration.speeds if c.calibrate else None
         prior = self.calibration.prior
-        best = sticky = cold = expand = None
-        n_cold = 0
         for cand in candidates:
             w = cand.worker_id
             blocks = matches.get(w, 0)
@@ -370,33 +402,98 @@ class CacheAware:
             own = prompt - hit if prompt - hit > 1 else 1
             ttft = (ahead + own) * per_token + sp.decode_s_per_token
             busy = w_busy * cand.booked / (cand.capacity or 1)
-            if rep_set:
-                is_rep = w in rep_set
-                s = w_load * (ttft / scale + busy) + w_cache * miss + (0.0 if is_rep else w_stable)
-            else:
-                is_rep = False
-                s = w_load * (ttft / scale + busy) + w_cache * miss
+            is_rep = w in rep_set
+            moved = 1.0 if rep_set and not is_rep else 0.0
+            s = w_load * (ttft / scale + busy) + w_cache * miss + w_stable * moved
             key = (s, tie_rank(rh, w), w, hit)
-            if best is None or key < best:
-                best = key
+            if acc.best is None or key < acc.best:
+                acc.best = key
             if is_rep and not (cand.booked >= hard_fraction * cand.capacity or ttft > hard_ttft):
-                if sticky is None or key < sticky:
-                    sticky = key
+                if acc.sticky is None or key < acc.sticky:
+                    acc.sticky = key
             q = (round(ahead * per_token / scale + busy, 2), miss, key[1], w, hit)
-            if expand is None or q < expand:
-                expand = q
+            if acc.expand is None or q < acc.expand:
+                acc.expand = q
             if explores and now_s - cand.joined_s < window:
-                n_cold += 1
-                if cold is None or key < cold:
-                    cold = key
-        assert best is not None and expand is not None
-        if cold is not None and n_cold < n:
-            return Choice(cold[2], cold[3], "explore")
-        if sticky is not None and len(reps) >= ctx.budget:
-            return Choice(sticky[2], sticky[3], "sticky")
-        if sticky is not None:
-            return Choice(expand[3], expand[4], "expand")
-        return Choice(best[2], best[3], "spill" if reps else "score")
+                acc.n_cold += 1
+                if acc.cold is None or key < acc.cold:
+                    acc.cold = key
+
+    def _rule(self, acc: _Best, ctx: _Context, n: int) -> str:
+        """Which rule decides (module docstring), from what was scored."""
+        if acc.cold is not None and acc.n_cold < n:
+            return "explore"
+        if acc.sticky is not None:
+            return "sticky" if len(ctx.reps) >= ctx.budget else "expand"
+        return "spill" if ctx.reps else "score"
+
+    def _verdict(self, acc: _Best, ctx: _Context, n: int) -> Choice:
+        rule = self._rule(acc, ctx, n)
+        if rule == "expand":
+            # The prefix is hot and may gain a replica: whoever serves it soonest (its miss
+            # is in its predicted TTFT) wins, so its traffic spreads instead of herding.
+            assert acc.expand is not None
+            return Choice(acc.expand[3], acc.expand[4], rule)
+        best = acc.cold if rule == "explore" else acc.sticky if rule == "sticky" else acc.best
+        assert best is not None
+        return Choice(best[2], best[3], rule)
+
+    def _beyond(
+        self,
+        acc: _Best,
+        request: RouteRequest,
+        ctx: _Context,
+        pool: CandidatePool,
+        seen: set[str],
+        scored: list[Candidate],
+    ) -> Iterator[Candidate]:
+        """Candidates off the shortlist that could still win the score (or, for a prefix
+        that may gain a replica, the queue) rule: each one's load key, scaled by the
+        fleet's fastest speeds, bounds its terms from below; those bounds are compared with
+        the best so far as it improves. Ties with the best are not looked for."""
+        c = self.config
+        prior = self.calibration.prior
+        fast_prefill, fast_decode = (
+            self.calibration.fastest()
+            if c.calibrate
+            else (prior.prefill_s_per_token, prior.decode_s_per_token)
+        )
+        f = min(1.0, fast_prefill / prior.prefill_s_per_token)
+        expand = acc.sticky is not None
+        scale, w_load, w_cache = c.ttft_scale_s, c.w_load, c.w_cache
+        w_stable = c.w_stable if ctx.reps else 0.0
+        prompt, ibt, n_indexed = request.prompt_tokens, self.index_block_tokens, ctx.indexed
+
+        def could_win(key: float, blocks: int, moved: float) -> bool:
+            if expand:
+                assert acc.expand is not None
+                return round(f * key - _SLACK, 2) < acc.expand[0]
+            assert acc.best is not None
+            hit = min(blocks * ibt, prompt - 1) if blocks else 0
+            fraction = blocks / n_indexed if n_indexed else 0.0
+            miss = 1.0 - fraction if fraction >= c.min_hit_fraction else 1.0
+            own = prompt - hit if prompt - hit > 1 else 1
+            load = f * key + (own * fast_prefill + fast_decode) / scale
+            return w_load * load + w_cache * miss + w_stable * moved - _SLACK < acc.best[0]
+
+        matches, reps = ctx.matches, ctx.rep_set
+        for w, blocks in matches.items():  # the holders the shortlist's groups left off
+            key = pool.load_key(w) if w not in seen else None
+            if key is not None and could_win(key, blocks, 0.0 if w in reps else 1.0):
+                cand = pool.get(w)
+                if cand is not None:
+                    seen.add(w)
+                    scored.append(cand)
+                    yield cand
+        for cand in pool.by_load():  # the others, in load order: stop at the first too slow
+            w = cand.worker_id
+            if w in seen or w in matches:
+                continue
+            key = pool.load_key(w)
+            if key is None or not could_win(key, 0, 0.0 if w in reps else 1.0):
+                return
+            scored.append(cand)
+            yield cand
 
     def _key(self, request: RouteRequest) -> int | None:
         """What the request sticks by: its session, or its prompt prefix."""

@@ -145,6 +145,16 @@ class Calibration:
             )
         return speeds
 
+    def fastest(self) -> tuple[float, float]:
+        """The lowest prefill and decode seconds per token of any worker (what no worker's
+        :meth:`speeds` go below)."""
+        p, d = self._median_prefill, self._median_decode
+        if self._sorted_prefill:
+            p = min(p, self._sorted_prefill[0])
+        if self._sorted_decode:
+            d = min(d, self._sorted_decode[0])
+        return math.exp(p), math.exp(d)
+
     def remove_worker(self, worker_id: str) -> None:
         for own, ordered in (
             (self._prefill, self._sorted_prefill),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from sluice.dispatcher.admission import AdmissionConfig
@@ -234,28 +234,22 @@ class _Pool(CandidatePool):
             return None
         return self._state.free.key(worker_id)
 
-    def least_loaded(self, n: int) -> list[Candidate]:
+    def by_load(self) -> Iterator[Candidate]:
         # The plan's own bookings moved some workers in the order: merge those (kept sorted
         # in the scratch) with the scheduler's order, which still has them at their old place.
         state, s, model = self._state, self._s, self._model
         workers, moved_key = state.workers, s.moved_key
-        out: list[Candidate] = []
         moved = [(k, w) for k, w in s.moved if model in workers[w].models]
         i = 0
         for key, w in state.free.ordered(model):
-            if len(out) >= n:
-                return out
             if w in moved_key:
                 continue
-            while i < len(moved) and moved[i] < (key, w) and len(out) < n:
-                out.append(self._made(moved[i][1]))
+            while i < len(moved) and moved[i] < (key, w):
+                yield self._made(moved[i][1])
                 i += 1
-            if len(out) < n:
-                out.append(self._made(w))
-        while i < len(moved) and len(out) < n:
-            out.append(self._made(moved[i][1]))
-            i += 1
-        return out
+            yield self._made(w)
+        for _, w in moved[i:]:
+            yield self._made(w)
 
     def joined_after(self, t_s: float) -> list[Candidate]:
         joins, joined = self._state.joins, self._state.joined_s
@@ -361,8 +355,8 @@ def _moved(state: PlanInput, s: _Scratch, w: str) -> None:
             s.filled[m] += 1
         s.moved_key[w] = float("inf")  # out of the order for the rest of the plan
         return
-    queued = info.reported_prefill_tokens + books.unreported_prefill(w) + s.planned_prefill[w]
-    key = state.load_key(booked, info.capacity, queued)
+    unreported = books.unreported_prefill(w) + s.planned_prefill[w]
+    key = state.load_key(booked, info.capacity, unreported)
     s.moved_key[w] = key
     bisect.insort(s.moved, (key, w))
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import abc
 import functools
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol, overload, runtime_checkable
@@ -70,8 +71,12 @@ class CandidatePool(Sequence[Candidate], abc.ABC):
         """The candidate's place in the load order, or None if it is not a candidate."""
 
     @abc.abstractmethod
+    def by_load(self) -> Iterator[Candidate]:
+        """The candidates in load order (lowest key first), built as they are taken."""
+
     def least_loaded(self, n: int) -> list[Candidate]:
         """Up to ``n`` candidates with the lowest load key, lowest first."""
+        return list(itertools.islice(self.by_load(), n))
 
     @abc.abstractmethod
     def joined_after(self, t_s: float) -> list[Candidate]:
@@ -103,9 +108,7 @@ class ListPool(CandidatePool):
         self._by_id = {c.worker_id: c for c in self._list}
         k = key or default_load_key
         self._key = {
-            c.worker_id: k(
-                c.booked, c.capacity, c.reported_prefill_tokens + c.unreported_prefill_tokens
-            )
+            c.worker_id: k(c.booked, c.capacity, c.unreported_prefill_tokens)
             for c in self._list
         }
         self._order = sorted(self._list, key=lambda c: (self._key[c.worker_id], c.worker_id))
@@ -116,8 +119,8 @@ class ListPool(CandidatePool):
     def load_key(self, worker_id: str) -> float | None:
         return self._key.get(worker_id)
 
-    def least_loaded(self, n: int) -> list[Candidate]:
-        return self._order[:n]
+    def by_load(self) -> Iterator[Candidate]:
+        return iter(self._order)
 
     def joined_after(self, t_s: float) -> list[Candidate]:
         return [c for c in self._list if c.joined_s > t_s]
@@ -128,23 +131,26 @@ class ListPool(CandidatePool):
 
 class LoadKey(Protocol):
     """A worker's place in the "least loaded" order, from what changes only when it is
-    booked, released or heartbeats (never with the clock)."""
+    booked or released (never with the clock): its requests booked here, its capacity and
+    the prefill booked here that its heartbeats did not report yet. What it reports itself
+    decays with the clock, so it is left out: the key is a lower bound of the load, and a
+    policy may stop looking once that bound exceeds its best so far."""
 
-    def __call__(self, booked: int, capacity: int, queued_prefill_tokens: int) -> float: ...
+    def __call__(self, booked: int, capacity: int, unreported_prefill_tokens: int) -> float: ...
 
 
 @runtime_checkable
 class Shortlisting(Protocol):
     """A policy that scores only a shortlist: it orders workers by its own load key."""
 
-    def load_key(self, booked: int, capacity: int, queued_prefill_tokens: int) -> float:
+    def load_key(self, booked: int, capacity: int, unreported_prefill_tokens: int) -> float:
         """The worker's place in the order (lower: less loaded); see :class:`LoadKey`."""
         ...
 
 
-def default_load_key(booked: int, capacity: int, queued_prefill_tokens: int) -> float:
-    """Booked share of the capacity, then queued prefill (a policy without its own key)."""
-    return booked / (capacity or 1) + queued_prefill_tokens * 1e-9
+def default_load_key(booked: int, capacity: int, unreported_prefill_tokens: int) -> float:
+    """Booked share of the capacity, then booked prefill (a policy without its own key)."""
+    return booked / (capacity or 1) + unreported_prefill_tokens * 1e-9
 
 
 @dataclass(frozen=True)

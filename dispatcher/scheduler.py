@@ -335,8 +335,8 @@ class Scheduler:
         if booked >= info.capacity:
             self._free.discard(worker_id)
             return
-        queued = info.reported_prefill_tokens + self._books.unreported_prefill(worker_id)
-        self._free.put(worker_id, info.models, self._load_key(booked, info.capacity, queued))
+        unreported = self._books.unreported_prefill(worker_id)
+        self._free.put(worker_id, info.models, self._load_key(booked, info.capacity, unreported))
 
     def _serve(self, info: WorkerInfo | None, sign: int) -> None:
         if info is None or info.draining:
