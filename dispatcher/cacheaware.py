@@ -316,7 +316,8 @@ class CacheAware:
         self, request: RouteRequest, candidates: Sequence[Candidate], now_s: float
     ) -> Choice:
         """The decision (module docstring). Given a :class:`CandidatePool`, it scores only
-        the shortlist (unless ``shortlist_workers`` is 0), then any other worker whose load
+        the shortlist (unless ``shortlist_workers`` is 0 or the candidates are at most twice
+        that many), then any other worker whose load
         key shows it could still win (its lower bound under the best so far): the same
         choice as scoring every candidate, but for ties among workers left off."""
         if not candidates:
@@ -327,7 +328,8 @@ class CacheAware:
         explores = self._explores(request)
         acc = _Best()
         scored: list[Candidate] = []
-        if c.shortlist_workers and isinstance(candidates, CandidatePool):
+        if isinstance(candidates, CandidatePool) and 0 < 2 * c.shortlist_workers < n:
+            # (A fleet of twice the shortlist or fewer costs less scored whole.)
             short = self._shortlist(ctx, candidates, now_s, explores)
             scored.extend(short)
             self._score_into(acc, request, ctx, short, now_s, explores)

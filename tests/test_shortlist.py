@@ -333,9 +333,13 @@ def test_a_worker_off_the_shortlist_that_beats_it_still_wins() -> None:
     # Load keys leave out the reported queue (it decays): w0 sorts first with a queue of 500
     # reported tokens, and the shortlist of one is w0. The bound of w1 is below w0's score.
     policy = CacheAware(CacheAwareConfig(block_tokens=BT, index_tokens=BT, shortlist_workers=1))
-    for w in ("w0", "w1"):
+    for w in ("w0", "w1", "w2"):
         policy.heartbeat(w, None, 50.0)
-    cands = [Candidate("w0", 1, 0, 0, reported_prefill_tokens=500), Candidate("w1", 1, 0, 0)]
+    cands = [
+        Candidate("w0", 1, 0, 0, reported_prefill_tokens=500),
+        Candidate("w1", 1, 0, 0),
+        Candidate("w2", 2, 1, 100, unreported_prefill_tokens=2000),
+    ]
     request = RouteRequest("r", "m", BT + 3, 16, (7,))
     pool = ListPool(cands, policy.load_key)
     assert [c.worker_id for c in policy.shortlist(request, pool, 110.0)] == ["w0"]
