@@ -10,6 +10,7 @@ virtual clock.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 import random
@@ -171,10 +172,11 @@ class _Run:
 
     step_s: float
     steps: int
+    starts: list[float]
+    """When each step starts, and (last) when the run ends: ``starts[i + 1]`` is
+    ``starts[i] + step_s``, as one event per step adds them."""
     applied: int = 0
     """Steps applied to the engine so far."""
-    next_s: float = 0.0
-    """When the next step not yet applied starts (the end of the last one applied)."""
 
 
 def request_cost_s(r: TraceRequest, p: EngineProfile) -> float:
@@ -394,12 +396,14 @@ class _Replay:
             run = e.decode_run()
             if run is not None and run[1] > 1:
                 step_s, steps = run
-                self.runs[w] = _Run(step_s, steps, 0, self.now)
-                end = self.now
-                for _ in range(steps):  # the same sum as one event per step makes
-                    end += step_s
-                self.busy_until[w] = end
-                self._push(w, end)
+                starts = [self.now]
+                t = self.now
+                for _ in range(steps):  # the same sums as one event per step makes
+                    t += step_s
+                    starts.append(t)
+                self.runs[w] = _Run(step_s, steps, starts)
+                self.busy_until[w] = t
+                self._push(w, t)
                 return
         step = e.step()
         self.steps += 1
@@ -420,21 +424,18 @@ class _Replay:
         run = self.runs.get(w)
         if run is None:
             return
-        now, e = self.now, self.engines[w]
-        pure = 0
+        started = bisect.bisect_right(run.starts, self.now, run.applied, run.steps)
+        if started <= run.applied:
+            return
+        e = self.engines[w]
         last = run.steps - 1
-        while run.applied < run.steps and run.next_s <= now:
-            if run.applied == last:
-                e.decode_steps(pure, run.step_s)
-                pure = 0
-                step = e.step()  # the step that finishes someone
-                self.step_events[w] = step.events
-            else:
-                pure += 1
-            run.applied += 1
-            run.next_s += run.step_s
-        if pure:
+        pure = min(started, last) - run.applied
+        if pure > 0:
             e.decode_steps(pure, run.step_s)
+        if started > last:
+            step = e.step()  # the step that finishes someone
+            self.step_events[w] = step.events
+        run.applied = started
 
     def _cut(self, w: str) -> None:
         """End ``w``'s run with the step in progress (new work, or requests waiting)."""
@@ -442,8 +443,8 @@ class _Replay:
         run = self.runs[w]
         if run.applied < run.steps:
             run.steps = run.applied
-            self.busy_until[w] = run.next_s
-            self._push(w, run.next_s)
+            self.busy_until[w] = run.starts[run.steps]
+            self._push(w, run.starts[run.steps])
 
     def _beat_in_run(self, t_next: float) -> bool:
         """A heartbeat falls due at a step end inside a run, before the next event: handle
@@ -451,15 +452,13 @@ class _Replay:
         hb_s, last = self.cfg.heartbeat_s, self.last_report
         due = math.inf
         for run in self.runs.values():
-            i, t = run.applied, run.next_s
-            if i == 0:
-                i, t = 1, t + run.step_s
-            while i < run.steps and t < t_next and t < due:
-                if t - last >= hb_s:
-                    due = t
-                    break
-                i += 1
-                t += run.step_s
+            # Step ends inside the run are starts[1 : steps]; the first one the heartbeat is
+            # due at (the same test as one event per step makes, on the same floats).
+            i = bisect.bisect_left(
+                run.starts, True, max(run.applied, 1), run.steps, key=lambda t: t - last >= hb_s
+            )
+            if i < run.steps and run.starts[i] < min(t_next, due):
+                due = run.starts[i]
         if due == math.inf:
             return False
         self.now = due
