@@ -175,22 +175,22 @@ class DecisionCosts:
 def decision_costs(
     worker_counts: Sequence[int] = (16, 256, 1024),
     indexed_blocks: int = 100_000,
-    requests: int = 10_000,
+    requests: int = 5_000,
     seed: int = 0,
     capacity: int = 32,
 ) -> DecisionCosts:
     """CPU per cache-aware decision at each fleet size. Each fleet joined long ago (no worker
     is new), holds ``indexed_blocks`` index entries reported by snapshot digests (its
     requests' shared prefixes on a few workers each, unrelated prompts on the rest), and runs
-    half its capacity before the measured ``requests`` arrive (each completing as many as
-    arrive, so the fleet stays half busy)."""
+    a quarter of its capacity before the measured ``requests`` arrive (between two plans as
+    many complete as arrive, so it stays that busy)."""
     stream = _stream(requests, seed)
     out: dict[int, float] = {}
     counts: dict[int, int] = {}
     filled = 0
     for n in worker_counts:
         sched, filled = _fleet(n, capacity, indexed_blocks, stream, seed)
-        running = _warm(sched, n * capacity // 2, seed)
+        running = _warm(sched, n * capacity // 4, seed)
         rng = random.Random(seed + 1)
         t0 = time.process_time()
         counts[n] = _drive(sched, stream, running, rng, 0.0)
