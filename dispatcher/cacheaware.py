@@ -276,8 +276,15 @@ class CacheAware:
         return self._shortlist(ctx, pool, now_s, self._explores(request))
 
     def _shortlist(
-        self, ctx: _Context, pool: CandidatePool, now_s: float, explores: bool
+        self,
+        ctx: _Context,
+        pool: CandidatePool,
+        now_s: float,
+        explores: bool,
+        keys: dict[str, float] | None = None,
     ) -> list[Candidate]:
+        """The shortlist; ``keys`` gets the holders' load keys (for :meth:`_beyond`)."""
+        keys = {} if keys is None else keys
         picked: dict[str, Candidate] = {}
         for w in ctx.reps:
             if w not in picked and (cand := pool.get(w)) is not None:
@@ -289,6 +296,7 @@ class CacheAware:
         groups: dict[int, list[tuple[float, str]]] = {}
         for w, blocks in ctx.matches.items():
             if w not in picked and (key := pool.load_key(w)) is not None:
+                keys[w] = key
                 groups.setdefault(blocks, []).append((key, w))
         for group in groups.values():
             for _, w in heapq.nsmallest(k, group) if len(group) > k else group:
@@ -330,12 +338,13 @@ class CacheAware:
         scored: list[Candidate] = []
         if isinstance(candidates, CandidatePool) and 0 < 2 * c.shortlist_workers < n:
             # (A fleet of twice the shortlist or fewer costs less scored whole.)
-            short = self._shortlist(ctx, candidates, now_s, explores)
+            keys: dict[str, float] = {}
+            short = self._shortlist(ctx, candidates, now_s, explores, keys)
             scored.extend(short)
             self._score_into(acc, request, ctx, short, now_s, explores)
             if self._rule(acc, ctx, n) in ("score", "spill", "expand"):
                 seen = {cand.worker_id for cand in short}
-                more = self._beyond(acc, request, ctx, candidates, seen, scored)
+                more = self._beyond(acc, request, ctx, candidates, seen, scored, keys)
                 self._score_into(acc, request, ctx, more, now_s, explores)
         else:
             scored.extend(candidates)
@@ -448,6 +457,7 @@ class CacheAware:
         pool: CandidatePool,
         seen: set[str],
         scored: list[Candidate],
+        keys: dict[str, float],
     ) -> Iterator[Candidate]:
         """Candidates off the shortlist that could still win the score (or, for a prefix
         that may gain a replica, the queue) rule: each one's load key, scaled by the
@@ -480,19 +490,18 @@ class CacheAware:
 
         matches, reps = ctx.matches, ctx.rep_set
         for w, blocks in matches.items():  # the holders the shortlist's groups left off
-            key = pool.load_key(w) if w not in seen else None
+            key = keys.get(w) if w not in seen else None
             if key is not None and could_win(key, blocks, 0.0 if w in reps else 1.0):
                 cand = pool.get(w)
                 if cand is not None:
                     seen.add(w)
                     scored.append(cand)
                     yield cand
-        for cand in pool.by_load():  # the others, in load order: stop at the first too slow
+        for key, cand in pool.by_load():  # the others, in load order, to the first too slow
             w = cand.worker_id
             if w in seen or w in matches:
                 continue
-            key = pool.load_key(w)
-            if key is None or not could_win(key, 0, 0.0 if w in reps else 1.0):
+            if not could_win(key, 0, 0.0 if w in reps else 1.0):
                 return
             scored.append(cand)
             yield cand

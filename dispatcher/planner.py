@@ -234,7 +234,7 @@ class _Pool(CandidatePool):
             return None
         return self._state.free.key(worker_id)
 
-    def by_load(self) -> Iterator[Candidate]:
+    def by_load(self) -> Iterator[tuple[float, Candidate]]:
         # The plan's own bookings moved some workers in the order: merge those (kept sorted
         # in the scratch) with the scheduler's order, which still has them at their old place.
         state, s, model = self._state, self._s, self._model
@@ -245,11 +245,11 @@ class _Pool(CandidatePool):
             if w in moved_key:
                 continue
             while i < len(moved) and moved[i] < (key, w):
-                yield self._made(moved[i][1])
+                yield moved[i][0], self._made(moved[i][1])
                 i += 1
-            yield self._made(w)
-        for _, w in moved[i:]:
-            yield self._made(w)
+            yield key, self._made(w)
+        for key, w in moved[i:]:
+            yield key, self._made(w)
 
     def joined_after(self, t_s: float) -> list[Candidate]:
         joins, joined = self._state.joins, self._state.joined_s

@@ -71,12 +71,12 @@ class CandidatePool(Sequence[Candidate], abc.ABC):
         """The candidate's place in the load order, or None if it is not a candidate."""
 
     @abc.abstractmethod
-    def by_load(self) -> Iterator[Candidate]:
-        """The candidates in load order (lowest key first), built as they are taken."""
+    def by_load(self) -> Iterator[tuple[float, Candidate]]:
+        """(load key, candidate) in load order (lowest key first), built as they are taken."""
 
     def least_loaded(self, n: int) -> list[Candidate]:
         """Up to ``n`` candidates with the lowest load key, lowest first."""
-        return list(itertools.islice(self.by_load(), n))
+        return [c for _, c in itertools.islice(self.by_load(), n)]
 
     @abc.abstractmethod
     def joined_after(self, t_s: float) -> list[Candidate]:
@@ -119,8 +119,8 @@ class ListPool(CandidatePool):
     def load_key(self, worker_id: str) -> float | None:
         return self._key.get(worker_id)
 
-    def by_load(self) -> Iterator[Candidate]:
-        return iter(self._order)
+    def by_load(self) -> Iterator[tuple[float, Candidate]]:
+        return ((self._key[c.worker_id], c) for c in self._order)
 
     def joined_after(self, t_s: float) -> list[Candidate]:
         return [c for c in self._list if c.joined_s > t_s]

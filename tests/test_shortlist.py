@@ -136,10 +136,10 @@ class _Counting(CandidatePool):
     def load_key(self, worker_id: str) -> float | None:
         return self.inner.load_key(worker_id)
 
-    def by_load(self) -> Iterator[Candidate]:
-        for c in self.inner.by_load():
+    def by_load(self) -> Iterator[tuple[float, Candidate]]:
+        for kc in self.inner.by_load():
             self.asked += 1
-            yield c
+            yield kc
 
     def joined_after(self, t_s: float) -> list[Candidate]:
         return self.inner.joined_after(t_s)
