@@ -419,9 +419,9 @@ class CacheAware:
             key = (s, tie_rank(rh, w), w, hit)
             if acc.best is None or key < acc.best:
                 acc.best = key
-            if is_rep and not (cand.booked >= hard_fraction * cand.capacity or ttft > hard_ttft):
-                if acc.sticky is None or key < acc.sticky:
-                    acc.sticky = key
+            over = cand.booked >= hard_fraction * cand.capacity or ttft > hard_ttft
+            if is_rep and not over and (acc.sticky is None or key < acc.sticky):
+                acc.sticky = key
             q = (round(ahead * per_token / scale + busy, 2), miss, key[1], w, hit)
             if acc.expand is None or q < acc.expand:
                 acc.expand = q

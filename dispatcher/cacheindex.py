@@ -23,7 +23,6 @@ from collections.abc import Iterable, Sequence
 
 from sluice.dispatcher.defaults import GUESS_TTL_S, INDEX_MAX_BLOCKS
 
-
 _REPORTED = float("inf")
 _NO_GUESS = float("-inf")
 

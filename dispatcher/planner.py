@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from sluice.dispatcher.admission import AdmissionConfig
 from sluice.dispatcher.books import Books
 from sluice.dispatcher.enginetime import EngineTime
+from sluice.dispatcher.pool import FreeWorkers
 from sluice.dispatcher.queues import Queues
 from sluice.dispatcher.quotas import Level, Quotas
-from sluice.dispatcher.pool import FreeWorkers
 from sluice.dispatcher.routing import Candidate, CandidatePool, Choice, LoadKey, RoutingPolicy
 from sluice.dispatcher.shares import BandMeter, ShareKind
 from sluice.dispatcher.work import Dispatch, Request, WorkerInfo

@@ -108,8 +108,7 @@ class ListPool(CandidatePool):
         self._by_id = {c.worker_id: c for c in self._list}
         k = key or default_load_key
         self._key = {
-            c.worker_id: k(c.booked, c.capacity, c.unreported_prefill_tokens)
-            for c in self._list
+            c.worker_id: k(c.booked, c.capacity, c.unreported_prefill_tokens) for c in self._list
         }
         self._order = sorted(self._list, key=lambda c: (self._key[c.worker_id], c.worker_id))
 

@@ -304,12 +304,9 @@ class _Replay:
         hb_s = self.cfg.heartbeat_s
         while i_next < n or self.events or self.tick_at < math.inf:
             t_arrival = trace[i_next].arrival_s if i_next < n else math.inf
-            events = self.events
-            while events and self.live_seq.get(events[0][2]) != events[0][1]:
-                heapq.heappop(events)  # the old end of a run that was cut
-            if not events and i_next >= n and self.tick_at == math.inf:
+            t_event = self._next_event()
+            if t_event == math.inf and i_next >= n and self.tick_at == math.inf:
                 break
-            t_event = events[0][0] if events else math.inf
             t_next = min(t_arrival, t_event, self.tick_at)
             if self.runs and t_next - self.last_report >= hb_s and self._beat_in_run(t_next):
                 continue
@@ -329,18 +326,28 @@ class _Replay:
             self._dispatch()
             if self.sched.queued and self.tick_at == math.inf:
                 self.tick_at = self.now + self.cfg.tick_s
-            if not self.sched.queued:
-                self.tick_at = math.inf
-            elif self.runs:
-                # While requests wait, every step end plans again (as one event per step
-                # does): no engine may skip over one.
-                for w in list(self.runs):
-                    self._cut(w)
+            self._after_event()
         result = _summarise(self.records, self.engines, self.sched.flaps.rate, self.cfg)
         self._engine_figures(result)
         step = max(1, len(self.series) // 400)  # at most ~400 points per chart
         result.load_series = self.series[::step]
         return result
+
+    def _next_event(self) -> float:
+        """When the next step ends (dropping the old ends of runs that were cut)."""
+        events = self.events
+        while events and self.live_seq.get(events[0][2]) != events[0][1]:
+            heapq.heappop(events)
+        return events[0][0] if events else math.inf
+
+    def _after_event(self) -> None:
+        if not self.sched.queued:
+            self.tick_at = math.inf
+        elif self.runs:
+            # While requests wait, every step end plans again (as one event per step does):
+            # no engine may skip over one.
+            for w in list(self.runs):
+                self._cut(w)
 
     def _engine_figures(self, result: PolicyResult) -> None:
         span = self.trace[-1].arrival_s - self.trace[0].arrival_s
