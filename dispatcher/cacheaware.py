@@ -27,6 +27,12 @@ Then the safeguards, per request (there is no fleet-wide switch):
 - **tie-breaks**: by a hash of request and worker ids, so equal workers share misses evenly
   and ``choose`` stays free of side effects.
 
+**Who is scored**: given the planner's :class:`~sluice.dispatcher.routing.CandidatePool`, not
+the whole fleet: the prefix's replicas, the ``shortlist_workers`` least-loaded holders of each
+match length, as many least-loaded other workers and, for a request that explores, the new
+workers; then any other worker whose load key (a lower bound of its load) could still beat the
+best so far. The choice is the one scoring everyone would make, but for ties.
+
 ``choose`` changes nothing; ``observe`` (called by the scheduler once the worker accepted)
 records the placement. ``heartbeat``, ``completed`` and ``remove_worker`` feed the index and
 the speeds from the runtime (or the simulator).

@@ -153,6 +153,10 @@ class CacheIndex:
             result[w] = len(hashes)
         return result
 
+    def reported_blocks(self, worker_id: str) -> int:
+        """How many of the index's blocks the worker's own reports list (not guesses)."""
+        return len(self._reported.get(worker_id, ()))
+
     def holders(self, block_hash: int, now_s: float) -> set[str]:
         holders = self._blocks.get(block_hash, {})
         return {w for w, until in holders.items() if until > now_s}
