@@ -110,7 +110,7 @@ def bench(
     requests: Annotated[int, typer.Option(help="Requests per core benchmark.", min=10)] = 50_000,
     decision_requests: Annotated[
         int, typer.Option(help="Requests per worker count of decision_us.", min=10)
-    ] = 2_000,
+    ] = 5_000,
     live_requests: Annotated[
         int | None,
         typer.Option(help="Sequential requests of the dispatch latency.", min=10),
@@ -130,7 +130,13 @@ def bench(
 ) -> None:
     """Measure the dispatcher's own cost and its live hot path against baselines measured in
     the same run, and how far each figure is from its target."""
-    from sluice.cli.bench import bench_core
+    from sluice.cli.benchcore import (
+        TARGET_GROWTH_1024_VS_16,
+        TARGET_US_AT_256,
+        bench_core,
+        decision_costs,
+        print_costs,
+    )
     from sluice.cli.benchlive import BenchError, HotSizes, bench_hot, verdicts
 
     figures: dict[str, Any] = {"core": {}}
@@ -148,11 +154,20 @@ def bench(
                 f"{core.sluice_us_per_decision:.1f} us CPU/decision, minimal FIFO+round-robin "
                 f"baseline {core.baseline_us_per_decision:.2f} us; ratio {core.ratio:.1f}x"
             )
-    decision_us, baseline_us = _decision_us(decision_requests)
-    figures["decision_us"], figures["baseline_decision_us"] = decision_us, baseline_us
+    costs = decision_costs(requests=decision_requests)
+    figures["decision_us"] = {str(n): us for n, us in costs.decision_us.items()}
+    figures["baseline_decision_us"] = costs.baseline_decision_us
+    figures["indexed_blocks"] = costs.indexed_blocks
+    figures["decision_growth_1024_vs_16"] = costs.growth(1024, 16)
+    at_256, growth = costs.decision_us[256], costs.growth(1024, 16)
+    figures["targets"] = {
+        "decision_us at 256 workers": _target(at_256, TARGET_US_AT_256, at_256 <= TARGET_US_AT_256),
+        "decision growth 1024 / 16 workers": _target(
+            growth, TARGET_GROWTH_1024_VS_16, growth <= TARGET_GROWTH_1024_VS_16
+        ),
+    }
     if not as_json:
-        by_count = ", ".join(f"{n} workers {us:.1f} us" for n, us in decision_us.items())
-        console.print(f"decision cost by fleet size: {by_count}; baseline {baseline_us:.2f} us")
+        print_costs(costs, echo=console.print)
     if not skip_live:
         given = {
             "latency_requests": live_requests,
@@ -165,25 +180,21 @@ def bench(
         except BenchError as exc:
             raise fail(str(exc)) from exc
         figures.update(hot.as_dict())
-        figures["targets"] = {
-            v.name: {"value": v.value, "target": v.target, "met": v.met, "off_by": v.off_by}
-            for v in verdicts(hot)
-        }
+        figures["targets"].update(
+            {
+                v.name: {"value": v.value, "target": v.target, "met": v.met, "off_by": v.off_by}
+                for v in verdicts(hot)
+            }
+        )
         if not as_json:
             _print_hot(hot)
     if as_json:
         print(json.dumps(figures))
 
 
-def _decision_us(requests: int) -> tuple[dict[str, float], float]:
-    """CPU per scheduling decision by fleet size (``"16"``, ``"256"``, ``"1024"`` workers),
-    and the minimal baseline's (on 16 workers)."""
-    from sluice.cli.bench import bench_core
-
-    results = {n: bench_core(requests=requests, workers=n) for n in (16, 256, 1024)}
-    return {str(n): r.sluice_us_per_decision for n, r in results.items()}, results[
-        16
-    ].baseline_us_per_decision
+def _target(value: float, target: float, met: bool) -> dict[str, Any]:
+    """One figure of ``sluice bench --json``'s ``targets``: its value, target, and how far."""
+    return {"value": value, "target": target, "met": met, "off_by": value / target}
 
 
 def _print_hot(hot: Any) -> None:

@@ -25,6 +25,7 @@ class Books:
         self._tokens: Counter[str] = Counter()
         # Per worker: booked requests its last heartbeat did not list yet -> prefill expected.
         self._unreported: dict[str, dict[str, int]] = {}
+        self._unreported_sum: Counter[str] = Counter()
         self.usage = Usage()
 
     def __len__(self) -> int:
@@ -48,7 +49,7 @@ class Books:
         return self._tokens[worker_id]
 
     def unreported_prefill(self, worker_id: str) -> int:
-        return sum(self._unreported.get(worker_id, {}).values())
+        return self._unreported_sum[worker_id]
 
     def book(
         self,
@@ -67,7 +68,9 @@ class Books:
         self._tokens[w] += r.work_tokens
         self.usage.add(list(levels), amount)
         if not reported:
-            self._unreported.setdefault(w, {})[r.request_id] = expected_prefill_tokens
+            pending = self._unreported.setdefault(w, {})
+            self._unreported_sum[w] += expected_prefill_tokens - pending.get(r.request_id, 0)
+            pending[r.request_id] = expected_prefill_tokens
 
     def release(self, request_id: str, levels: Iterable[Level], amount: int) -> Booking:
         booking = self._running.pop(request_id)
@@ -76,7 +79,7 @@ class Books:
         self._by_worker.get(w, set()).discard(request_id)
         self._tokens[w] -= r.work_tokens
         self.usage.remove(list(levels), amount)
-        self._unreported.get(w, {}).pop(request_id, None)
+        self._unreported_sum[w] -= self._unreported.get(w, {}).pop(request_id, 0)
         return booking
 
     def reported(self, worker_id: str, in_flight: frozenset[str]) -> None:
@@ -86,7 +89,7 @@ class Books:
         if pending:
             booked = self._by_worker[worker_id]
             for rid in [r for r in pending if r in in_flight or r not in booked]:
-                del pending[rid]
+                self._unreported_sum[worker_id] -= pending.pop(rid)
 
     def forget_worker(self, worker_id: str) -> list[str]:
         """Drop a worker's bookkeeping; returns the requests still booked on it (sorted), which
@@ -94,6 +97,7 @@ class Books:
         booked = sorted(self._by_worker.pop(worker_id, set()))
         self._tokens.pop(worker_id, None)
         self._unreported.pop(worker_id, None)
+        self._unreported_sum.pop(worker_id, None)
         return booked
 
     def drift(self, worker_id: str, in_flight: frozenset[str], now_s: float, grace_s: float) -> int:

@@ -27,6 +27,12 @@ Then the safeguards, per request (there is no fleet-wide switch):
 - **tie-breaks**: by a hash of request and worker ids, so equal workers share misses evenly
   and ``choose`` stays free of side effects.
 
+**Who is scored**: given the planner's :class:`~sluice.dispatcher.routing.CandidatePool`, not
+the whole fleet: the prefix's replicas, the ``shortlist_workers`` least-loaded holders of each
+match length, as many least-loaded other workers and, for a request that explores, the new
+workers; then any other worker whose load key (a lower bound of its load) could still beat the
+best so far. The choice is the one scoring everyone would make, but for ties.
+
 ``choose`` changes nothing; ``observe`` (called by the scheduler once the worker accepted)
 records the placement. ``heartbeat``, ``completed`` and ``remove_worker`` feed the index and
 the speeds from the runtime (or the simulator).
@@ -35,7 +41,8 @@ the speeds from the runtime (or the simulator).
 from __future__ import annotations
 
 import collections
-from collections.abc import Sequence
+import heapq
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -51,11 +58,13 @@ from sluice.dispatcher.defaults import (
     MAX_REPLICAS,
     PREFIX_MAX_KEYS,
     REPLICA_HEADROOM,
+    SHORTLIST_WORKERS,
     STICKY_WINDOW_S,
     key_blocks,
 )
 from sluice.dispatcher.routing import (
     Candidate,
+    CandidatePool,
     Choice,
     Digest,
     Outcome,
@@ -103,6 +112,9 @@ class CacheAwareConfig:
     sticky_cached: bool = True
     calibrate: bool = True
     """Learn each worker's speeds from completions (False: always the prior)."""
+    shortlist_workers: int = SHORTLIST_WORKERS
+    """Score only the prefix's holders and replicas, the newly joined workers and this many
+    least-loaded others (0: score every candidate)."""
 
     @property
     def index_stride(self) -> int:
@@ -123,6 +135,8 @@ class CacheAwareConfig:
             raise ValueError("min_hit_fraction and explore_share must be within [0, 1]")
         if not 0 < self.hard_load_fraction <= 1:
             raise ValueError("hard_load_fraction must be within (0, 1]")
+        if self.shortlist_workers < 0:
+            raise ValueError("shortlist_workers must be >= 0")
 
 
 @dataclass(slots=True)
@@ -140,6 +154,38 @@ class Scored:
     score: float
     over_hard: bool
     tie: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Context:
+    """What a decision knows before it scores anyone."""
+
+    indexed: int
+    """Index entries of the request's prompt."""
+    matches: dict[str, int]
+    """Worker -> leading index entries of the prompt it holds."""
+    reps: list[str]
+    budget: int
+    rep_set: frozenset[str]
+    request_hash: int
+
+
+@dataclass(slots=True)
+class _Best:
+    """The minimum each rule needs, over the candidates scored so far: (score, tie rank,
+    worker, hit) for the score, sticky and explore rules, (rounded queue, miss, tie rank,
+    worker, hit) for the expand rule."""
+
+    best: tuple[float, float, str, int] | None = None
+    sticky: tuple[float, float, str, int] | None = None
+    cold: tuple[float, float, str, int] | None = None
+    expand: tuple[float, float, float, str, int] | None = None
+    n_cold: int = 0
+
+
+_SLACK = 1e-9
+"""A lower bound is lowered by this much before it is compared: rounding must not make it
+exceed the value it bounds."""
 
 
 class CacheAware:
@@ -174,12 +220,14 @@ class CacheAware:
         self, request: RouteRequest, candidates: Sequence[Candidate], now_s: float
     ) -> tuple[list[Scored], list[str], int]:
         """Every candidate's terms, the prefix's replicas and its budget. Changes nothing."""
-        c = self.config
-        hashes = request.block_hashes
-        indexed = self._indexed(hashes)
+        ctx = self._context(request, len(candidates), now_s)
+        return self._score(request, ctx, candidates), ctx.reps, ctx.budget
+
+    def _context(self, request: RouteRequest, candidates: int, now_s: float) -> _Context:
+        indexed = self._indexed(request.block_hashes)
         matches = self.index.match(indexed, now_s) if indexed else {}
         key = self._key(request)
-        fleet = max(len(self._fleet), len(candidates))
+        fleet = max(len(self._fleet), candidates)
         reps = self.affinity.replicas(key, now_s) if key is not None else []
         if key is not None and self.config.sticky_cached:
             # Workers that still cache the whole key prefix hold it too, however long ago
@@ -187,10 +235,18 @@ class CacheAware:
             need = min(self._key_blocks // self._stride, len(indexed)) or 1
             reps += sorted(w for w, b in matches.items() if b >= need and w not in reps)
         budget = self.affinity.budget(key, fleet, now_s) if key is not None else 1
-        rep_set = set(reps)
         rh = request_hash(request.request_id)
-        # The loop below runs for every candidate of every decision: constants hoisted.
-        n_indexed = len(indexed)
+        return _Context(len(indexed), matches, reps, budget, frozenset(reps), rh)
+
+    def _score(
+        self, request: RouteRequest, ctx: _Context, candidates: Sequence[Candidate]
+    ) -> list[Scored]:
+        c = self.config
+        matches = ctx.matches
+        rep_set = ctx.rep_set
+        rh = ctx.request_hash
+        # The loop below runs for every scored candidate of every decision: constants hoisted.
+        n_indexed = ctx.indexed
         prompt = request.prompt_tokens
         ibt = self.index_block_tokens
         min_hit, scale, w_busy = c.min_hit_fraction, c.ttft_scale_s, c.w_busy
@@ -219,37 +275,247 @@ class CacheAware:
             over = cand.booked >= hard_fraction * cand.capacity or ttft > hard_ttft
             tie = tie_rank(rh, w)
             out.append(Scored(cand, hit, ttft, load, queue, miss, moved, s, over, tie))
-        return out, reps, budget
+        return out
+
+    def shortlist(
+        self, request: RouteRequest, pool: CandidatePool, now_s: float
+    ) -> list[Candidate]:
+        """The candidates a decision scores: the holders of the request's prefix, its
+        replicas, the ``shortlist_workers`` least loaded and, if the request is one that
+        explores, the newly joined workers."""
+        ctx = self._context(request, len(pool), now_s)
+        return self._shortlist(ctx, pool, now_s, self._explores(request))
+
+    def _shortlist(
+        self,
+        ctx: _Context,
+        pool: CandidatePool,
+        now_s: float,
+        explores: bool,
+        keys: dict[str, float] | None = None,
+    ) -> list[Candidate]:
+        """The shortlist; ``keys`` gets the holders' load keys (for :meth:`_beyond`)."""
+        keys = {} if keys is None else keys
+        picked: dict[str, Candidate] = {}
+        for w in ctx.reps:
+            if w not in picked and (cand := pool.get(w)) is not None:
+                picked[w] = cand
+        # Holders that hold as much of the prompt differ only in load (unless their speeds
+        # do): of each such group, the k least loaded. Those holding nothing are the group
+        # least_loaded() gives below.
+        k = self.config.shortlist_workers
+        groups: dict[int, list[tuple[float, str]]] = {}
+        for w, blocks in ctx.matches.items():
+            if w not in picked and (key := pool.load_key(w)) is not None:
+                keys[w] = key
+                groups.setdefault(blocks, []).append((key, w))
+        for group in groups.values():
+            for _, w in heapq.nsmallest(k, group) if len(group) > k else group:
+                if (cand := pool.get(w)) is not None:
+                    picked[w] = cand
+        if explores:
+            # Only a request that explores needs every new worker (and how many there are).
+            # A little early, so that the exact test in choose() decides who is new.
+            for cand in pool.joined_after(now_s - self.config.explore_window_s - 1.0):
+                picked.setdefault(cand.worker_id, cand)
+        for cand in pool.least_loaded(self.config.shortlist_workers):
+            picked.setdefault(cand.worker_id, cand)
+        return list(picked.values())
+
+    def load_key(self, booked: int, capacity: int, unreported_prefill_tokens: int) -> float:
+        """The queue term (``queue`` of :class:`Scored`) of a worker with this work whose
+        reported queue has drained, at the prior speed: the order the least-loaded part of
+        the shortlist is taken in, and (scaled by the fastest speed) a lower bound of it."""
+        c = self.config
+        per_token = self.calibration.prior.prefill_s_per_token
+        busy = c.w_busy * booked / (capacity or 1)
+        return unreported_prefill_tokens * per_token / c.ttft_scale_s + busy
 
     def choose(
         self, request: RouteRequest, candidates: Sequence[Candidate], now_s: float
     ) -> Choice:
+        """The decision (module docstring). Given a :class:`CandidatePool`, it scores only
+        the shortlist (unless ``shortlist_workers`` is 0 or the candidates are at most twice
+        that many), then any other worker whose load
+        key shows it could still win (its lower bound under the best so far): the same
+        choice as scoring every candidate, but for ties among workers left off."""
         if not candidates:
             raise ValueError("choose() needs at least one candidate")
         c = self.config
-        scored, reps, budget = self.score(request, candidates, now_s)
-        allowed = scored
-        reason = "score"
-        cold = [s for s in scored if now_s - s.candidate.joined_s < c.explore_window_s]
-        sticky = [s for s in scored if s.candidate.worker_id in reps and not s.over_hard]
-        if cold and len(cold) < len(scored) and self._explores(request):
-            allowed, reason = cold, "explore"
-        elif sticky and len(reps) >= budget:
-            allowed, reason = sticky, "sticky"
-        elif sticky:
-            reason = "expand"
-        elif reps:
-            reason = "spill"
-        if reason == "expand":
+        n = len(candidates)
+        ctx = self._context(request, n, now_s)
+        explores = self._explores(request)
+        acc = _Best()
+        scored: list[Candidate] = []
+        if isinstance(candidates, CandidatePool) and 0 < 2 * c.shortlist_workers < n:
+            # (A fleet of twice the shortlist or fewer costs less scored whole.)
+            keys: dict[str, float] = {}
+            short = self._shortlist(ctx, candidates, now_s, explores, keys)
+            scored.extend(short)
+            self._score_into(acc, request, ctx, short, now_s, explores)
+            if self._rule(acc, ctx, n) in ("score", "spill", "expand"):
+                seen = {cand.worker_id for cand in short}
+                more = self._beyond(acc, request, ctx, candidates, seen, scored, keys)
+                self._score_into(acc, request, ctx, more, now_s, explores)
+        else:
+            scored.extend(candidates)
+            self._score_into(acc, request, ctx, candidates, now_s, explores)
+        choice = self._verdict(acc, ctx, n)
+        if c.explain:
+            choice = self._explained(choice, request, ctx, scored, now_s)
+        return choice
+
+    def _explained(
+        self,
+        choice: Choice,
+        request: RouteRequest,
+        ctx: _Context,
+        scored: Sequence[Candidate],
+        now_s: float,
+    ) -> Choice:
+        """The choice with every scored candidate's terms (the decision log)."""
+        window, reps = self.config.explore_window_s, set(ctx.reps)
+
+        def allowed(s: Scored) -> bool:
+            if choice.reason == "explore":
+                return now_s - s.candidate.joined_s < window
+            if choice.reason == "sticky":
+                return s.candidate.worker_id in reps and not s.over_hard
+            return True
+
+        terms = tuple(_terms(s, allowed(s)) for s in self._score(request, ctx, scored))
+        return Choice(choice.worker_id, choice.expected_hit_tokens, choice.reason, terms)
+
+    def _score_into(
+        self,
+        acc: _Best,
+        request: RouteRequest,
+        ctx: _Context,
+        candidates: Iterable[Candidate],
+        now_s: float,
+        explores: bool,
+    ) -> None:
+        """Score candidates, keeping in ``acc`` only the minimum each rule needs: the same
+        terms as :meth:`_score` (kept in step with it), in one pass (this runs for every
+        scored candidate of every decision). ``candidates`` may be a generator that reads
+        ``acc`` between two of them."""
+        c = self.config
+        matches, rep_set = ctx.matches, ctx.rep_set
+        rh = ctx.request_hash
+        n_indexed = ctx.indexed
+        prompt = request.prompt_tokens
+        ibt = self.index_block_tokens
+        min_hit, scale, w_busy = c.min_hit_fraction, c.ttft_scale_s, c.w_busy
+        w_load, w_cache, w_stable = c.w_load, c.w_cache, c.w_stable
+        hard_fraction, hard_ttft = c.hard_load_fraction, c.hard_ttft_s
+        window = c.explore_window_s
+        speeds = self.calibration.speeds if c.calibrate else None
+        prior = self.calibration.prior
+        for cand in candidates:
+            w = cand.worker_id
+            blocks = matches.get(w, 0)
+            hit = min(blocks * ibt, prompt - 1) if blocks else 0
+            fraction = blocks / n_indexed if n_indexed else 0.0
+            miss = 1.0 - fraction if fraction >= min_hit else 1.0
+            sp = speeds(w) if speeds else prior
+            per_token = sp.prefill_s_per_token
+            ahead = cand.reported_prefill_tokens - cand.report_age_s / per_token
+            ahead = (ahead if ahead > 0.0 else 0.0) + cand.unreported_prefill_tokens
+            own = prompt - hit if prompt - hit > 1 else 1
+            ttft = (ahead + own) * per_token + sp.decode_s_per_token
+            busy = w_busy * cand.booked / (cand.capacity or 1)
+            is_rep = w in rep_set
+            moved = 1.0 if rep_set and not is_rep else 0.0
+            s = w_load * (ttft / scale + busy) + w_cache * miss + w_stable * moved
+            key = (s, tie_rank(rh, w), w, hit)
+            if acc.best is None or key < acc.best:
+                acc.best = key
+            over = cand.booked >= hard_fraction * cand.capacity or ttft > hard_ttft
+            if is_rep and not over and (acc.sticky is None or key < acc.sticky):
+                acc.sticky = key
+            q = (round(ahead * per_token / scale + busy, 2), miss, key[1], w, hit)
+            if acc.expand is None or q < acc.expand:
+                acc.expand = q
+            if explores and now_s - cand.joined_s < window:
+                acc.n_cold += 1
+                if acc.cold is None or key < acc.cold:
+                    acc.cold = key
+
+    def _rule(self, acc: _Best, ctx: _Context, n: int) -> str:
+        """Which rule decides (module docstring), from what was scored."""
+        if acc.cold is not None and acc.n_cold < n:
+            return "explore"
+        if acc.sticky is not None:
+            return "sticky" if len(ctx.reps) >= ctx.budget else "expand"
+        return "spill" if ctx.reps else "score"
+
+    def _verdict(self, acc: _Best, ctx: _Context, n: int) -> Choice:
+        rule = self._rule(acc, ctx, n)
+        if rule == "expand":
             # The prefix is hot and may gain a replica: whoever serves it soonest (its miss
             # is in its predicted TTFT) wins, so its traffic spreads instead of herding.
-            best = min(allowed, key=lambda s: (round(s.queue, 2), s.miss, s.tie))
-        else:
-            best = min(allowed, key=lambda s: (s.score, s.tie))
-        terms: tuple[dict[str, float | str], ...] = ()
-        if c.explain:
-            terms = tuple(_terms(s, s in allowed) for s in scored)
-        return Choice(best.candidate.worker_id, best.hit_tokens, reason, terms)
+            assert acc.expand is not None
+            return Choice(acc.expand[3], acc.expand[4], rule)
+        best = acc.cold if rule == "explore" else acc.sticky if rule == "sticky" else acc.best
+        assert best is not None
+        return Choice(best[2], best[3], rule)
+
+    def _beyond(
+        self,
+        acc: _Best,
+        request: RouteRequest,
+        ctx: _Context,
+        pool: CandidatePool,
+        seen: set[str],
+        scored: list[Candidate],
+        keys: dict[str, float],
+    ) -> Iterator[Candidate]:
+        """Candidates off the shortlist that could still win the score (or, for a prefix
+        that may gain a replica, the queue) rule: each one's load key, scaled by the
+        fleet's fastest speeds, bounds its terms from below; those bounds are compared with
+        the best so far as it improves. Ties with the best are not looked for."""
+        c = self.config
+        prior = self.calibration.prior
+        fast_prefill, fast_decode = (
+            self.calibration.fastest()
+            if c.calibrate
+            else (prior.prefill_s_per_token, prior.decode_s_per_token)
+        )
+        f = min(1.0, fast_prefill / prior.prefill_s_per_token)
+        expand = acc.sticky is not None
+        scale, w_load, w_cache = c.ttft_scale_s, c.w_load, c.w_cache
+        w_stable = c.w_stable if ctx.reps else 0.0
+        prompt, ibt, n_indexed = request.prompt_tokens, self.index_block_tokens, ctx.indexed
+
+        def could_win(key: float, blocks: int, moved: float) -> bool:
+            if expand:
+                assert acc.expand is not None
+                return round(f * key - _SLACK, 2) < acc.expand[0]
+            assert acc.best is not None
+            hit = min(blocks * ibt, prompt - 1) if blocks else 0
+            fraction = blocks / n_indexed if n_indexed else 0.0
+            miss = 1.0 - fraction if fraction >= c.min_hit_fraction else 1.0
+            own = prompt - hit if prompt - hit > 1 else 1
+            load = f * key + (own * fast_prefill + fast_decode) / scale
+            return w_load * load + w_cache * miss + w_stable * moved - _SLACK < acc.best[0]
+
+        matches, reps = ctx.matches, ctx.rep_set
+        for w, blocks in matches.items():  # the holders the shortlist's groups left off
+            key = keys.get(w) if w not in seen else None
+            if key is not None and could_win(key, blocks, 0.0 if w in reps else 1.0):
+                cand = pool.get(w)
+                if cand is not None:
+                    seen.add(w)
+                    scored.append(cand)
+                    yield cand
+        for key, cand in pool.by_load():  # the others, in load order, to the first too slow
+            w = cand.worker_id
+            if w in seen or w in matches:
+                continue
+            if not could_win(key, 0, 0.0 if w in reps else 1.0):
+                return
+            scored.append(cand)
+            yield cand
 
     def _key(self, request: RouteRequest) -> int | None:
         """What the request sticks by: its session, or its prompt prefix."""

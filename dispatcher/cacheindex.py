@@ -20,22 +20,21 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 from sluice.dispatcher.defaults import GUESS_TTL_S, INDEX_MAX_BLOCKS
 
-
-@dataclass(slots=True)
-class _Hold:
-    reported: bool = False
-    guess_until_s: float = float("-inf")
-
-    def alive(self, now_s: float) -> bool:
-        return self.reported or self.guess_until_s > now_s
+_REPORTED = float("inf")
+_NO_GUESS = float("-inf")
 
 
 class CacheIndex:
-    """Chained block hash -> workers holding it, from reports, guesses and corrections."""
+    """Chained block hash -> workers holding it, from reports, guesses and corrections.
+
+    A hold is one float, so that a block's holders are a dict of strings to floats (which the
+    garbage collector does not track): the time a guess expires, ``inf`` while the worker's
+    reports list the block (a guess made meanwhile waits in ``_under``), ``-inf`` for
+    neither. Alive means greater than now.
+    """
 
     def __init__(
         self, *, max_blocks: int = INDEX_MAX_BLOCKS, guess_ttl_s: float = GUESS_TTL_S
@@ -44,7 +43,9 @@ class CacheIndex:
             raise ValueError("max_blocks must be >= 1 and guess_ttl_s > 0")
         self.max_blocks = max_blocks
         self.guess_ttl_s = guess_ttl_s
-        self._blocks: OrderedDict[int, dict[str, _Hold]] = OrderedDict()
+        self._blocks: OrderedDict[int, dict[str, float]] = OrderedDict()
+        self._under: dict[tuple[int, str], float] = {}
+        """(block, worker) -> until when a guess holds under the worker's report."""
         self._seq: dict[str, int] = {}
         self._stale: set[str] = set()
         self._reported: dict[str, set[int]] = {}
@@ -76,7 +77,7 @@ class CacheIndex:
             self._unreport(worker_id, h, forget_guess=True)
         mine = self._reported.setdefault(worker_id, set())
         for h in stored:
-            self._hold(h, worker_id).reported = True
+            self._report(h, worker_id)
             mine.add(h)
         self._trim()
         return True
@@ -89,7 +90,7 @@ class CacheIndex:
         for h in old - keep:
             self._unreport(worker_id, h)
         for h in keep - old:
-            self._hold(h, worker_id).reported = True
+            self._report(h, worker_id)
         self._reported[worker_id] = keep
         self._seq[worker_id] = seq
         self._stale.discard(worker_id)
@@ -106,17 +107,17 @@ class CacheIndex:
         hold them soon (until ``guess_ttl_s`` from now, unless reports say more)."""
         until = now_s + self.guess_ttl_s
         blocks = self._blocks
-        for h in hashes:  # the hot path of every booking: _hold() inlined
+        for h in hashes:  # the hot path of every booking
             holders = blocks.get(h)
             if holders is None:
-                blocks[h] = {worker_id: _Hold(False, until)}
+                blocks[h] = {worker_id: until}
                 continue
             blocks.move_to_end(h)
             hold = holders.get(worker_id)
-            if hold is None:
-                holders[worker_id] = _Hold(False, until)
-            elif hold.guess_until_s < until:
-                hold.guess_until_s = until
+            if hold is None or hold < until:
+                holders[worker_id] = until
+            elif hold == _REPORTED and self._under.get((h, worker_id), _NO_GUESS) < until:
+                self._under[(h, worker_id)] = until
         self._trim()
 
     def completed(self, worker_id: str, hashes: Sequence[int], now_s: float) -> None:
@@ -130,7 +131,8 @@ class CacheIndex:
 
     def match(self, hashes: Sequence[int], now_s: float) -> dict[str, int]:
         """For each worker holding the first block: how many leading blocks it holds. A pure
-        read (recency is kept by what is stored and routed, not by lookups)."""
+        read (recency is kept by what is stored and routed, not by lookups). It costs
+        O(blocks x holders), whatever the size of the fleet or of the index."""
         result: dict[str, int] = {}
         alive: set[str] | None = None
         blocks = self._blocks
@@ -139,13 +141,9 @@ class CacheIndex:
             if not holders:
                 here: set[str] = set()
             elif alive is None:
-                here = {w for w, x in holders.items() if x.reported or x.guess_until_s > now_s}
+                here = {w for w, until in holders.items() if until > now_s}
             else:
-                here = {
-                    w
-                    for w in alive
-                    if (x := holders.get(w)) is not None and (x.reported or x.guess_until_s > now_s)
-                }
+                here = {w for w in alive if holders.get(w, _NO_GUESS) > now_s}
             for w in (alive or set()) - here:
                 result[w] = i
             alive = here
@@ -155,9 +153,13 @@ class CacheIndex:
             result[w] = len(hashes)
         return result
 
+    def reported_blocks(self, worker_id: str) -> int:
+        """How many of the index's blocks the worker's own reports list (not guesses)."""
+        return len(self._reported.get(worker_id, ()))
+
     def holders(self, block_hash: int, now_s: float) -> set[str]:
         holders = self._blocks.get(block_hash, {})
-        return {w for w, hold in holders.items() if hold.alive(now_s)}
+        return {w for w, until in holders.items() if until > now_s}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -167,6 +169,8 @@ class CacheIndex:
             holders = self._blocks[h]
             if holders.pop(worker_id, None) is not None and not holders:
                 del self._blocks[h]
+        for key in [k for k in self._under if k[1] == worker_id]:
+            del self._under[key]
         self._seq.pop(worker_id, None)
         self._stale.discard(worker_id)
         self._reported.pop(worker_id, None)
@@ -178,40 +182,46 @@ class CacheIndex:
         freed = 0
         for h in list(itertools.islice(self._blocks, max_blocks)):
             holders = self._blocks[h]
-            for w in [w for w, hold in holders.items() if not hold.alive(now_s)]:
+            for w in [w for w, until in holders.items() if until <= now_s]:
                 del holders[w]
             if not holders:
                 del self._blocks[h]
                 freed += 1
         return freed
 
-    def _hold(self, h: int, worker_id: str) -> _Hold:
+    def _report(self, h: int, worker_id: str) -> None:
         holders = self._blocks.get(h)
         if holders is None:
             holders = self._blocks[h] = {}
         else:
             self._blocks.move_to_end(h)
-        hold = holders.get(worker_id)
-        if hold is None:
-            hold = holders[worker_id] = _Hold()
-        return hold
+        hold = holders.get(worker_id, _NO_GUESS)
+        if hold != _REPORTED:
+            if hold != _NO_GUESS:
+                self._under[(h, worker_id)] = hold
+            holders[worker_id] = _REPORTED
 
     def _unreport(self, worker_id: str, h: int, *, forget_guess: bool = False) -> None:
         holders = self._blocks.get(h)
         if holders is None or worker_id not in holders:
             return
-        holders[worker_id].reported = False
         mine = self._reported.get(worker_id)
         if mine is not None:
             mine.discard(h)
-        if forget_guess or holders[worker_id].guess_until_s == float("-inf"):
+        under = self._under.pop((h, worker_id), _NO_GUESS)
+        if holders[worker_id] != _REPORTED:
+            under = holders[worker_id]
+        if forget_guess or under == _NO_GUESS:
             del holders[worker_id]
+        else:
+            holders[worker_id] = under
         if not holders:
             del self._blocks[h]
 
     def _trim(self) -> None:
         while len(self._blocks) > self.max_blocks:
             h, holders = self._blocks.popitem(last=False)
-            for w, hold in holders.items():
-                if hold.reported:
+            for w, until in holders.items():
+                if until == _REPORTED:
                     self._reported[w].discard(h)
+                    self._under.pop((h, w), None)

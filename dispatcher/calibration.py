@@ -18,7 +18,9 @@ the fleet median. A genuinely slower or faster worker stands out; noise does not
 
 from __future__ import annotations
 
+import bisect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -79,8 +81,12 @@ class Calibration:
         self._min_prefill = min_prefill_tokens
         self._prefill: dict[str, _Quantile] = {}
         self._decode: dict[str, _Quantile] = {}
+        # Every worker's estimate in log space, sorted: the fleet's median without a sort.
+        self._sorted_prefill: list[float] = []
+        self._sorted_decode: list[float] = []
         self._count: dict[str, int] = {}
         self._current: dict[str, Speeds] = {}
+        """Speeds computed since the last change (read for every scored candidate)."""
         self._fleet = self.prior
 
     def observe(
@@ -92,39 +98,33 @@ class Calibration:
         output_tokens: int,
         decode_s: float,
     ) -> None:
-        """Learn from one completion on ``worker_id``."""
+        """Learn from one completion on ``worker_id`` (O(log workers), plus a list move)."""
         if uncached_tokens >= self._min_prefill and prefill_s > 0:
-            est = self._prefill.get(worker_id)
-            if est is None:
-                est = self._prefill[worker_id] = _Quantile(
-                    self.prior.prefill_s_per_token, self.quantile, self.rate
-                )
-            est.add(prefill_s / uncached_tokens)
+            _add(
+                self._prefill,
+                self._sorted_prefill,
+                worker_id,
+                prefill_s / uncached_tokens,
+                lambda: _Quantile(self.prior.prefill_s_per_token, self.quantile, self.rate),
+            )
         if output_tokens > 1 and decode_s > 0:
-            dec = self._decode.get(worker_id)
-            if dec is None:
-                dec = self._decode[worker_id] = _Quantile(
-                    self.prior.decode_s_per_token, 0.5, self.rate
-                )
-            dec.add(decode_s / (output_tokens - 1))
+            _add(
+                self._decode,
+                self._sorted_decode,
+                worker_id,
+                decode_s / (output_tokens - 1),
+                lambda: _Quantile(self.prior.decode_s_per_token, 0.5, self.rate),
+            )
         self._count[worker_id] = self._count.get(worker_id, 0) + 1
-        if self._prefill:
-            self._median_prefill = _median([q.log for q in self._prefill.values()])
-        if self._decode:
-            self._median_decode = _median([q.log for q in self._decode.values()])
         self._refresh()
 
     def _refresh(self) -> None:
-        # Speeds are read for every candidate of every decision; compute them once here.
+        if self._sorted_prefill:
+            self._median_prefill = _median(self._sorted_prefill)
+        if self._sorted_decode:
+            self._median_decode = _median(self._sorted_decode)
         self._fleet = Speeds(math.exp(self._median_prefill), math.exp(self._median_decode), 0)
-        self._current = {
-            w: Speeds(
-                self._pick(self._prefill.get(w), self._median_prefill),
-                self._pick(self._decode.get(w), self._median_decode),
-                n,
-            )
-            for w, n in self._count.items()
-        }
+        self._current = {}
 
     def _pick(self, own: _Quantile | None, median: float) -> float:
         if own is None or abs(own.log - median) <= self._band:
@@ -133,11 +133,36 @@ class Calibration:
 
     def speeds(self, worker_id: str) -> Speeds:
         """The worker's current estimate (the prior until it has reported)."""
-        return self._current.get(worker_id, self._fleet)
+        speeds = self._current.get(worker_id)
+        if speeds is None:
+            n = self._count.get(worker_id)
+            if n is None:
+                return self._fleet
+            speeds = self._current[worker_id] = Speeds(
+                self._pick(self._prefill.get(worker_id), self._median_prefill),
+                self._pick(self._decode.get(worker_id), self._median_decode),
+                n,
+            )
+        return speeds
+
+    def fastest(self) -> tuple[float, float]:
+        """The lowest prefill and decode seconds per token of any worker (what no worker's
+        :meth:`speeds` go below)."""
+        p, d = self._median_prefill, self._median_decode
+        if self._sorted_prefill:
+            p = min(p, self._sorted_prefill[0])
+        if self._sorted_decode:
+            d = min(d, self._sorted_decode[0])
+        return math.exp(p), math.exp(d)
 
     def remove_worker(self, worker_id: str) -> None:
-        self._prefill.pop(worker_id, None)
-        self._decode.pop(worker_id, None)
+        for own, ordered in (
+            (self._prefill, self._sorted_prefill),
+            (self._decode, self._sorted_decode),
+        ):
+            q = own.pop(worker_id, None)
+            if q is not None:
+                del ordered[bisect.bisect_left(ordered, q.log)]
         self._count.pop(worker_id, None)
         self._refresh()
 
@@ -145,7 +170,24 @@ class Calibration:
         return sorted(self._count)
 
 
-def _median(values: list[float]) -> float:
-    v = sorted(values)
+def _add(
+    own: dict[str, _Quantile],
+    ordered: list[float],
+    worker_id: str,
+    sample: float,
+    new: Callable[[], _Quantile],
+) -> None:
+    """Add a sample to the worker's estimate, keeping ``ordered`` (every estimate) sorted."""
+    q = own.get(worker_id)
+    if q is None:
+        q = own[worker_id] = new()
+    else:
+        del ordered[bisect.bisect_left(ordered, q.log)]
+    q.add(sample)
+    bisect.insort(ordered, q.log)
+
+
+def _median(v: list[float]) -> float:
+    """The median of sorted values."""
     n = len(v)
     return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2

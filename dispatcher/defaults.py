@@ -39,3 +39,8 @@ SCALE_DOWN_IDLE_S = 300.0
 def key_blocks(block_tokens: int, key_tokens: int = KEY_TOKENS) -> int:
     """Leading blocks that name a prefix: ``key_tokens`` rounded up to whole blocks."""
     return max(1, -(-key_tokens // block_tokens))
+
+
+SHORTLIST_WORKERS = 8
+"""Least-loaded workers a cache-aware decision scores besides the prefix's holders, its
+replicas and the newly joined workers (0: every candidate)."""

@@ -9,17 +9,19 @@ already carry the load of the decisions before it in the same plan.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from sluice.dispatcher.admission import AdmissionConfig
 from sluice.dispatcher.books import Books
 from sluice.dispatcher.enginetime import EngineTime
+from sluice.dispatcher.pool import FreeWorkers
 from sluice.dispatcher.queues import Queues
 from sluice.dispatcher.quotas import Level, Quotas
-from sluice.dispatcher.routing import Candidate, Choice, RoutingPolicy
+from sluice.dispatcher.routing import Candidate, CandidatePool, Choice, LoadKey, RoutingPolicy
 from sluice.dispatcher.shares import BandMeter, ShareKind
 from sluice.dispatcher.work import Dispatch, Request, WorkerInfo
 
@@ -34,10 +36,6 @@ _Head = tuple[float, int, str, str, int]
 class _Scratch:
     """What this plan has taken so far, per worker, band and quota level."""
 
-    free: dict[str, int] = field(default_factory=dict)
-    tokens: dict[str, int] = field(default_factory=dict)
-    unreported: dict[str, int] = field(default_factory=dict)
-    by_model: dict[str, list[str]] = field(default_factory=dict)
     planned: Counter[str] = field(default_factory=Counter)
     planned_tokens: Counter[str] = field(default_factory=Counter)
     planned_prefill: Counter[str] = field(default_factory=Counter)
@@ -46,6 +44,13 @@ class _Scratch:
     levels: Counter[Level] = field(default_factory=Counter)
     charged: dict[tuple[str, str], float] = field(default_factory=dict)
     """Engine-seconds this plan charged to each (band, budget)."""
+    filled: Counter[str] = field(default_factory=Counter)
+    """Per model: its workers this plan filled (they had room when it began)."""
+    moved: list[tuple[float, str]] = field(default_factory=list)
+    """(load key, worker) of the workers this plan booked onto that still have room, sorted."""
+    moved_key: dict[str, float] = field(default_factory=dict)
+    made: dict[str, Candidate | None] = field(default_factory=dict)
+    """Candidates built so far in this plan (a worker's changes only when it is planned)."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,13 @@ class PlanInput:
     joined_s: Mapping[str, float]
     meter: BandMeter
     engine_time: EngineTime
+    free: FreeWorkers
+    """The live workers with room, per model, in load order (kept by the scheduler)."""
+    served: Mapping[str, int]
+    """Models a live, not draining worker serves (-> how many)."""
+    joins: Sequence[tuple[float, str]]
+    """(first heartbeat, worker), oldest first; entries of departed workers linger."""
+    load_key: LoadKey
 
 
 def plan(state: PlanInput, now_s: float, max_decisions: int | None = None) -> list[Dispatch]:
@@ -104,13 +116,12 @@ def plan(state: PlanInput, now_s: float, max_decisions: int | None = None) -> li
             if blocked[0] == "model-tenant" and skipped[(band, model)] < SCAN_LIMIT:
                 _push_next(heads, q, band, model, idx)
             continue
-        candidates = _candidates(state, scratch, model, now_s)
-        if not candidates:
+        if state.free.count(model) <= scratch.filled[model]:
             continue  # every worker of this model is full: drop its queues from this plan
         if request.deadline_s is None or request.deadline_s > now_s:  # never run an expired one
-            d = _decide(state, request, candidates, now_s, kind)
+            d = _decide(state, request, _Pool(state, scratch, model, now_s), now_s, kind)
             decisions.append(d)
-            _take(scratch, d, levels, amount)
+            _take(state, scratch, d, levels, amount)
         _push_next(heads, q, band, model, idx)
     return decisions
 
@@ -136,21 +147,12 @@ def share_kind(
 
 
 def _scratch(state: PlanInput) -> _Scratch:
+    # Nothing per worker: a plan reads each worker it considers from the books, plus what it
+    # planned itself (the scratch's counters).
     s = _Scratch()
     cfg = state.config
     s.band_room = {b: cfg.band_limit(b) - state.books.by_band[b] for b in cfg.bands}
     s.running_in = Counter(state.books.by_band)
-    for wid, info in state.workers.items():
-        if info.draining or wid in state.refused:
-            continue
-        room = info.capacity - len(state.books.on(wid))
-        if room <= 0:
-            continue
-        s.free[wid] = room
-        s.tokens[wid] = state.books.tokens_on(wid)
-        s.unreported[wid] = state.books.unreported_prefill(wid)
-        for m in info.models:
-            s.by_model.setdefault(m, []).append(wid)
     return s
 
 
@@ -158,7 +160,7 @@ def pressed_bands(state: PlanInput) -> set[str]:
     """Bands held to their shares: a more urgent band has requests waiting that a live worker
     of their model could serve (see ``AdmissionConfig.band_shares``)."""
     cfg = state.config
-    served = {m for i in state.workers.values() if not i.draining for m in i.models}
+    served = state.served
     waiting = {band for (band, model), _ in state.queues.queues() if model in served}
     return {
         b
@@ -181,7 +183,7 @@ def _heads(state: PlanInput, scratch: _Scratch, now_s: float) -> list[_Head]:
             0,
         )
         for (band, model), q in state.queues.queues()
-        if scratch.band_room.get(band, 0) > 0 and model in scratch.by_model
+        if scratch.band_room.get(band, 0) > 0 and state.free.count(model) > 0
     ]
     heapq.heapify(heads)
     return heads
@@ -203,35 +205,110 @@ def quota_use(quotas: Quotas, r: Request) -> tuple[list[Level], int]:
     return quotas.use(r.model, r.band, r.tenant, r.prompt_tokens, r.max_tokens, r.engine_ms)
 
 
-def _candidates(state: PlanInput, s: _Scratch, model: str, now_s: float) -> list[Candidate]:
-    # This runs for every worker of every decision: positional fields, hoisted lookups.
-    out: list[Candidate] = []
-    workers, joined, free_of = state.workers, state.joined_s, s.free
-    tokens, unreported = s.tokens, s.unreported
-    planned, planned_tokens, planned_prefill = s.planned, s.planned_tokens, s.planned_prefill
-    for w in s.by_model[model]:
-        free = free_of[w]
-        if free <= 0:
-            continue
-        info = workers[w]
-        age = now_s - info.reported_s
-        out.append(
-            Candidate(
-                w,
-                info.capacity,
-                info.capacity - free,
-                tokens[w],
-                info.reported_pending_tokens,
-                info.reported_prefill_tokens,
-                unreported[w],
-                age if age > 0.0 else 0.0,
-                joined.get(w, _NEVER),
-                planned[w],
-                planned_tokens[w],
-                planned_prefill[w],
-            )
+class _Pool(CandidatePool):
+    """The candidates of one decision (the live workers of the model with room left in this
+    plan), built one by one on demand: a shortlisting policy asks for a few; one that
+    iterates gets them all, in the order workers first heartbeated."""
+
+    __slots__ = ("_all_list", "_model", "_now_s", "_s", "_state")
+
+    def __init__(self, state: PlanInput, s: _Scratch, model: str, now_s: float) -> None:
+        self._state, self._s, self._model, self._now_s = state, s, model, now_s
+        self._all_list: list[Candidate] | None = None
+
+    def __len__(self) -> int:
+        return self._state.free.count(self._model) - self._s.filled[self._model]
+
+    def get(self, worker_id: str) -> Candidate | None:
+        info = self._state.workers.get(worker_id)
+        if info is None or worker_id not in self._state.free or self._model not in info.models:
+            return None
+        return self._candidate(worker_id, info)
+
+    def load_key(self, worker_id: str) -> float | None:
+        moved = self._s.moved_key.get(worker_id)
+        if moved is not None:
+            return None if moved == float("inf") else moved
+        info = self._state.workers.get(worker_id)
+        if info is None or self._model not in info.models:
+            return None
+        return self._state.free.key(worker_id)
+
+    def by_load(self) -> Iterator[tuple[float, Candidate]]:
+        # The plan's own bookings moved some workers in the order: merge those (kept sorted
+        # in the scratch) with the scheduler's order, which still has them at their old place.
+        state, s, model = self._state, self._s, self._model
+        workers, moved_key = state.workers, s.moved_key
+        moved = [(k, w) for k, w in s.moved if model in workers[w].models]
+        i = 0
+        for key, w in state.free.ordered(model):
+            if w in moved_key:
+                continue
+            while i < len(moved) and moved[i] < (key, w):
+                yield moved[i][0], self._made(moved[i][1])
+                i += 1
+            yield key, self._made(w)
+        for key, w in moved[i:]:
+            yield key, self._made(w)
+
+    def joined_after(self, t_s: float) -> list[Candidate]:
+        joins, joined = self._state.joins, self._state.joined_s
+        out = []
+        for j in range(len(joins) - 1, -1, -1):
+            t, w = joins[j]
+            if t <= t_s:
+                break
+            c = self.get(w) if joined.get(w) == t else None
+            if c is not None:
+                out.append(c)
+        return out
+
+    def _all(self) -> Sequence[Candidate]:
+        if self._all_list is None:
+            state, model = self._state, self._model
+            free, out = state.free, []
+            for w, info in state.workers.items():
+                if w in free and model in info.models:
+                    c = self._candidate(w, info)
+                    if c is not None:
+                        out.append(c)
+            self._all_list = out
+        return self._all_list
+
+    def _made(self, worker_id: str) -> Candidate:
+        c = self._candidate(worker_id, self._state.workers[worker_id])
+        assert c is not None  # in the order, with room: a candidate
+        return c
+
+    def _candidate(self, w: str, info: WorkerInfo) -> Candidate | None:
+        made = self._s.made
+        if w in made:
+            return made[w]
+        c = made[w] = self._build(w, info)
+        return c
+
+    def _build(self, w: str, info: WorkerInfo) -> Candidate | None:
+        s, books = self._s, self._state.books
+        planned = s.planned[w]
+        booked = len(books.on(w)) + planned
+        if booked >= info.capacity:
+            return None
+        age = self._now_s - info.reported_s
+        planned_prefill = s.planned_prefill[w]
+        return Candidate(
+            w,
+            info.capacity,
+            booked,
+            books.tokens_on(w) + s.planned_tokens[w],
+            info.reported_pending_tokens,
+            info.reported_prefill_tokens,
+            books.unreported_prefill(w) + planned_prefill,
+            age if age > 0.0 else 0.0,
+            self._state.joined_s.get(w, _NEVER),
+            planned,
+            s.planned_tokens[w],
+            planned_prefill,
         )
-    return out
 
 
 _NEVER = float("-inf")
@@ -240,7 +317,7 @@ _NEVER = float("-inf")
 def _decide(
     state: PlanInput,
     request: Request,
-    candidates: Sequence[Candidate],
+    candidates: CandidatePool,
     now_s: float,
     kind: ShareKind,
 ) -> Dispatch:
@@ -250,15 +327,14 @@ def _decide(
     return Dispatch(request, choice.worker_id, choice, share=kind, engine_s=cost)
 
 
-def _take(s: _Scratch, d: Dispatch, levels: list[Level], amount: int) -> None:
+def _take(state: PlanInput, s: _Scratch, d: Dispatch, levels: list[Level], amount: int) -> None:
     r, w = d.request, d.worker_id
     prefill = d.expected_prefill_tokens
-    s.free[w] -= 1
-    s.tokens[w] += r.work_tokens
-    s.unreported[w] += prefill
     s.planned[w] += 1
     s.planned_tokens[w] += r.work_tokens
     s.planned_prefill[w] += prefill
+    s.made.pop(w, None)
+    _moved(state, s, w)
     s.band_room[r.band] -= 1
     s.running_in[r.band] += 1
     if d.share:
@@ -266,6 +342,23 @@ def _take(s: _Scratch, d: Dispatch, levels: list[Level], amount: int) -> None:
         s.charged[key] = s.charged.get(key, 0.0) + d.engine_s
     for level in levels:
         s.levels[level] += amount
+
+
+def _moved(state: PlanInput, s: _Scratch, w: str) -> None:
+    info, books = state.workers[w], state.books
+    old = s.moved_key.pop(w, None)
+    if old is not None and old != float("inf"):
+        del s.moved[bisect.bisect_left(s.moved, (old, w))]
+    booked = len(books.on(w)) + s.planned[w]
+    if booked >= info.capacity:
+        for m in info.models:
+            s.filled[m] += 1
+        s.moved_key[w] = float("inf")  # out of the order for the rest of the plan
+        return
+    unreported = books.unreported_prefill(w) + s.planned_prefill[w]
+    key = state.load_key(booked, info.capacity, unreported)
+    s.moved_key[w] = key
+    bisect.insort(s.moved, (key, w))
 
 
 HOLD_REASONS = (

@@ -13,10 +13,12 @@ hooks.
 
 from __future__ import annotations
 
+import abc
 import functools
-from collections.abc import Mapping, Sequence
+import itertools
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, overload, runtime_checkable
 
 import xxhash
 
@@ -49,6 +51,105 @@ class Candidate(NamedTuple):
     """Their prompt plus maximum output tokens (counted in ``booked_tokens`` too)."""
     planned_prefill_tokens: int = 0
     """Their expected prefill (counted in ``unreported_prefill_tokens`` too)."""
+
+
+class CandidatePool(Sequence[Candidate], abc.ABC):
+    """The candidates of one decision, built on demand: a policy that scores only a few
+    workers asks for them by id (:meth:`get`) and by load (:meth:`least_loaded`,
+    :meth:`joined_after`); one that iterates gets every candidate, as from a list.
+
+    The planner hands one to every policy; the order "least loaded" is the policy's
+    :meth:`Shortlisting.load_key` when it has one (a policy without one gets no order).
+    """
+
+    @abc.abstractmethod
+    def get(self, worker_id: str) -> Candidate | None:
+        """The candidate ``worker_id``, or None if it cannot take the request now."""
+
+    @abc.abstractmethod
+    def load_key(self, worker_id: str) -> float | None:
+        """The candidate's place in the load order, or None if it is not a candidate."""
+
+    @abc.abstractmethod
+    def by_load(self) -> Iterator[tuple[float, Candidate]]:
+        """(load key, candidate) in load order (lowest key first), built as they are taken."""
+
+    def least_loaded(self, n: int) -> list[Candidate]:
+        """Up to ``n`` candidates with the lowest load key, lowest first."""
+        return [c for _, c in itertools.islice(self.by_load(), n)]
+
+    @abc.abstractmethod
+    def joined_after(self, t_s: float) -> list[Candidate]:
+        """Every candidate whose worker first heartbeated after ``t_s``."""
+
+    @abc.abstractmethod
+    def _all(self) -> Sequence[Candidate]:
+        """Every candidate (built once, on the first iteration or index)."""
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+    @overload
+    def __getitem__(self, i: int) -> Candidate: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[Candidate]: ...
+    def __getitem__(self, i: int | slice) -> Candidate | Sequence[Candidate]:
+        return self._all()[i]
+
+    def __iter__(self) -> Iterator[Candidate]:
+        return iter(self._all())
+
+
+class ListPool(CandidatePool):
+    """A :class:`CandidatePool` over a list (tests, and callers that have every candidate)."""
+
+    def __init__(self, candidates: Sequence[Candidate], key: LoadKey | None = None) -> None:
+        self._list = list(candidates)
+        self._by_id = {c.worker_id: c for c in self._list}
+        k = key or default_load_key
+        self._key = {
+            c.worker_id: k(c.booked, c.capacity, c.unreported_prefill_tokens) for c in self._list
+        }
+        self._order = sorted(self._list, key=lambda c: (self._key[c.worker_id], c.worker_id))
+
+    def get(self, worker_id: str) -> Candidate | None:
+        return self._by_id.get(worker_id)
+
+    def load_key(self, worker_id: str) -> float | None:
+        return self._key.get(worker_id)
+
+    def by_load(self) -> Iterator[tuple[float, Candidate]]:
+        return ((self._key[c.worker_id], c) for c in self._order)
+
+    def joined_after(self, t_s: float) -> list[Candidate]:
+        return [c for c in self._list if c.joined_s > t_s]
+
+    def _all(self) -> Sequence[Candidate]:
+        return self._list
+
+
+class LoadKey(Protocol):
+    """A worker's place in the "least loaded" order, from what changes only when it is
+    booked or released (never with the clock): its requests booked here, its capacity and
+    the prefill booked here that its heartbeats did not report yet. What it reports itself
+    decays with the clock, so it is left out: the key is a lower bound of the load, and a
+    policy may stop looking once that bound exceeds its best so far."""
+
+    def __call__(self, booked: int, capacity: int, unreported_prefill_tokens: int) -> float: ...
+
+
+@runtime_checkable
+class Shortlisting(Protocol):
+    """A policy that scores only a shortlist: it orders workers by its own load key."""
+
+    def load_key(self, booked: int, capacity: int, unreported_prefill_tokens: int) -> float:
+        """The worker's place in the order (lower: less loaded); see :class:`LoadKey`."""
+        ...
+
+
+def default_load_key(booked: int, capacity: int, unreported_prefill_tokens: int) -> float:
+    """Booked share of the capacity, then booked prefill (a policy without its own key)."""
+    return booked / (capacity or 1) + unreported_prefill_tokens * 1e-9
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ touches NATS or asyncio.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -23,10 +24,11 @@ from sluice.dispatcher.defaults import key_blocks
 from sluice.dispatcher.enginetime import EngineTime, EngineTimeConfig
 from sluice.dispatcher.flaps import FlapMeter
 from sluice.dispatcher.planner import PlanInput, hold_reason, plan, pressed_bands, quota_use
+from sluice.dispatcher.pool import FreeWorkers
 from sluice.dispatcher.queues import Queues
 from sluice.dispatcher.quotas import Level
 from sluice.dispatcher.reconcile import Reconciliation, find_drift
-from sluice.dispatcher.routing import RoutingPolicy
+from sluice.dispatcher.routing import LoadKey, RoutingPolicy, Shortlisting, default_load_key
 from sluice.dispatcher.shares import BandMeter
 from sluice.dispatcher.work import (
     BandSnapshot,
@@ -97,6 +99,15 @@ class Scheduler:
         self.meter = _meter(config)
         """The engine-time floors and idle capacity of offline bands."""
         self._now_s = started_s
+        # Kept as workers heartbeat, are booked, finish and leave, so that a plan never walks
+        # the whole fleet: who has room (in load order), which models a live worker serves,
+        # and who joined when (oldest first).
+        self._free = FreeWorkers()
+        self._load_key: LoadKey = (
+            policy.load_key if isinstance(policy, Shortlisting) else default_load_key
+        )
+        self._served: Counter[str] = Counter()
+        self._joins: list[tuple[float, str]] = []
 
     # ----------------------------------------------------------------------------- queries
 
@@ -264,7 +275,12 @@ class Scheduler:
         old = self._workers.get(info.worker_id)
         self._note_reported(info.worker_id, old.reported_in_flight if old else frozenset(), info)
         self._workers[info.worker_id] = info
-        self._joined_s.setdefault(info.worker_id, info.reported_s)
+        if old is None or old.draining != info.draining or old.models != info.models:
+            self._serve(old, -1)
+            self._serve(info, 1)
+        if info.worker_id not in self._joined_s:
+            self._joined_s[info.worker_id] = info.reported_s
+            self._joined(info.worker_id, info.reported_s)
         self._books.reported(info.worker_id, info.reported_in_flight)
         if self._failed_on:
             for rid in [r for r, w in self._failed_on.items() if w == info.worker_id]:
@@ -272,6 +288,7 @@ class Scheduler:
                     del self._failed_on[rid]
         self._seen_models.update(info.models)
         self._refused.discard(info.worker_id)
+        self._refresh(info.worker_id)
         if old is None or old.draining != info.draining:
             self._set_capacity(info.reported_s)
         else:  # the idle capacity follows the decaying demand even when nothing is dispatched
@@ -290,6 +307,8 @@ class Scheduler:
         old = self._workers.pop(worker_id, None)
         if old is not None:
             self._note_reported(worker_id, old.reported_in_flight, None)
+            self._serve(old, -1)
+        self._free.discard(worker_id)
         self._refused.discard(worker_id)
         self._joined_s.pop(worker_id, None)
         for rid in [r for r, w in self._failed_on.items() if w == worker_id]:
@@ -305,6 +324,32 @@ class Scheduler:
             else:
                 requeued.append(retry)
         return requeued, ended
+
+    def _refresh(self, worker_id: str) -> None:
+        """Place the worker in (or take it out of) the order of workers with room."""
+        info = self._workers.get(worker_id)
+        if info is None or info.draining or worker_id in self._refused:
+            self._free.discard(worker_id)
+            return
+        booked = len(self._books.on(worker_id))
+        if booked >= info.capacity:
+            self._free.discard(worker_id)
+            return
+        unreported = self._books.unreported_prefill(worker_id)
+        self._free.put(worker_id, info.models, self._load_key(booked, info.capacity, unreported))
+
+    def _serve(self, info: WorkerInfo | None, sign: int) -> None:
+        if info is None or info.draining:
+            return
+        for m in info.models:
+            self._served[m] += sign
+            if self._served[m] <= 0:
+                del self._served[m]
+
+    def _joined(self, worker_id: str, t_s: float) -> None:
+        bisect.insort(self._joins, (t_s, worker_id))
+        if len(self._joins) > 2 * len(self._joined_s) + 64:  # entries of workers long gone
+            self._joins = sorted((t, w) for w, t in self._joined_s.items())
 
     def _note_reported(
         self, worker_id: str, before: frozenset[str], info: WorkerInfo | None
@@ -348,6 +393,10 @@ class Scheduler:
             self._joined_s,
             self.meter,
             self.engine_time,
+            self._free,
+            self._served,
+            self._joins,
+            self._load_key,
         )
 
     def hold_reasons(self, request_ids: Iterable[str], now_s: float) -> dict[str, str]:
@@ -394,6 +443,7 @@ class Scheduler:
             reported=r.request_id in info.reported_in_flight,
             expected_prefill_tokens=dispatch.expected_prefill_tokens,
         )
+        self._refresh(w)
         self.policy.observe(r.route_view(), w, now_s)
         self.flaps.booked(r.block_hashes, w, now_s)
         self._now_s = max(self._now_s, now_s)
@@ -404,6 +454,7 @@ class Scheduler:
     def refused(self, dispatch: Dispatch) -> None:
         """The worker refused or did not answer: keep it out of plans until it heartbeats."""
         self._refused.add(dispatch.worker_id)
+        self._free.discard(dispatch.worker_id)
 
     def complete(self, request_id: str) -> Request | None:
         """A worker finished a request successfully: its result is published, so the request
@@ -453,7 +504,9 @@ class Scheduler:
         booking = self._books.get(request_id)
         assert booking is not None
         levels, amount = self.quota_levels(booking.request)
-        return self._books.release(request_id, levels, amount)
+        released = self._books.release(request_id, levels, amount)
+        self._refresh(released.worker_id)
+        return released
 
     def sweep(self, now_s: float) -> list[Ended]:
         """End queued requests that must not run: deadline passed, or model still unknown

@@ -33,7 +33,8 @@ class _Seq:
     prefill_left: int = 0
     generated: int = 0
     prefill_s: float = 0.0
-    decode_s: float = 0.0
+    decode_mark_s: float = 0.0
+    """The engine's ``busy_s`` when its first token came: its decode time is busy time since."""
 
 
 class SimEngine:
@@ -206,27 +207,63 @@ class SimEngine:
         prefill_time = (p.prefill_chunk_tokens - budget) / p.prefill_tokens_per_s
         decode_time = p.decode_base_s + p.decode_per_seq_s * len(decoding) if decoding else 0.0
         duration = prefill_time + decode_time
+        busy = self.busy_s + duration
         done: list[_Seq] = []
         for s, n in prefilling:
             s.prefill_left -= n
             s.prefill_s += duration
             if s.prefill_left == 0:
                 s.generated = 1
+                s.decode_mark_s = busy
                 events.append(TokensOut(s.request_id, 1, True))
                 if s.output_tokens <= 1:
                     done.append(s)
         every = self.every_token
         for s in decoding:
             s.generated += 1
-            s.decode_s += duration
             if every:
                 events.append(TokensOut(s.request_id, 1, False))
             if s.generated >= s.output_tokens:
                 done.append(s)
+        self.busy_s = busy
         if done:
             self._finish(done, events)
-        self.busy_s += duration
         return Step(duration, events)
+
+    def decode_run(self) -> tuple[float, int] | None:
+        """Admit what fits, as :meth:`step` does first; then, if every running sequence is
+        decoding and nothing is journalled per token, ``(duration, steps)``: the next
+        ``steps`` iterations all take ``duration`` and only the last one finishes anything
+        (if nothing is added meanwhile). A simulator may apply the first ``steps - 1`` at
+        once with :meth:`decode_steps` and run the last with :meth:`step`. None: the next
+        step prefills, or nothing runs."""
+        if self.every_token:
+            return None
+        self._admit()
+        running = self._running
+        if not running:
+            return None
+        steps = None
+        for s in running:
+            if s.prefill_left:
+                return None
+            left = s.output_tokens - s.generated
+            if steps is None or left < steps:
+                steps = left
+        assert steps is not None
+        p = self.profile
+        return p.decode_base_s + p.decode_per_seq_s * len(running), steps
+
+    def decode_steps(self, n: int, duration_s: float) -> None:
+        """Apply ``n`` decode iterations of ``duration_s`` that finish nothing (what
+        :meth:`decode_run` announced, less its last step): the same state as ``n`` calls of
+        :meth:`step`, without their events (there are none)."""
+        for s in self._running:
+            s.generated += n
+        busy = self.busy_s
+        for _ in range(n):  # added one at a time: the same sum as n steps
+            busy += duration_s
+        self.busy_s = busy
 
     def _finish(self, done: list[_Seq], events: list[TokensOut | Finished | Failed]) -> None:
         for s in done:
@@ -238,7 +275,7 @@ class SimEngine:
                     s.cached_tokens,
                     s.generated,
                     s.prefill_s,
-                    s.decode_s,
+                    self.busy_s - s.decode_mark_s,
                 )
             )
         finished = {id(s) for s in done}

@@ -10,10 +10,11 @@ virtual clock.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -64,6 +65,9 @@ class ReplayConfig:
     """False: no engine-time floors at all (the admission before issue 10)."""
     tick_s: float = 0.1
     """While requests are queued, plan at least this often (the live dispatcher's tick)."""
+    decode_runs: bool = True
+    """Step through a stretch of decode steps that finish nothing as one event (the same
+    results, several times fewer events); False: one event per engine step."""
 
     @property
     def slots(self) -> int:
@@ -128,25 +132,51 @@ def _round(v: float) -> float:
 
 
 class _Fleet:
-    """The engines, as the policies' :class:`FleetView` sees them."""
+    """The engines, as the policies' :class:`FleetView` sees them (each brought up to the
+    replay's clock before it is read: see :class:`_Run`)."""
 
     def __init__(self, engines: dict[str, SimEngine]) -> None:
         self.engines = engines
+        self.settle: Callable[[str], None] = lambda worker_id: None
+
+    def _engine(self, worker_id: str) -> SimEngine:
+        self.settle(worker_id)
+        return self.engines[worker_id]
 
     def cached_blocks(self, worker_id: str, hashes: Sequence[int]) -> int:
-        return self.engines[worker_id].cache.match(hashes)
+        return self._engine(worker_id).cache.match(hashes)
 
     def pending_prefill_blocks(self, worker_id: str) -> int:
-        e = self.engines[worker_id]
+        e = self._engine(worker_id)
         return e.pending_prefill_tokens() // e.profile.block_tokens
 
     def active_blocks(self, worker_id: str) -> int:
-        e = self.engines[worker_id]
+        e = self._engine(worker_id)
         return e.active_context_tokens() // e.profile.block_tokens
 
     def pending_tokens(self, worker_id: str) -> int:
-        e = self.engines[worker_id]
+        e = self._engine(worker_id)
         return e.pending_prefill_tokens() + e.remaining_decode_tokens()
+
+
+@dataclass
+class _Run:
+    """An engine's stretch of ``steps`` decode steps of ``step_s`` each, started at
+    ``start_s``, of which only the last finishes anything (:meth:`SimEngine.decode_run`).
+
+    It is one event at its end instead of one per step. The steps are applied lazily, when
+    the engine is read (a heartbeat, a policy that reads engines) or given work: then the
+    stretch is cut at the end of the step in progress, where the next step admits the new
+    request as it would have. Step ends are sums of the same floats in the same order as one
+    event per step makes them, so the times are the same to the last bit."""
+
+    step_s: float
+    steps: int
+    starts: list[float]
+    """When each step starts, and (last) when the run ends: ``starts[i + 1]`` is
+    ``starts[i] + step_s``, as one event per step adds them."""
+    applied: int = 0
+    """Steps applied to the engine so far."""
 
 
 def request_cost_s(r: TraceRequest, p: EngineProfile) -> float:
@@ -223,6 +253,14 @@ class _Replay:
             for i, w in enumerate(self.ids)
         }
         self.fleet.engines = self.engines
+        self.fleet.settle = self._settle
+        self.runs: dict[str, _Run] = {}
+        self.live_seq: dict[str, int] = {}
+        """Worker -> the seq of its one valid entry in ``events`` (cut runs leave others)."""
+        self.steps = 0
+        """Engine steps simulated (a run counts all of its steps)."""
+        self.step_events_seen = 0
+        """Step ends the loop handled as events (a run is one)."""
         self.index_block_tokens = block_tokens * self.routing.index_stride
         self.digests = (
             {w: DigestBuilder(self.index_block_tokens) for w in self.ids} if digests else {}
@@ -263,9 +301,15 @@ class _Replay:
 
     def run(self) -> PolicyResult:
         trace, n, i_next = self.trace, len(self.trace), 0
+        hb_s = self.cfg.heartbeat_s
         while i_next < n or self.events or self.tick_at < math.inf:
             t_arrival = trace[i_next].arrival_s if i_next < n else math.inf
-            t_event = self.events[0][0] if self.events else math.inf
+            t_event = self._next_event()
+            if t_event == math.inf and i_next >= n and self.tick_at == math.inf:
+                break
+            t_next = min(t_arrival, t_event, self.tick_at)
+            if self.runs and t_next - self.last_report >= hb_s and self._beat_in_run(t_next):
+                continue
             if t_arrival <= t_event and t_arrival <= self.tick_at:
                 i_next = self._arrive(i_next, t_arrival)
                 if i_next == n:
@@ -282,13 +326,28 @@ class _Replay:
             self._dispatch()
             if self.sched.queued and self.tick_at == math.inf:
                 self.tick_at = self.now + self.cfg.tick_s
-            if not self.sched.queued:
-                self.tick_at = math.inf
+            self._after_event()
         result = _summarise(self.records, self.engines, self.sched.flaps.rate, self.cfg)
         self._engine_figures(result)
         step = max(1, len(self.series) // 400)  # at most ~400 points per chart
         result.load_series = self.series[::step]
         return result
+
+    def _next_event(self) -> float:
+        """When the next step ends (dropping the old ends of runs that were cut)."""
+        events = self.events
+        while events and self.live_seq.get(events[0][2]) != events[0][1]:
+            heapq.heappop(events)
+        return events[0][0] if events else math.inf
+
+    def _after_event(self) -> None:
+        if not self.sched.queued:
+            self.tick_at = math.inf
+        elif self.runs:
+            # While requests wait, every step end plans again (as one event per step does):
+            # no engine may skip over one.
+            for w in list(self.runs):
+                self._cut(w)
 
     def _engine_figures(self, result: PolicyResult) -> None:
         span = self.trace[-1].arrival_s - self.trace[0].arrival_s
@@ -339,16 +398,87 @@ class _Replay:
         return i_next
 
     def _start_step(self, w: str) -> None:
-        step = self.engines[w].step()
+        e = self.engines[w]
+        if self.cfg.decode_runs and not self.sched.queued:
+            run = e.decode_run()
+            if run is not None and run[1] > 1:
+                step_s, steps = run
+                starts = [self.now]
+                t = self.now
+                for _ in range(steps):  # the same sums as one event per step makes
+                    t += step_s
+                    starts.append(t)
+                self.runs[w] = _Run(step_s, steps, starts)
+                self.busy_until[w] = t
+                self._push(w, t)
+                return
+        step = e.step()
+        self.steps += 1
         if step.duration_s <= 0:
             self.busy_until[w] = -1.0
             return
         self.busy_until[w] = self.now + step.duration_s
         self.step_events[w] = step.events
+        self._push(w, self.now + step.duration_s)
+
+    def _push(self, w: str, at_s: float) -> None:
         self.seq += 1
-        heapq.heappush(self.events, (self.now + step.duration_s, self.seq, w))
+        self.live_seq[w] = self.seq
+        heapq.heappush(self.events, (at_s, self.seq, w))
+
+    def _settle(self, w: str) -> None:
+        """Apply the steps of ``w``'s run that started by now (see :class:`_Run`)."""
+        run = self.runs.get(w)
+        if run is None:
+            return
+        started = bisect.bisect_right(run.starts, self.now, run.applied, run.steps)
+        if started <= run.applied:
+            return
+        e = self.engines[w]
+        last = run.steps - 1
+        pure = min(started, last) - run.applied
+        if pure > 0:
+            e.decode_steps(pure, run.step_s)
+        if started > last:
+            step = e.step()  # the step that finishes someone
+            self.step_events[w] = step.events
+        run.applied = started
+
+    def _cut(self, w: str) -> None:
+        """End ``w``'s run with the step in progress (new work, or requests waiting)."""
+        self._settle(w)
+        run = self.runs[w]
+        if run.applied < run.steps:
+            run.steps = run.applied
+            self.busy_until[w] = run.starts[run.steps]
+            self._push(w, run.starts[run.steps])
+
+    def _beat_in_run(self, t_next: float) -> bool:
+        """A heartbeat falls due at a step end inside a run, before the next event: handle
+        that step end (the heartbeat is all it does: runs exist only while nothing waits)."""
+        hb_s, last = self.cfg.heartbeat_s, self.last_report
+        due = math.inf
+        for run in self.runs.values():
+            # Step ends inside the run are starts[1 : steps]; the first one the heartbeat is
+            # due at (the same test as one event per step makes, on the same floats).
+            i = bisect.bisect_left(
+                run.starts, True, max(run.applied, 1), run.steps, key=lambda t: t - last >= hb_s
+            )
+            if i < run.steps and run.starts[i] < min(t_next, due):
+                due = run.starts[i]
+        if due == math.inf:
+            return False
+        self.now = due
+        self._heartbeats()
+        self.step_events_seen += 1
+        return True
 
     def _step_ended(self, w: str) -> None:
+        self.step_events_seen += 1
+        if w in self.runs:
+            self._settle(w)
+            run = self.runs.pop(w)
+            self.steps += run.steps
         now = self.now
         for ev in self.step_events.pop(w, []):
             rec = self.records[int(ev.request_id)]
@@ -384,6 +514,8 @@ class _Replay:
                 self.records[int(r.request_id)].dispatch_s = now
                 if self.log is not None:
                     self.log.write({"policy": self.policy_name, **decision_record(d, now)})
+                if d.worker_id in self.runs:
+                    self._cut(d.worker_id)
                 self.engines[d.worker_id].add(
                     r.request_id, r.prompt_tokens, r.max_tokens, r.block_hashes, now
                 )
@@ -397,6 +529,8 @@ class _Replay:
             return
         self.last_report = now
         engines = self.engines
+        for w in self.runs:
+            self._settle(w)
         self.series.append((now, [engines[w].running + engines[w].waiting for w in self.ids]))
         for w in self.ids:
             e = engines[w]

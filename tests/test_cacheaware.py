@@ -295,7 +295,7 @@ def test_the_decision_log_is_bounded(tmp_path: Path) -> None:
 
 
 def test_the_core_benchmark_runs_both_policies() -> None:
-    from sluice.cli.bench import bench_core
+    from sluice.cli.benchcore import bench_core
 
     for policy in ("cache-aware", "least-loaded"):
         r = bench_core(requests=2000, policy=policy)

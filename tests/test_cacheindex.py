@@ -120,3 +120,98 @@ def test_a_reported_eviction_also_ends_a_guess() -> None:
     assert idx.match([1, 2, 3], 1.0) == {"a": 2}
     idx.guess("a", [1, 2, 3], 2.0)  # routed there again: it will store block 3 again
     assert idx.match([1, 2, 3], 2.0) == {"a": 3}
+
+
+class _RefIndex:
+    """The index's semantics with one (reported, guessed until) pair per hold, as it was
+    written before holds became one float."""
+
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self.holds: dict[tuple[int, str], list[object]] = {}
+        self.reported: dict[str, set[int]] = {}
+
+    def _unreport(self, w: str, h: int, forget: bool) -> None:
+        hold = self.holds.get((h, w))
+        if hold is None:
+            return
+        hold[0] = False
+        self.reported.get(w, set()).discard(h)
+        if forget or hold[1] == float("-inf"):
+            del self.holds[(h, w)]
+
+    def snapshot(self, w: str, blocks: list[int]) -> None:
+        keep, old = set(blocks), self.reported.get(w, set())
+        for h in old - keep:
+            self._unreport(w, h, False)
+        for h in keep - old:
+            self.holds.setdefault((h, w), [False, float("-inf")])[0] = True
+        self.reported[w] = keep
+
+    def delta(self, w: str, stored: list[int], evicted: list[int]) -> None:
+        for h in evicted:
+            self._unreport(w, h, True)
+        for h in stored:
+            self.holds.setdefault((h, w), [False, float("-inf")])[0] = True
+            self.reported.setdefault(w, set()).add(h)
+
+    def guess(self, w: str, hashes: list[int], now_s: float) -> None:
+        for h in hashes:
+            hold = self.holds.setdefault((h, w), [False, now_s + self.ttl_s])
+            hold[1] = max(float(hold[1]), now_s + self.ttl_s)  # type: ignore[arg-type]
+
+    def expire(self, now_s: float) -> None:
+        for key in [k for k, (r, t) in self.holds.items() if not r and t <= now_s]:  # type: ignore[operator]
+            del self.holds[key]
+
+    def remove(self, w: str) -> None:
+        for key in [k for k in self.holds if k[1] == w]:
+            del self.holds[key]
+        self.reported.pop(w, None)
+
+    def holders(self, h: int, now_s: float) -> set[str]:
+        return {w for (b, w), (r, t) in self.holds.items() if b == h and (r or t > now_s)}  # type: ignore[operator]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["snap", "delta", "guess", "guess", "expire", "remove"]),
+            st.sampled_from(["a", "b"]),
+            st.lists(st.integers(0, 6), max_size=4),
+            st.lists(st.integers(0, 6), max_size=3),
+        ),
+        max_size=40,
+    )
+)
+def test_a_hold_as_one_float_keeps_reports_and_guesses_apart(
+    ops: list[tuple[str, str, list[int], list[int]]],
+) -> None:
+    idx, ref = CacheIndex(guess_ttl_s=5.0), _RefIndex(5.0)
+    seq: dict[str, int] = {}
+    for step, (op, w, hashes, other) in enumerate(ops):
+        now = float(step)
+        if op == "snap":
+            seq[w] = 0
+            idx.apply_snapshot(w, 0, hashes, now)
+            ref.snapshot(w, hashes)
+        elif op == "delta" and w in seq:
+            seq[w] += 1
+            assert idx.apply_delta(w, seq[w], hashes, other, now)
+            ref.delta(w, hashes, other)
+        elif op == "guess":
+            idx.guess(w, hashes, now)
+            ref.guess(w, hashes, now)
+        elif op == "expire":
+            idx.expire(now)
+            ref.expire(now)
+        elif op == "remove":
+            idx.remove_worker(w)
+            ref.remove(w)
+            seq.pop(w, None)
+        for t in (now, now + 3.0, now + 6.0):
+            for h in range(7):
+                assert idx.holders(h, t) == ref.holders(h, t), (op, h, t)
+        for x in "ab":
+            assert idx.reported_blocks(x) == len(ref.reported.get(x, ()))

@@ -119,12 +119,7 @@ async def test_digests_fill_the_index_and_a_lost_worker_leaves_it(nats_url: str)
 
         async def reported() -> bool:
             # The agent's digest (not only the dispatcher's guess) says it holds the prefix.
-            return any(
-                hold.reported
-                for holders in policy.index._blocks.values()
-                for w, hold in holders.items()
-                if w == worker
-            )
+            return policy.index.reported_blocks(worker) > 0
 
         await eventually(reported)
         agent = next(a for a in cluster.agents if a.worker_id == worker)

@@ -330,3 +330,32 @@ def test_batch_load_adds_offline_work_and_every_band_adds_up() -> None:
     for figures in result.bands.values():
         assert figures["submitted"] == figures["completed"] + figures["rejected"]
     assert result.bands["batch"]["submitted"] == len(batch)
+
+
+@pytest.mark.parametrize(
+    ("scenario", "load", "policy"),
+    [
+        ("mixed", 0.6, "sluice"),
+        ("multi-turn", 0.9, "least-pending"),  # reads the engines between steps
+        ("hot-prompt", 3.0, "sluice"),  # requests queue: every step end plans again
+        ("long-hogs", 1.5, "round-robin"),
+        ("rag", 0.4, "batch"),  # offline work waits for engine time while engines decode
+    ],
+)
+def test_decode_runs_change_nothing_but_the_number_of_events(
+    scenario: str, load: float, policy: str
+) -> None:
+    from sluice.sim.replay import _Replay, add_batch_load
+
+    shape = Shape(requests=200, rate=30, seed=2) if policy == "batch" else Shape(250, 30, 4)
+    trace = scale_to_load(SCENARIOS[scenario](shape), load, 4, REFERENCE)
+    if policy == "batch":
+        trace = add_batch_load(trace, 1.0, 4, REFERENCE, seed=2)
+    name = "sluice" if policy == "batch" else policy
+    runs = _Replay(trace, name, CFG, None)
+    steps = _Replay(trace, name, dataclasses.replace(CFG, decode_runs=False), None)
+    fast, slow = runs.run(), steps.run()
+    assert dataclasses.asdict(fast) == dataclasses.asdict(slow)  # to the last bit
+    assert runs.steps == steps.steps
+    # Fewer events where nothing waits (while requests wait, every step end is one).
+    assert runs.step_events_seen < steps.step_events_seen / (1.2 if policy == "batch" else 3)

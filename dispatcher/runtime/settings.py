@@ -367,6 +367,12 @@ class DispatcherSettings(BrokerSettings):
         ge=1,
         description="Prefix keys remembered for stickiness and flap counting, at most.",
     )
+    routing_shortlist_workers: int = Field(
+        default=_R.shortlist_workers,
+        ge=0,
+        description="Least-loaded workers a decision scores besides the prefix's holders and "
+        "replicas (0: every worker).",
+    )
     decision_log: Path | None = Field(
         default=None, description="Write one JSON line per routing decision here (off: unset)."
     )
@@ -443,6 +449,7 @@ class DispatcherSettings(BrokerSettings):
             index_max_blocks=self.routing_index_max_blocks,
             prefix_max_keys=self.routing_prefix_max_keys,
             index_tokens=self.routing_index_tokens,
+            shortlist_workers=self.routing_shortlist_workers,
             explain=self.decision_log is not None,
         )
 

@@ -1,0 +1,72 @@
+"""The workers that can take work, per model, in load order (pure).
+
+The scheduler keeps this up to date as workers heartbeat, are booked, finish and leave, so a
+decision never looks at the whole fleet: the planner reads the few least-loaded workers of a
+model from the front of its order, and any other worker by id, at a cost that does not grow
+with the number of workers (an update costs O(log n) comparisons and one list move).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Iterator
+
+_Entry = tuple[float, str]
+
+
+class FreeWorkers:
+    """Per model: the live workers with free capacity, ordered by a load key (lowest first,
+    ties by worker id)."""
+
+    def __init__(self) -> None:
+        self._order: dict[str, list[_Entry]] = {}
+        self._placed: dict[str, tuple[float, frozenset[str]]] = {}
+
+    def __contains__(self, worker_id: object) -> bool:
+        return worker_id in self._placed
+
+    def put(self, worker_id: str, models: Iterable[str], key: float) -> None:
+        """``worker_id`` has room now, with this load key (placed or moved)."""
+        models = frozenset(models)
+        old = self._placed.get(worker_id)
+        if old == (key, models):
+            return
+        if old is not None:
+            self.discard(worker_id)
+        self._placed[worker_id] = (key, models)
+        for m in models:
+            bisect.insort(self._order.setdefault(m, []), (key, worker_id))
+
+    def discard(self, worker_id: str) -> None:
+        """``worker_id`` has no room, is draining, refused or gone."""
+        old = self._placed.pop(worker_id, None)
+        if old is None:
+            return
+        key, models = old
+        for m in models:
+            order = self._order[m]
+            i = bisect.bisect_left(order, (key, worker_id))
+            del order[i]
+            if not order:
+                del self._order[m]
+
+    def count(self, model: str) -> int:
+        """Workers of ``model`` with room."""
+        return len(self._order.get(model, ()))
+
+    def models(self) -> Iterable[str]:
+        """Models with at least one worker with room."""
+        return self._order.keys()
+
+    def ordered(self, model: str) -> Iterator[_Entry]:
+        """(key, worker) of ``model``'s workers with room, least loaded first (do not change
+        the pool while iterating)."""
+        return iter(self._order.get(model, ()))
+
+    def workers(self, model: str) -> list[str]:
+        """``model``'s workers with room, least loaded first."""
+        return [w for _, w in self._order.get(model, ())]
+
+    def key(self, worker_id: str) -> float | None:
+        placed = self._placed.get(worker_id)
+        return None if placed is None else placed[0]

@@ -1,0 +1,347 @@
+"""A decision that does not grow with the fleet (issue 14, item 1; pure, hypothesis).
+
+The cache-aware policy, handed a :class:`CandidatePool`, scores only a shortlist (the prefix's
+replicas, the least-loaded holders of each match length, the k least-loaded others, and the
+new workers when the request explores). Its choice must equal scoring every candidate
+whenever that choice is on the shortlist; the scheduler must keep the pool's order exact as
+workers are booked, finish, heartbeat, refuse and leave; and a decision must not look at the
+whole fleet.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Sequence
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sluice.cli.benchcore import cost_table, decision_costs, print_costs
+from sluice.dispatcher.admission import AdmissionConfig
+from sluice.dispatcher.cacheaware import CacheAware, CacheAwareConfig
+from sluice.dispatcher.pool import FreeWorkers
+from sluice.dispatcher.routing import (
+    Candidate,
+    CandidatePool,
+    Choice,
+    Digest,
+    ListPool,
+    RouteRequest,
+)
+from sluice.dispatcher.scheduler import Request, Scheduler, WorkerInfo
+
+BT = 16
+
+
+def _fleet_policy(data: st.DataObject, n: int) -> tuple[CacheAware, list[tuple[int, ...]]]:
+    """A policy whose index and replica sets hold random prefixes on random workers."""
+    k = data.draw(st.integers(1, 6), label="shortlist_workers")
+    explore = data.draw(st.sampled_from([0.0, 0.3, 1.0]), label="explore_share")
+    policy = CacheAware(
+        CacheAwareConfig(
+            block_tokens=BT,
+            index_tokens=BT,
+            key_tokens=4 * BT,
+            explore_share=explore,
+            shortlist_workers=k,
+        )
+    )
+    rng = random.Random(data.draw(st.integers(0, 2**32 - 1), label="seed"))
+    prefixes = [tuple(rng.getrandbits(62) for _ in range(rng.randint(1, 12))) for _ in range(4)]
+    for i in range(data.draw(st.integers(0, 40), label="bookings")):
+        hashes = rng.choice(prefixes)[: rng.randint(1, 12)]
+        req = RouteRequest(f"past{i}", "m", len(hashes) * BT + 4, 8, hashes)
+        policy.observe(req, f"w{rng.randrange(n)}", rng.uniform(0.0, 100.0))
+    for w in range(n):
+        if rng.random() < 0.3:
+            held = [h for p in prefixes if rng.random() < 0.5 for h in p[: rng.randint(1, len(p))]]
+            policy.heartbeat(f"w{w}", Digest(0, True, tuple(held)), 50.0)
+        else:
+            policy.heartbeat(f"w{w}", None, 50.0)
+    return policy, prefixes
+
+
+def _candidates(data: st.DataObject, n: int, now_s: float) -> list[Candidate]:
+    out = []
+    for w in range(n):
+        cap = data.draw(st.integers(1, 8))
+        out.append(
+            Candidate(
+                worker_id=f"w{w}",
+                capacity=cap,
+                booked=data.draw(st.integers(0, cap - 1)),
+                booked_tokens=data.draw(st.integers(0, 50_000)),
+                reported_prefill_tokens=data.draw(st.sampled_from([0, 0, 500, 20_000])),
+                unreported_prefill_tokens=data.draw(st.sampled_from([0, 0, 300, 9_000])),
+                report_age_s=data.draw(st.sampled_from([0.0, 0.5, 3.0])),
+                joined_s=data.draw(st.sampled_from([-1e9, -1e9, now_s - 5.0])),
+            )
+        )
+    return out
+
+
+@given(st.data())
+@settings(max_examples=300, deadline=None)
+def test_the_bounded_choice_is_the_exhaustive_one_whenever_that_is_on_the_shortlist(
+    data: st.DataObject,
+) -> None:
+    n = data.draw(st.integers(1, 30), label="workers")
+    policy, prefixes = _fleet_policy(data, n)
+    now = 110.0
+    candidates = _candidates(data, n, now)
+    base = data.draw(st.sampled_from(prefixes))
+    own = tuple(range(7, 7 + data.draw(st.integers(0, 6))))
+    hashes = base[: data.draw(st.integers(0, len(base)))] + own
+    request = RouteRequest("r", "m", max(1, len(hashes)) * BT + 3, 16, hashes)
+
+    exhaustive = policy.choose(request, candidates, now)
+    pool = ListPool(candidates, policy.load_key)
+    bounded = policy.choose(request, pool, now)
+    shortlist = {c.worker_id for c in policy.shortlist(request, pool, now)}
+    k = policy.config.shortlist_workers
+    assert len(shortlist) <= len(policy._context(request, n, now).reps) + k * (
+        1 + len(set(policy.index.match(hashes, now).values()))
+    ) + sum(1 for c in candidates if now - c.joined_s < policy.config.explore_window_s)
+    if exhaustive.worker_id in shortlist:
+        assert bounded == exhaustive
+    # Beyond the shortlist, the load bounds find any worker that beats it: the choices
+    # differ only where the exhaustive winner ties with the bounded one on the rule's key.
+    if bounded != exhaustive:
+        assert bounded.reason == exhaustive.reason
+        terms = {s.candidate.worker_id: s for s in policy.score(request, candidates, now)[0]}
+        b, e = terms[bounded.worker_id], terms[exhaustive.worker_id]
+        if bounded.reason == "expand":
+            assert round(b.queue, 2) == round(e.queue, 2)
+        else:
+            assert b.score == e.score
+    # Exhaustive mode (shortlist_workers=0) scores the pool as a list: the exhaustive choice.
+    assert policy.choose(request, list(pool), now) == exhaustive
+
+
+class _Counting(CandidatePool):
+    """A pool that says whether the policy walked the whole fleet."""
+
+    def __init__(self, inner: ListPool) -> None:
+        self.inner = inner
+        self.walked = False
+        self.asked = 0
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def get(self, worker_id: str) -> Candidate | None:
+        self.asked += 1
+        return self.inner.get(worker_id)
+
+    def load_key(self, worker_id: str) -> float | None:
+        return self.inner.load_key(worker_id)
+
+    def by_load(self) -> Iterator[tuple[float, Candidate]]:
+        for kc in self.inner.by_load():
+            self.asked += 1
+            yield kc
+
+    def joined_after(self, t_s: float) -> list[Candidate]:
+        return self.inner.joined_after(t_s)
+
+    def _all(self) -> Sequence[Candidate]:
+        self.walked = True
+        return list(self.inner)
+
+
+def test_a_decision_on_a_large_fleet_looks_only_at_its_shortlist() -> None:
+    policy = CacheAware(CacheAwareConfig(block_tokens=BT, index_tokens=BT, explore_share=0.0))
+    hashes = tuple(range(100, 140))
+    for i, w in enumerate(("w3", "w500", "w900")):
+        policy.observe(RouteRequest(f"p{i}", "m", 40 * BT, 8, hashes), w, 0.0)
+    # Every worker busy but w777, so that the best choice is unique: on the shortlist.
+    cands = [
+        Candidate(f"w{i}", 32, 1 + i % 7, 1000, unreported_prefill_tokens=10 * (i % 13))
+        for i in range(1000)
+    ]
+    cands[777] = Candidate("w777", 32, 0, 0)
+    pool = _Counting(ListPool(cands, policy.load_key))
+    choice = policy.choose(RouteRequest("r", "m", 40 * BT + 5, 8, hashes), pool, 1.0)
+    assert isinstance(choice, Choice)
+    assert not pool.walked
+    # The holders, the shortlist's least loaded, and as many again walking past them to
+    # the first whose bound cannot win: a few dozen of the 1,000.
+    assert pool.asked <= 3 + 2 * policy.config.shortlist_workers + 6
+    assert choice == policy.choose(RouteRequest("r", "m", 40 * BT + 5, 8, hashes), cands, 1.0)
+    assert choice.worker_id == "w777"
+
+
+# ---------------------------------------------------------------------------------- the pool
+
+
+def _brute_free(sched: Scheduler, model: str) -> list[tuple[float, str]]:
+    out = []
+    for w, info in sched.workers().items():
+        booked = len(sched.booked_on(w))
+        if info.draining or w in sched._refused or booked >= info.capacity:
+            continue
+        if model not in info.models:
+            continue
+        unreported = sched._books.unreported_prefill(w)
+        out.append((sched._load_key(booked, info.capacity, unreported), w))
+    return sorted(out)
+
+
+class _Checking(CacheAware):
+    """The policy, checking at every decision of a real plan that the planner's pool gives
+    what a list of every candidate gives (the plan's own bookings included)."""
+
+    checks = 0
+
+    def choose(
+        self, request: RouteRequest, candidates: Sequence[Candidate], now_s: float
+    ) -> Choice:
+        assert isinstance(candidates, CandidatePool)
+        full = list(candidates)
+        ref = ListPool(full, self.load_key)
+        assert len(candidates) == len(full)
+        for n in (1, 3, 100):
+            got = [c.worker_id for c in candidates.least_loaded(n)]
+            assert got == [c.worker_id for c in ref.least_loaded(n)]
+        for c in full:
+            assert candidates.get(c.worker_id) == c
+            assert candidates.load_key(c.worker_id) == ref.load_key(c.worker_id)
+        cold = {c.worker_id for c in candidates.joined_after(now_s - 30.0)}
+        assert cold == {c.worker_id for c in ref.joined_after(now_s - 30.0)}
+        _Checking.checks += 1
+        return super().choose(request, candidates, now_s)
+
+
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["beat", "beat", "enqueue", "enqueue", "plan", "done", "refuse", "leave"]),
+        st.integers(0, 9),
+        st.integers(0, 3),
+    ),
+    max_size=60,
+)
+
+
+@given(ops)
+@settings(max_examples=150, deadline=None)
+def test_the_scheduler_keeps_the_order_of_workers_with_room_exact(
+    steps: list[tuple[str, int, int]],
+) -> None:
+    policy = _Checking(CacheAwareConfig(block_tokens=BT, index_tokens=BT))
+    sched = Scheduler(AdmissionConfig(global_limit=1000, band_floors={}), policy)
+    now = 0.0
+    rid = 0
+    for op, w, x in steps:
+        now += 1.0
+        wid = f"w{w}"
+        if op == "beat":
+            booked = sched.booked_on(wid)
+            sched.update_worker(
+                WorkerInfo(
+                    wid,
+                    frozenset({"m"} if x else {"m", "n"}),
+                    capacity=1 + x,
+                    draining=x == 3 and w % 2 == 0,
+                    reported_in_flight=frozenset(sorted(booked)[: x % 2]),
+                    reported_prefill_tokens=100 * x * w,
+                    reported_s=now,
+                )
+            )
+        elif op == "enqueue":
+            rid += 1
+            hashes = tuple(range(x, x + w))
+            sched.enqueue(
+                Request(f"r{rid}", "interactive", "m", "t", 64 + w, 8, now, None, hashes), now
+            )
+        elif op == "plan":
+            for d in sched.plan(now, max_decisions=1 + x):
+                sched.book(d, now)
+        elif op == "done":
+            for r in sorted(sched.booked_on(wid))[: x + 1]:
+                sched.complete(r)
+        elif op == "refuse" and wid in sched.workers():
+            sched.refused(_dispatch_to(wid))
+        elif op == "leave":
+            sched.remove_worker(wid)
+        for model in ("m", "n"):
+            assert list(sched._free.ordered(model)) == _brute_free(sched, model)
+
+
+def _dispatch_to(worker_id: str) -> object:
+    from sluice.dispatcher.work import Dispatch
+
+    return Dispatch(Request("x", "interactive", "m", "t", 1, 1, 0.0), worker_id)
+
+
+def test_free_workers_order_and_removal() -> None:
+    free = FreeWorkers()
+    free.put("a", ["m"], 2.0)
+    free.put("b", ["m", "n"], 1.0)
+    free.put("c", ["m"], 1.0)
+    assert free.workers("m") == ["b", "c", "a"]
+    free.put("b", ["m", "n"], 3.0)
+    assert free.workers("m") == ["c", "a", "b"] and free.workers("n") == ["b"]
+    free.discard("b")
+    assert free.workers("n") == [] and free.count("n") == 0 and "b" not in free
+    assert free.key("a") == 2.0 and free.key("b") is None
+
+
+# ---------------------------------------------------------------------------------- bench
+
+
+def test_decision_costs_runs_at_a_tiny_size() -> None:
+    costs = decision_costs(worker_counts=(4, 16), indexed_blocks=300, requests=200)
+    assert set(costs.decision_us) == {4, 16} and costs.baseline_decision_us > 0
+    assert costs.decisions == {4: 200, 16: 200}
+    assert costs.indexed_blocks >= 300
+    rows = cost_table(costs)
+    assert rows[-1][0] == "minimal FIFO + round-robin"
+    lines: list[str] = []
+    print_costs(costs, lines.append)
+    assert any("4 workers" in line for line in lines)
+
+
+def test_a_request_that_explores_reaches_a_new_worker_outside_the_least_loaded() -> None:
+    policy = CacheAware(CacheAwareConfig(block_tokens=BT, index_tokens=BT, explore_share=1.0))
+    cands = [Candidate(f"w{i}", 32, 0, 0) for i in range(100)]
+    cands[42] = Candidate("w42", 32, 20, 50_000, joined_s=95.0)  # new, and the busiest
+    pool = _Counting(ListPool(cands, policy.load_key))
+    choice = policy.choose(RouteRequest("r", "m", 200, 8, ()), pool, 100.0)
+    assert choice.worker_id == "w42" and choice.reason == "explore"
+    assert not pool.walked
+
+
+def test_a_session_sticks_to_its_busy_replicas_on_a_large_fleet() -> None:
+    policy = CacheAware(CacheAwareConfig(block_tokens=BT, index_tokens=BT, explore_share=0.0))
+    for i in range(200):
+        policy.heartbeat(f"w{i}", None, 0.0)
+    for i in range(500):  # other sessions' traffic: this one's share buys it two replicas
+        policy.observe(RouteRequest(f"o{i}", "m", 64, 8, affinity_key=10_000 + i), "w0", 0.0)
+    for i, w in enumerate(("w10", "w10", "w20")):
+        policy.observe(RouteRequest(f"s{i}", "m", 64, 8, affinity_key=7), w, 0.5)
+    cands = [Candidate(f"w{i}", 32, 0, 0) for i in range(200)]
+    cands[10] = Candidate("w10", 32, 12, 9000)
+    cands[20] = Candidate("w20", 32, 8, 6000)
+    pool = _Counting(ListPool(cands, policy.load_key))
+    request = RouteRequest("r", "m", 64, 8, affinity_key=7)
+    choice = policy.choose(request, pool, 1.0)
+    assert (choice.worker_id, choice.reason) == ("w20", "sticky")
+    assert choice == policy.choose(request, cands, 1.0) and not pool.walked
+
+
+def test_a_worker_off_the_shortlist_that_beats_it_still_wins() -> None:
+    # Load keys leave out the reported queue (it decays): w0 sorts first with a queue of 500
+    # reported tokens, and the shortlist of one is w0. The bound of w1 is below w0's score.
+    policy = CacheAware(CacheAwareConfig(block_tokens=BT, index_tokens=BT, shortlist_workers=1))
+    for w in ("w0", "w1", "w2"):
+        policy.heartbeat(w, None, 50.0)
+    cands = [
+        Candidate("w0", 1, 0, 0, reported_prefill_tokens=500),
+        Candidate("w1", 1, 0, 0),
+        Candidate("w2", 2, 1, 100, unreported_prefill_tokens=2000),
+    ]
+    request = RouteRequest("r", "m", BT + 3, 16, (7,))
+    pool = ListPool(cands, policy.load_key)
+    assert [c.worker_id for c in policy.shortlist(request, pool, 110.0)] == ["w0"]
+    assert policy.choose(request, pool, 110.0).worker_id == "w1"
+    assert policy.choose(request, cands, 110.0).worker_id == "w1"
