@@ -32,13 +32,13 @@ routers: $(ROUTERS_STAMP)
 demo: $(STAMP)
 	$(BIN)/sluice demo
 
-## test: the whole suite, fault tests included, against a real nats-server
+## test: the whole suite, fault tests and tiny benchmark runs included, against a real nats-server
 test: $(STAMP) $(ROUTERS_STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
-## test-fast: the inner loop, without the slow fault/soak tests
-test-fast: $(STAMP) $(ROUTERS_STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not fault"
+## test-fast: the inner loop, without the slow fault/soak tests and the tiny benchmark runs
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not fault and not bench"
 
 ## lint: ruff (with the complexity rule), the formatter, mypy and the import contracts (mypy
 ## and lint-imports see the sluice.* package through a symlink tree in .lint/)

@@ -561,6 +561,11 @@ def bench_routers_cmd(
     except ValueError as exc:
         raise fail(f"--loads: {exc}") from exc
     cfg = b.BenchConfig(trace=trace, start=start, progress=progress, **kw)
+
+    def stop(*_: object) -> None:
+        raise KeyboardInterrupt  # SIGTERM stops every process it started, as Ctrl-C does
+
+    signal.signal(signal.SIGTERM, stop)
     err.print(
         f"[dim]{cfg.engines} engines at speed x{cfg.speed:g}, {cfg.requests} requests from "
         f"{cfg.start}, loads {', '.join(f'{x:g}' for x in cfg.loads)}, arms "

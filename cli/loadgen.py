@@ -36,6 +36,9 @@ TIMEOUT_S = 300.0
 CLIENTS = 8
 """HTTP clients the requests are spread over: one pool scans all its connections for every
 request, so one pool of hundreds of connections slows the load generator, not the target."""
+KEEPALIVE_S = 1.0
+"""Idle connections are closed after this, before the server's own keep-alive (uvicorn's 5 s)
+closes them under a request just sent (a ReadError that is no fault of the target)."""
 HITS = ("vllm:prefix_cache_hits_total", "sglang:cached_tokens_total")
 QUERIES = ("vllm:prefix_cache_queries_total", "sglang:prompt_tokens_total")
 
@@ -166,7 +169,9 @@ async def run_loadgen(
     bodies = [_body(cfg, r, book.prompt(r, i)) for i, r in enumerate(trace)]
     path = "/v1/chat/completions" if cfg.api == "chat" else "/v1/completions"
     before = await read_counters(cfg.engine_metrics) if cfg.engine_metrics else None
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    limits = httpx.Limits(
+        max_connections=None, max_keepalive_connections=None, keepalive_expiry=KEEPALIVE_S
+    )
     per_url = max(1, CLIENTS // len(cfg.urls))
     pools = [
         [

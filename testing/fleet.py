@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +29,7 @@ class HttpEngineFleet:
         on_start: Callable[[str, EngineProcess], None] | None = None,
         tcp: bool = False,
         profile: str = "reference",
+        start_timeout_s: float = 60.0,
     ) -> None:
         self.workers, self.model, self.speed, self.tokenizer = workers, model, speed, tokenizer
         self.on_start = on_start
@@ -35,6 +37,9 @@ class HttpEngineFleet:
         """Serve on free ports of 127.0.0.1 (what routers that speak only TCP need) rather
         than on Unix sockets; the KV events stay on IPC sockets."""
         self.profile = profile
+        self.start_timeout_s = start_timeout_s
+        """For all of them together: they start at once (16 importing on 2 busy cores take a
+        while)."""
         self.engines: dict[str, EngineProcess] = {}
         self._dir: str | None = None
 
@@ -56,8 +61,9 @@ class HttpEngineFleet:
                 )
                 self.engines[worker_id] = engine
                 engine.launch()
+            deadline = time.monotonic() + self.start_timeout_s
             for worker_id, engine in self.engines.items():
-                engine.wait_ready()
+                engine.wait_ready(max(1.0, deadline - time.monotonic()))
                 if self.on_start is not None:
                     self.on_start(worker_id, engine)
         except BaseException:
