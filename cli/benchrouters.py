@@ -211,6 +211,7 @@ def sluice_stack(
     procs: list[Proc] = []
     cli = [sys.executable, "-m", "sluice.cli"]
     with EmbeddedNats() as nats, contextlib.ExitStack() as stack:
+
         def stop_all() -> None:
             for p in reversed(procs):
                 p.stop()
