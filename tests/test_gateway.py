@@ -283,22 +283,24 @@ async def test_a_stale_model_list_is_answered_at_once_and_looked_up_behind(
     from sluice.gateway.catalog import STATS_TIMEOUT_S, Catalog
 
     now = [0.0]
-    async with LocalCluster(nats_url, **cluster_kwargs(workers=1)) as cluster:
-        async with Client(nats_url) as c:
-            catalog = Catalog(c, ttl_s=2.0, clock=lambda: now[0])
-            try:
-                assert "sim" in (await catalog.fleet()).models
-                await cluster.dispatcher.stop()  # nobody answers the stats query now
-                now[0] = 10.0
-                loop = asyncio.get_running_loop()
-                t0 = loop.time()
-                assert "sim" in (await catalog.fleet()).models
-                assert loop.time() - t0 < STATS_TIMEOUT_S / 4
-                await asyncio.sleep(STATS_TIMEOUT_S + 0.5)  # the lookup behind it timed out
-                with pytest.raises(ServiceUnavailable):
-                    await catalog.fleet()
-            finally:
-                await catalog.close()
+    async with (
+        LocalCluster(nats_url, **cluster_kwargs(workers=1)) as cluster,
+        Client(nats_url) as c,
+    ):
+        catalog = Catalog(c, ttl_s=2.0, clock=lambda: now[0])
+        try:
+            assert "sim" in (await catalog.fleet()).models
+            await cluster.dispatcher.stop()  # nobody answers the stats query now
+            now[0] = 10.0
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            assert "sim" in (await catalog.fleet()).models
+            assert loop.time() - t0 < STATS_TIMEOUT_S / 4
+            await asyncio.sleep(STATS_TIMEOUT_S + 0.5)  # the lookup behind it timed out
+            with pytest.raises(ServiceUnavailable):
+                await catalog.fleet()
+        finally:
+            await catalog.close()
 
 
 async def test_a_conversation_stays_on_the_worker_that_holds_its_history(nats_url: str) -> None:
