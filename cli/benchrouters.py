@@ -20,9 +20,9 @@ so that it asks the same of the fleet. Before every run each engine's prefix cac
 up across loads (its cache index follows the engines' flush through their KV events). The hit
 rate is read from the engines' own counters.
 
-Then each arm's added latency: a second fleet of 2 engines running 10,000 times faster
-(instant), one request at a time, straight to an engine (the baseline) and through each router,
-streaming (time to the first token) and not (time to the whole answer).
+Then each router's added latency: a second fleet of 2 engines running 10,000 times faster
+(instant), one request at a time, alternating between an engine straight (the baseline of the
+same run) and the router, streaming (time to the first token) and not (the whole answer).
 """
 
 from __future__ import annotations
@@ -283,8 +283,9 @@ class RoutersResult:
     runs: dict[str, dict[float, dict[str, Any]]] = field(default_factory=dict)
     """Per arm, per load: the load generator's figures (sluice.sim.loadgen.summarize)."""
     latency: dict[str, dict[str, float]] = field(default_factory=dict)
-    """Per arm (``direct`` the baseline): P50 ms of the first token (streaming) and of the
-    whole answer (not streaming), one request at a time, instant engines."""
+    """Per router arm: P50 ms of the first token (streaming) and of the whole answer (not
+    streaming), one request at a time on instant engines, and the same straight to an engine
+    (``direct_*``), the two paths alternating."""
     wall_s: float = 0.0
 
     def stronger(self, load: float) -> str | None:
@@ -367,31 +368,47 @@ def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v * 1000:,.0f} ms"
 
 
-async def _latency(url: str, n: int, stream: bool) -> float:
-    """P50 seconds of ``n`` sequential requests to ``url``: to the first token (streaming) or
-    to the whole answer."""
-    times: list[float] = []
-    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+async def _one_latency(http: httpx.AsyncClient, i: int, stream: bool) -> float:
+    """Seconds to the first token (streaming) or to the whole answer of one request."""
+    body = _probe_body(1000 + i, stream)
+    t0 = time.perf_counter()
+    first = None
+    async with http.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise BenchRoutersError(f"{http.base_url}: {r.status_code} {(await r.aread())!r}")
+        async for line in r.aiter_lines():
+            if first is None and line.startswith("data: {") and '"text":""' not in line:
+                first = time.perf_counter() - t0
+    total = time.perf_counter() - t0
+    return first if stream and first is not None else total
+
+
+async def _latency(direct: str, url: str, n: int, stream: bool) -> tuple[float, float]:
+    """P50 seconds of ``n`` requests one at a time straight to an engine and ``n`` through
+    ``url``, alternating (each pair starts with the other path), so that the machine's noise
+    falls on both: (direct, through)."""
+    times: dict[str, list[float]] = {direct: [], url: []}
+    async with (
+        httpx.AsyncClient(base_url=direct, timeout=30) as d,
+        httpx.AsyncClient(base_url=url, timeout=30) as h,
+    ):
         for i in range(n + 5):
-            body = _probe_body(1000 + i, stream)
-            t0 = time.perf_counter()
-            first = None
-            async with http.stream("POST", "/v1/completions", json=body) as r:
-                if r.status_code != 200:
-                    raise BenchRoutersError(f"{url}: {r.status_code} {(await r.aread())!r}")
-                async for line in r.aiter_lines():
-                    if first is None and line.startswith("data: {") and '"text":""' not in line:
-                        first = time.perf_counter() - t0
-            total = time.perf_counter() - t0
-            if i >= 5:  # the first few warm the connections
-                times.append(first if stream and first is not None else total)
-    return percentile(times, 50)
+            pair = [(direct, d), (url, h)] if i % 2 else [(url, h), (direct, d)]
+            for name, http in pair:
+                t = await _one_latency(http, 2 * i + (name == url), stream)
+                if i >= 5:  # the first few warm the connections
+                    times[name].append(t)
+    return percentile(times[direct], 50), percentile(times[url], 50)
 
 
-def _measure(url: str, n: int) -> dict[str, float]:
+def _measure(direct: str, url: str, n: int) -> dict[str, float]:
+    sd, st = run(_latency(direct, url, n, True))
+    pd, pt = run(_latency(direct, url, n, False))
     return {
-        "stream_p50_ms": run(_latency(url, n, True)) * 1000,
-        "plain_p50_ms": run(_latency(url, n, False)) * 1000,
+        "stream_p50_ms": st * 1000,
+        "plain_p50_ms": pt * 1000,
+        "direct_stream_p50_ms": sd * 1000,
+        "direct_plain_p50_ms": pd * 1000,
     }
 
 
@@ -399,14 +416,13 @@ def _latency_phase(cfg: BenchConfig, log_dir: str) -> dict[str, dict[str, float]
     out: dict[str, dict[str, float]] = {}
     with HttpEngineFleet(2, model=MODEL, speed=LATENCY_SPEED, tcp=True) as fleet:
         urls = [e.url for e in fleet.engines.values()]
-        out["direct"] = _measure(urls[0], cfg.latency_requests)
         for arm in cfg.arms:
             if arm in SGLANG_ARMS:
                 with sglang_router(arm, cfg.routers_venv, urls, log_dir) as url:
-                    out[arm] = _measure(url, cfg.latency_requests)
+                    out[arm] = _measure(urls[0], url, cfg.latency_requests)
             elif arm == "sluice":
                 with sluice_stack(fleet, log_dir, LATENCY_SPEED) as url:
-                    out[arm] = _measure(url, cfg.latency_requests)
+                    out[arm] = _measure(urls[0], url, cfg.latency_requests)
     return out
 
 
@@ -482,16 +498,21 @@ def table(r: RoutersResult) -> Table:
 
 
 def latency_table(r: RoutersResult) -> Table:
+    """Each router's P50 against an engine straight, measured alternating in the same run."""
     t = Table(title="added latency, one request at a time, instant engines (P50)")
-    for col in ("arm", "first token (stream)", "added", "whole answer", "added"):
+    cols = ("arm", "first token (stream)", "direct", "added", "whole answer", "direct", "added")
+    for col in cols:
         t.add_column(col, justify="left" if col == "arm" else "right")
-    base = r.latency.get("direct")
     for arm, f in r.latency.items():
-        add_s = add_p = ""
-        if base is not None and arm != "direct":
-            add_s = f"{f['stream_p50_ms'] - base['stream_p50_ms']:+.2f} ms"
-            add_p = f"{f['plain_p50_ms'] - base['plain_p50_ms']:+.2f} ms"
-        t.add_row(arm, f"{f['stream_p50_ms']:.2f} ms", add_s, f"{f['plain_p50_ms']:.2f} ms", add_p)
+        t.add_row(
+            arm,
+            f"{f['stream_p50_ms']:.2f} ms",
+            f"{f['direct_stream_p50_ms']:.2f} ms",
+            f"{f['stream_p50_ms'] - f['direct_stream_p50_ms']:+.2f} ms",
+            f"{f['plain_p50_ms']:.2f} ms",
+            f"{f['direct_plain_p50_ms']:.2f} ms",
+            f"{f['plain_p50_ms'] - f['direct_plain_p50_ms']:+.2f} ms",
+        )
     return t
 
 
