@@ -202,10 +202,15 @@ def sglang_router(kind: str, venv: Path, urls: Sequence[str], log_dir: str) -> I
 
 @contextlib.contextmanager
 def sluice_stack(
-    fleet: HttpEngineFleet, log_dir: str, speed: float, capacity: int = 32
+    fleet: HttpEngineFleet,
+    log_dir: str,
+    speed: float,
+    capacity: int = 32,
+    metrics_port: int | None = None,
 ) -> Iterator[str]:
     """nats-server, a dispatcher, one agent per engine of ``fleet`` (following its KV events)
-    and a gateway, each a process, while the block runs; the gateway's URL."""
+    and a gateway, each a process, while the block runs; the gateway's URL. ``metrics_port``:
+    the dispatcher serves its Prometheus metrics there (127.0.0.1)."""
     from sluice.dispatcher.enginetime import DEFAULT_DECODE_TOKEN_S, DEFAULT_PREFILL_TOKENS_PER_S
 
     procs: list[Proc] = []
@@ -230,6 +235,8 @@ def sluice_stack(
             # Every agent's slots, not the default 64 fleet-wide: the routers cap nothing.
             "SLUICE_DISPATCHER_GLOBAL_LIMIT": str(capacity * len(fleet.engines)),
         }
+        if metrics_port is not None:
+            d_env["SLUICE_DISPATCHER_METRICS_PORT"] = str(metrics_port)
         procs.append(Proc("dispatcher", [*cli, "dispatcher"], log_dir, d_env))
         for worker_id, e in fleet.engines.items():
             args = [
@@ -319,9 +326,11 @@ def _run_arm(
     metrics = tuple(f"{e.url}/metrics" for e in fleet.engines.values())
     urls = [e.url for e in fleet.engines.values()]
     out: dict[float, dict[str, Any]] = {}
+    d_port = _free_ports(1)[0]
+    d_metrics = f"http://127.0.0.1:{d_port}/metrics"
     with contextlib.ExitStack() as stack:
         sluice_url = (
-            stack.enter_context(sluice_stack(fleet, log_dir, cfg.speed))
+            stack.enter_context(sluice_stack(fleet, log_dir, cfg.speed, metrics_port=d_port))
             if arm == "sluice"
             else None
         )
@@ -346,11 +355,48 @@ def _run_arm(
                     progress=cfg.progress,
                 )  # fmt: skip
                 t0 = time.monotonic()
+                before = _dispatcher_waits(d_metrics) if sluice_url else None
                 out[load] = run(run_loadgen(scaled, lg, console))
+                if before is not None:
+                    out[load].update(_wait_means(before, _dispatcher_waits(d_metrics)))
             console.print(
                 f"[dim]{arm} at load {load:g}: {_brief(out[load])} "
                 f"({time.monotonic() - t0:.0f} s)[/dim]"
             )
+    return out
+
+
+_WAITS = ("sluice_dispatcher_queue_wait_seconds", "sluice_dispatcher_handoff_seconds")
+
+
+def _dispatcher_waits(url: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of the dispatcher's queue-wait and hand-off histograms (all labels)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {name: (0.0, 0.0) for name in _WAITS}
+    text = httpx.get(url, timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for smp in family.samples:
+            for name in _WAITS:
+                total, count = out[name]
+                if smp.name == f"{name}_sum":
+                    out[name] = (total + smp.value, count)
+                elif smp.name == f"{name}_count":
+                    out[name] = (total, count + smp.value)
+    return out
+
+
+def _wait_means(
+    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
+) -> dict[str, float | None]:
+    """Mean seconds a request waited in the dispatcher's queue, and of a hand-off's round
+    trip, over one run (where Sluice's own time goes)."""
+    out: dict[str, float | None] = {}
+    for name, key in zip(
+        _WAITS, ("dispatcher_queue_wait_mean_s", "dispatcher_handoff_mean_s"), strict=True
+    ):
+        n = after[name][1] - before[name][1]
+        out[key] = round((after[name][0] - before[name][0]) / n, 6) if n else None
     return out
 
 
@@ -360,6 +406,12 @@ def _brief(f: dict[str, Any]) -> str:
         f"goodput {f['goodput_rps']:.2f}/s, TTFT p50 {_ms(f['ttft_p50_s'])} p99 "
         f"{_ms(f['ttft_p99_s'])}, hit {'-' if hit is None else f'{hit:.1%}'}, "
         f"{f['completed']}/{f['requests']} ok"
+        + (
+            f"; dispatcher queue wait {_ms(f['dispatcher_queue_wait_mean_s'])}, hand-off "
+            f"{_ms(f['dispatcher_handoff_mean_s'])} (means)"
+            if "dispatcher_queue_wait_mean_s" in f
+            else ""
+        )
         + (f"; first error: {f['errors'][0]}" if f.get("errors") else "")
     )
 
