@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint install clean
+.PHONY: demo test test-fast lint install clean routers
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -14,17 +14,31 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+## routers: the SGLang gateway from PyPI for `sluice bench-routers`, in its two current forms,
+## each in its own venv (both packages install a `smg` command)
+ROUTERS := .venv-routers
+ROUTERS_STAMP := $(ROUTERS)/.installed-sglang-router-0.3.2-smg-1.13.0
+$(ROUTERS_STAMP):
+	rm -rf $(ROUTERS)
+	$(PYTHON) -m venv $(ROUTERS)/sglang-router
+	$(ROUTERS)/sglang-router/bin/python -m pip install --quiet 'sglang-router==0.3.2'
+	$(PYTHON) -m venv $(ROUTERS)/smg
+	$(ROUTERS)/smg/bin/python -m pip install --quiet 'smg==1.13.0'
+	touch $(ROUTERS_STAMP)
+
+routers: $(ROUTERS_STAMP)
+
 ## demo: embedded NATS, a dispatcher, 4 simulated GPU workers and a mixed workload for ~30 s
 demo: $(STAMP)
 	$(BIN)/sluice demo
 
-## test: the whole suite, fault tests included, against a real nats-server
-test: $(STAMP)
+## test: the whole suite, fault tests and tiny benchmark runs included, against a real nats-server
+test: $(STAMP) $(ROUTERS_STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
-## test-fast: the inner loop, without the slow fault/soak tests
+## test-fast: the inner loop, without the slow fault/soak tests and the tiny benchmark runs
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not fault"
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not fault and not bench"
 
 ## lint: ruff (with the complexity rule), the formatter, mypy and the import contracts (mypy
 ## and lint-imports see the sluice.* package through a symlink tree in .lint/)
@@ -38,4 +52,4 @@ lint: $(STAMP)
 	cd .lint && PYTHONPATH=. ../$(BIN)/lint-imports ../pyproject.toml
 
 clean:
-	rm -rf $(VENV) .lint build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(ROUTERS) .lint build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -661,6 +661,81 @@ def bench_gateway_cmd(
     console.print(verdict(r))
 
 
+@app.command("bench-routers")
+def bench_routers_cmd(
+    trace: Annotated[str, typer.Option(help="The trace (Mooncake JSONL).")] = (
+        "../shared/traces/conversation_trace.jsonl"
+    ),
+    engines: Annotated[int | None, typer.Option(help="sluice engine servers.", min=1)] = None,
+    speed: Annotated[
+        float | None, typer.Option(help="The engines' clock speed-up.", min=0.01)
+    ] = None,
+    loads: Annotated[str | None, typer.Option(help="Offered loads, comma-separated.")] = None,
+    requests: Annotated[int | None, typer.Option(help="Requests of the slice.", min=1)] = None,
+    start: Annotated[int, typer.Option(help="First request of the slice.", min=0)] = 0,
+    arms: Annotated[str | None, typer.Option(help="Arms, comma-separated.")] = None,
+    max_output_tokens: Annotated[
+        int | None, typer.Option(help="Cap each request's output tokens.", min=1)
+    ] = None,
+    latency_requests: Annotated[
+        int | None, typer.Option(help="Sequential requests per arm for added latency.", min=0)
+    ] = None,
+    routers_venv: Annotated[
+        Path | None, typer.Option(help="Where `make routers` installed the SGLang routers.")
+    ] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the figures here.")] = None,
+    progress: Annotated[bool, typer.Option(help="Show progress bars.")] = True,
+) -> None:
+    """Sluice head to head against the SGLang gateway (sglang-router 0.3.2 and smg 1.13) and
+    round-robin, on one fleet of sluice engine servers (docs/BENCHMARKS.md)."""
+    import dataclasses
+
+    from sluice.cli import benchrouters as b
+
+    kw: dict[str, Any] = {
+        k: v
+        for k, v in {
+            "engines": engines,
+            "speed": speed,
+            "requests": requests,
+            "max_output_tokens": max_output_tokens,
+            "latency_requests": latency_requests,
+            "routers_venv": routers_venv,
+        }.items()
+        if v is not None
+    }
+    try:
+        if loads is not None:
+            kw["loads"] = tuple(float(x) for x in loads.split(",") if x.strip())
+        if arms is not None:
+            kw["arms"] = tuple(a.strip() for a in arms.split(",") if a.strip())
+    except ValueError as exc:
+        raise fail(f"--loads: {exc}") from exc
+    cfg = b.BenchConfig(trace=trace, start=start, progress=progress, **kw)
+
+    def stop(*_: object) -> None:
+        raise KeyboardInterrupt  # SIGTERM stops every process it started, as Ctrl-C does
+
+    signal.signal(signal.SIGTERM, stop)
+    err.print(
+        f"[dim]{cfg.engines} engines at speed x{cfg.speed:g}, {cfg.requests} requests from "
+        f"{cfg.start}, loads {', '.join(f'{x:g}' for x in cfg.loads)}, arms "
+        f"{', '.join(cfg.arms)}[/dim]"
+    )
+    try:
+        r = b.bench_routers(cfg, err)
+    except (b.BenchRoutersError, ConfigError) as exc:
+        raise fail(str(exc)) from exc
+    console.print(b.table(r))
+    if r.latency:
+        console.print(b.latency_table(r))
+    for line in b.verdict(r):
+        console.print(line)
+    console.print(f"wall time {r.wall_s:.0f} s")
+    if json_out is not None:
+        json_out.write_text(json.dumps(dataclasses.asdict(r), indent=2, default=str) + "\n")
+
+
 @app.command("bench-broker-failover")
 def bench_broker_failover_cmd(
     runs: Annotated[int, typer.Option(help="Runs, each on a fresh 3-node cluster.", min=1)] = 5,
@@ -768,6 +843,90 @@ def engine(
         raise fail(str(exc)) from exc
     except OSError as exc:
         raise fail(f"cannot serve on {where}: {exc}") from exc
+
+
+@app.command()
+def loadgen(
+    url: Annotated[
+        list[str],
+        typer.Option("--url", help="OpenAI-compatible base URL (repeatable: round-robin)."),
+    ],
+    trace: Annotated[
+        str | None, typer.Option(help="Trace file: Mooncake JSONL, Azure CSV or ours.")
+    ] = None,
+    synthetic: Annotated[
+        str | None, typer.Option(help="...or a synthetic scenario (as sluice replay gen).")
+    ] = None,
+    start: Annotated[int, typer.Option(help="First request of the slice.", min=0)] = 0,
+    requests: Annotated[
+        int | None, typer.Option(help="Requests in the slice (default: all).", min=1)
+    ] = None,
+    rate_scale: Annotated[
+        float | None, typer.Option(help="Send this many times faster than the trace.")
+    ] = None,
+    load: Annotated[
+        float | None,
+        typer.Option(help="...or at this offered load of --workers engines (as replay --load)."),
+    ] = None,
+    workers: Annotated[int, typer.Option(help="Engines behind the URL (for --load).", min=1)] = 1,
+    profile: Annotated[str, typer.Option(help="Their profile (for --load).")] = "reference",
+    speed: Annotated[
+        float, typer.Option(help="Their clock speed-up (for --load).", min=0.001)
+    ] = 1.0,
+    model: Annotated[str, typer.Option(help="The model to ask for.")] = "sim",
+    api: Annotated[str, typer.Option(help="completions or chat.")] = "completions",
+    slo_ttft_s: Annotated[float | None, typer.Option(help="TTFT SLO of goodput.", min=0)] = None,
+    engine_metrics: Annotated[
+        list[str] | None,
+        typer.Option(help="An engine's /metrics URL, for the hit rate (repeatable)."),
+    ] = None,
+    max_output_tokens: Annotated[
+        int | None, typer.Option(help="Cap each request's output tokens.", min=1)
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the block texts.")] = 0,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the figures here.")] = None,
+    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+) -> None:
+    """Replay a trace open loop against an OpenAI-compatible endpoint (docs/loadgen.md); the
+    figures as JSON under the replay's names, the hit rate from the engines' counters."""
+    from sluice.cli.loadgen import (
+        SLO_TTFT_S,
+        LoadgenConfig,
+        LoadgenRunError,
+        run_loadgen,
+        trace_slice,
+    )
+    from sluice.sim.errors import SimError
+    from sluice.sim.loadgen import scale_arrivals
+    from sluice.sim.profiles import get_profile
+
+    try:
+        reqs = trace_slice(trace, synthetic, start=start, requests=requests, seed=seed)
+        if rate_scale is None and load is None:
+            rate_scale = 1.0
+        prof = get_profile(profile) if load is not None else None
+        reqs = scale_arrivals(
+            reqs, rate_scale=rate_scale, load=load, workers=workers, profile=prof, speed=speed
+        )
+        cfg = LoadgenConfig(
+            urls=tuple(url),
+            model=model,
+            api=api,
+            slo_ttft_s=SLO_TTFT_S if slo_ttft_s is None else slo_ttft_s,
+            engine_metrics=tuple(engine_metrics or ()),
+            max_output_tokens=max_output_tokens,
+            seed=seed,
+            progress=progress,
+        )
+        out = run(run_loadgen(reqs, cfg, err))
+    except KeyError as exc:
+        raise fail(str(exc.args[0])) from None
+    except (SimError, LoadgenRunError) as exc:
+        raise fail(str(exc)) from exc
+    text = json.dumps(out, indent=2)
+    if json_out is not None:
+        json_out.write_text(text + "\n")
+    console.print_json(text)
 
 
 @app.command()

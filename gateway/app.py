@@ -111,6 +111,7 @@ class Gateway:
         await wait_event(self._idle, CANCEL_GRACE_S)
         await finish_tasks(list(self._tasks), CANCEL_GRACE_S)
         await self.batches.stop()
+        await self.catalog.close()
         await self.client.close()
         self._running = False
 

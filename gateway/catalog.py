@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sluice.client import Client
+from sluice.client import Client, SluiceError
 from sluice.gateway.errors import BadRequest, model_not_found
 from sluice.gateway.keys import PRIORITY_HEADER
 
@@ -46,14 +46,39 @@ class Catalog:
         self._clock = clock
         self._fleet: Fleet | None = None
         self._lock = asyncio.Lock()
+        self._refresh: asyncio.Task[None] | None = None
 
     async def fleet(self, max_age_s: float | None = None) -> Fleet:
         """The fleet, looked up again if older than ``max_age_s`` (default ``ttl_s``); raises
-        the client's ``ServiceUnavailable`` (a 503) when no dispatcher answers."""
+        the client's ``ServiceUnavailable`` (a 503) when no dispatcher answers. Past the TTL
+        (no ``max_age_s``) the list it has is answered at once and looked up again in the
+        background: a busy dispatcher can take a while to answer the stats query, and every
+        request arriving meanwhile waited for it (up to ``STATS_TIMEOUT_S`` on its first
+        token). A lookup that fails forgets the list, so the next request waits for an answer
+        and gets the 503."""
         limit = self._ttl_s if max_age_s is None else max_age_s
         fleet = self._fleet
         if fleet is not None and self._clock() - fleet.at_s < limit:
             return fleet
+        if fleet is not None and max_age_s is None:
+            if self._refresh is None or self._refresh.done():
+                self._refresh = asyncio.create_task(self._refresh_now(), name="catalog-refresh")
+            return fleet
+        return await self._lookup(limit)
+
+    async def _refresh_now(self) -> None:
+        try:
+            await self._lookup(self._ttl_s)
+        except SluiceError:  # ServiceUnavailable above all: no dispatcher answered
+            self._fleet = None
+
+    async def close(self) -> None:
+        """Stop a lookup running in the background."""
+        if self._refresh is not None:
+            self._refresh.cancel()
+            await asyncio.gather(self._refresh, return_exceptions=True)
+
+    async def _lookup(self, limit: float) -> Fleet:
         async with self._lock:  # concurrent requests share one query
             fleet = self._fleet
             if fleet is not None and self._clock() - fleet.at_s < limit:

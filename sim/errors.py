@@ -13,3 +13,7 @@ class TraceError(SimError, ValueError):
 
 class PlotError(SimError, RuntimeError):
     """matplotlib is missing or a chart could not be written."""
+
+
+class LoadgenError(SimError, ValueError):
+    """A trace or a setting ``sluice loadgen`` cannot replay (its message says which)."""

@@ -91,15 +91,25 @@ class KVCache:
 
     def _evict_to_capacity(self) -> None:
         while self.used_blocks > self.capacity_blocks:
-            h, _ = self._idle.popitem(last=False)
-            self.evicted_blocks += 1
-            if self.listener is not None:
-                self.listener("removed", [h])
-            if h in self._reported:
-                self._reported.discard(h)
-                if self._stored.pop(h, 0) is None:
-                    continue  # stored and evicted since the last drain: no change
-                self._evicted[h] = None
+            self._evict_oldest()
+
+    def flush(self) -> int:
+        """Evict every idle (unpinned) block, as an engine's cache flush does; how many."""
+        n = len(self._idle)
+        while self._idle:
+            self._evict_oldest()
+        return n
+
+    def _evict_oldest(self) -> None:
+        h, _ = self._idle.popitem(last=False)
+        self.evicted_blocks += 1
+        if self.listener is not None:
+            self.listener("removed", [h])
+        if h in self._reported:
+            self._reported.discard(h)
+            if self._stored.pop(h, 0) is None:
+                return  # stored and evicted since the last drain: no change
+            self._evicted[h] = None
 
     def drain_digest(self) -> tuple[list[int], list[int]]:
         """Reported blocks stored and evicted since the last drain."""

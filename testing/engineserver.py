@@ -9,6 +9,7 @@ SGLang serve:
   ``usage.prompt_tokens_details.cached_tokens`` is the engine's prefix-cache hit);
 - SGLang's ``POST /generate`` (``text`` or ``input_ids``, ``sampling_params.max_new_tokens``,
   ``stream``; ``meta_info`` with ``prompt_tokens``, ``completion_tokens``, ``cached_tokens``);
+- SGLang's ``POST /flush_cache`` (drops the prefix cache while idle, 400 while requests run);
 - ``GET /health``, ``GET /v1/models``, ``GET /server_info`` and ``/get_server_info``,
   ``GET /model_info`` and ``/get_model_info``, ``GET /v1/loads``;
 - ``GET /metrics`` in the Prometheus text format, with vLLM's names (``vllm:num_requests_running``,
@@ -341,6 +342,15 @@ class SimServer:
             out.append(f"{name}{lab} {float(value)}")
         return "\n".join(out) + "\n"
 
+    def flush_cache(self) -> bool:
+        """SGLang's ``/flush_cache``: drop every cached prefix block, only while no request
+        runs or waits (SGLang refuses otherwise); its removals go out as KV events."""
+        if self.engine.has_work or self._streams:
+            return False
+        self.engine.cache.flush()
+        self._flush_kv()
+        return True
+
     def loads(self) -> dict[str, Any]:
         load = self.engine.load()
         return {
@@ -503,6 +513,14 @@ class _SGLang:
         text, fin = await s.collect(rid, stream)
         return JSONResponse({"text": text, "meta_info": _meta(rid, fin, fin.output_tokens)})
 
+    async def flush_cache(self, _: Request) -> Response:
+        """SGLang's ``/flush_cache``: 200 once flushed, 400 while requests run."""
+        if self.server.flush_cache():
+            return PlainTextResponse("Cache flushed.\n")
+        return PlainTextResponse(
+            "Cache not flushed. Please check if there are running requests.\n", status_code=400
+        )
+
     async def _stream(self, rid: str, stream: _Stream) -> AsyncIterator[bytes]:
         text, n = "", 0
         async for piece, fin in self.server.events(rid, stream):
@@ -571,6 +589,7 @@ def build_app(server: SimServer) -> Starlette:
         Route("/model_info", model_info),
         Route("/get_model_info", model_info),
         Route("/v1/loads", loads),
+        Route("/flush_cache", sglang.flush_cache, methods=["GET", "POST"]),
         Route("/metrics", metrics),
     ]
 
@@ -621,8 +640,9 @@ def serve(
 
 
 class EngineProcess:
-    """A ``sluice engine`` server in its own process on a Unix socket, stopped by its PID;
-    ``kv_events``: it publishes KV events on ``ipc://UDS.kv`` (replay beside it)."""
+    """A ``sluice engine`` server in its own process on a Unix socket (or, with ``port``, on
+    that port of 127.0.0.1, the socket path then only naming its KV event socket), stopped by
+    its PID; ``kv_events``: it publishes KV events on ``ipc://UDS.kv`` (replay beside it)."""
 
     def __init__(
         self,
@@ -633,21 +653,29 @@ class EngineProcess:
         profile: str = "reference",
         kv_events: bool = False,
         tokenizer: str | None = None,
+        port: int | None = None,
     ):
         self.uds, self.model, self.speed, self.profile = uds, model, speed, profile
         self.kv_events = f"ipc://{uds}.kv" if kv_events else None
         self.tokenizer = tokenizer
+        self.port = port
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"unix://{self.uds}"
+        return f"http://127.0.0.1:{self.port}" if self.port else f"unix://{self.uds}"
 
     def start(self, timeout_s: float = 20.0) -> EngineProcess:
-        import httpx
+        """Start the process and wait until it serves (stopped again if it does not)."""
+        self.launch()
+        return self.wait_ready(timeout_s)
 
+    def launch(self) -> None:
+        """Start the process without waiting (:meth:`wait_ready` waits): a fleet starts all
+        its engines at once."""
+        where = ["--port", str(self.port)] if self.port else ["--uds", self.uds]
         cmd = [
-            sys.executable, "-m", "sluice.cli", "engine", "--uds", self.uds, "--model",
+            sys.executable, "-m", "sluice.cli", "engine", *where, "--model",
             self.model, "--speed", str(self.speed), "--profile", self.profile,
         ]  # fmt: skip
         if self.kv_events is not None:
@@ -655,13 +683,20 @@ class EngineProcess:
         if self.tokenizer is not None:
             cmd += ["--tokenizer", self.tokenizer]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    def wait_ready(self, timeout_s: float = 20.0) -> EngineProcess:
+        """Wait until the launched process answers ``/health``; stop it if it does not."""
+        import httpx
+
+        assert self.proc is not None, "launch() first"
         deadline = time.monotonic() + timeout_s
-        transport = httpx.HTTPTransport(uds=self.uds)
-        with httpx.Client(transport=transport, base_url="http://engine", timeout=2) as c:
+        transport = None if self.port else httpx.HTTPTransport(uds=self.uds)
+        base = self.url if self.port else "http://engine"
+        with httpx.Client(transport=transport, base_url=base, timeout=2) as c:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
                     err = self.proc.stderr.read().decode() if self.proc.stderr else ""
-                    raise EngineError(f"sluice engine on {self.uds} exited: {err.strip()}")
+                    raise EngineError(f"sluice engine on {self.url} exited: {err.strip()}")
                 try:
                     if c.get("/health").status_code == 200:
                         return self
@@ -669,7 +704,7 @@ class EngineProcess:
                     pass
                 time.sleep(0.05)
         self.stop()
-        raise EngineError(f"sluice engine on {self.uds} did not start in {timeout_s:g} s")
+        raise EngineError(f"sluice engine on {self.url} did not start in {timeout_s:g} s")
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:

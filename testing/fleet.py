@@ -7,10 +7,12 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from typing import Any
 
 from sluice.testing.engineserver import EngineProcess
+from sluice.testing.natsserver import _free_ports
 
 
 class HttpEngineFleet:
@@ -25,14 +27,26 @@ class HttpEngineFleet:
         speed: float = 1.0,
         tokenizer: str | None = None,
         on_start: Callable[[str, EngineProcess], None] | None = None,
+        tcp: bool = False,
+        profile: str = "reference",
+        start_timeout_s: float = 60.0,
     ) -> None:
         self.workers, self.model, self.speed, self.tokenizer = workers, model, speed, tokenizer
         self.on_start = on_start
+        self.tcp = tcp
+        """Serve on free ports of 127.0.0.1 (what routers that speak only TCP need) rather
+        than on Unix sockets; the KV events stay on IPC sockets."""
+        self.profile = profile
+        self.start_timeout_s = start_timeout_s
+        """For all of them together: they start at once (16 importing on 2 busy cores take a
+        while)."""
         self.engines: dict[str, EngineProcess] = {}
         self._dir: str | None = None
 
     def start(self) -> HttpEngineFleet:
+        """Start every engine at once, then wait for each (all stopped if one fails)."""
         self._dir = tempfile.mkdtemp(prefix="sluice-engines-")
+        ports: list[int | None] = list(_free_ports(self.workers)) if self.tcp else []
         try:
             for i in range(self.workers):
                 worker_id = f"worker-{i}"
@@ -40,10 +54,16 @@ class HttpEngineFleet:
                     os.path.join(self._dir, f"{worker_id}.sock"),
                     model=self.model,
                     speed=self.speed,
+                    profile=self.profile,
                     kv_events=True,
                     tokenizer=self.tokenizer,
+                    port=ports[i] if ports else None,
                 )
-                self.engines[worker_id] = engine.start()
+                self.engines[worker_id] = engine
+                engine.launch()
+            deadline = time.monotonic() + self.start_timeout_s
+            for worker_id, engine in self.engines.items():
+                engine.wait_ready(max(1.0, deadline - time.monotonic()))
                 if self.on_start is not None:
                     self.on_start(worker_id, engine)
         except BaseException:

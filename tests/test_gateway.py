@@ -272,6 +272,37 @@ async def test_no_dispatcher_is_a_503_and_health_follows_the_broker(nats_url: st
         assert (await http.get("/health")).json() == {"status": "ok"}
 
 
+async def test_a_stale_model_list_is_answered_at_once_and_looked_up_behind(
+    nats_url: str,
+) -> None:
+    """Past its TTL the catalog answers from the list it has while it asks the dispatcher
+    again in the background (a busy dispatcher's slow stats answer held every request's first
+    token); the lookup failing forgets the list, so the next request gets the 503. Mutation:
+    the stale list not answered (the first call waits the stats timeout, then raises)."""
+    from sluice.client import ServiceUnavailable
+    from sluice.gateway.catalog import STATS_TIMEOUT_S, Catalog
+
+    now = [0.0]
+    async with (
+        LocalCluster(nats_url, **cluster_kwargs(workers=1)) as cluster,
+        Client(nats_url) as c,
+    ):
+        catalog = Catalog(c, ttl_s=2.0, clock=lambda: now[0])
+        try:
+            assert "sim" in (await catalog.fleet()).models
+            await cluster.dispatcher.stop()  # nobody answers the stats query now
+            now[0] = 10.0
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            assert "sim" in (await catalog.fleet()).models
+            assert loop.time() - t0 < STATS_TIMEOUT_S / 4
+            await asyncio.sleep(STATS_TIMEOUT_S + 0.5)  # the lookup behind it timed out
+            with pytest.raises(ServiceUnavailable):
+                await catalog.fleet()
+        finally:
+            await catalog.close()
+
+
 async def test_a_conversation_stays_on_the_worker_that_holds_its_history(nats_url: str) -> None:
     """Eight conversations of four turns through the gateway on four workers, each turn of all
     eight at once: every turn lands on the worker of the conversation's first turn, and the

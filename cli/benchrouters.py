@@ -1,0 +1,591 @@
+"""``sluice bench-routers``: Sluice head to head against the SGLang gateway, on one fleet.
+
+A fleet of ``sluice engine`` servers (16 by default, on free ports of 127.0.0.1, each running
+``speed`` times faster than the reference profile's real time so that the run fits in minutes)
+serves the same slice of a trace, at the same offered loads, behind each arm in turn:
+
+- **round-robin**: the load generator itself spreads the requests over the engines' URLs;
+- **sglang-router**: ``python -m sglang_router.launch_router --policy cache_aware`` (0.3.2);
+- **smg**: ``smg launch --policy cache_aware --disable-tokenizer-autoload`` (1.13);
+- **sluice**: a nats-server, a ``sluice dispatcher``, one ``sluice agent`` per engine following
+  its KV events, and a ``sluice gateway``, each its own process.
+
+The two SGLang routers come from their own virtual environments (``make routers`` builds
+``.venv-routers/``: the two packages both install a ``smg`` command). Load 1.0 is the load
+``sluice replay --load`` means: the trace slice's work (each request's prefill at the profile's
+rate with no cache reuse, plus its decode at a batch of 64) equals the fleet's capacity, with
+the engines' speed-up. The TTFT SLO of goodput is the replay's (2 s) divided by the speed-up,
+so that it asks the same of the fleet. Before every run each engine's prefix cache is flushed
+(SGLang's ``/flush_cache``), and the SGLang routers are started afresh; the Sluice stack stays
+up across loads (its cache index follows the engines' flush through their KV events). The hit
+rate is read from the engines' own counters.
+
+Then each router's added latency: a second fleet of 2 engines running 10,000 times faster
+(instant), one request at a time, alternating between an engine straight (the baseline of the
+same run) and the router, streaming (time to the first token) and not (the whole answer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+from sluice.cli.console import run
+from sluice.cli.loadgen import LoadgenConfig, run_loadgen
+from sluice.dispatcher.stats import percentile
+from sluice.sim.loadgen import PromptBook, scale_arrivals
+from sluice.sim.profiles import get_profile
+from sluice.sim.traces import TraceRequest, load_trace
+from sluice.testing.fleet import HttpEngineFleet
+from sluice.testing.gateway import GatewayProcess
+from sluice.testing.natsserver import EmbeddedNats, _free_ports
+
+ENGINES = 16
+SPEED = 2.0
+"""The fleet's clock speed-up: 16 engines, 300 requests and three loads of four arms in under
+ten minutes on 2 cores (at 4 the engines fall behind their clock on a busy 2-core machine)."""
+LOADS = (0.6, 0.8, 1.0)
+REQUESTS = 300
+START = 0
+SLO_TTFT_S = 2.0
+"""The replay's SLO in the engines' own time (divided by the speed-up on the wall clock)."""
+PROFILE = "reference"
+MODEL = "sim"
+ARMS = ("round-robin", "sglang-router", "smg", "sluice")
+SGLANG_ARMS = ("sglang-router", "smg")
+LATENCY_REQUESTS = 50
+LATENCY_SPEED = 10_000.0
+LATENCY_PROMPT_TOKENS = 256
+LATENCY_MAX_TOKENS = 8
+TARGET_GOODPUT = 1.2
+"""Sluice's goodput at least this times the stronger SGLang router's, at load 0.8 and above."""
+TARGET_P99 = 0.7
+"""Sluice's P99 TTFT at most this times the stronger SGLang router's, at load 0.8 and above."""
+ROUTERS_VENV = Path(__file__).resolve().parent.parent / ".venv-routers"
+"""Where ``make routers`` puts the two routers' environments (``sglang-router/``, ``smg/``)."""
+START_TIMEOUT_S = 60.0
+
+
+class BenchRoutersError(Exception):
+    """A part of the benchmark did not start or a run could not be made."""
+
+
+# ----------------------------------------------------------------------------- processes
+
+
+class Proc:
+    """A child process on 127.0.0.1 whose output goes to a log file, stopped by its PID
+    (SIGTERM, then SIGKILL)."""
+
+    def __init__(self, name: str, cmd: list[str], log_dir: str, env: dict[str, str] | None = None):
+        self.name, self.cmd = name, cmd
+        self.log_path = Path(log_dir) / f"{name}.log"
+        self._log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            cwd=log_dir,
+        )
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def tail(self, lines: int = 15) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def _router_python(venv: Path, kind: str) -> Path:
+    exe = venv / kind / "bin" / ("python" if kind == "sglang-router" else "smg")
+    if not exe.exists():
+        raise BenchRoutersError(
+            f"{exe} is missing: `make routers` installs sglang-router 0.3.2 and smg 1.13 there"
+        )
+    return exe
+
+
+def router_command(kind: str, venv: Path, urls: Sequence[str], port: int, prom: int) -> list[str]:
+    """The command line of an SGLang router over ``urls`` (cache-aware, its defaults
+    otherwise; its metrics on 127.0.0.1 too)."""
+    exe = str(_router_python(venv, kind))
+    head = (
+        [exe, "-m", "sglang_router.launch_router"]
+        if kind == "sglang-router"
+        else [exe, "launch", "--disable-tokenizer-autoload"]
+    )
+    return [
+        *head, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls,
+        "--policy", "cache_aware", "--prometheus-host", "127.0.0.1",
+        "--prometheus-port", str(prom), "--log-level", "warn",
+    ]  # fmt: skip
+
+
+def _probe_body(i: int, stream: bool = False) -> dict[str, Any]:
+    text = PromptBook().prompt(TraceRequest(0, LATENCY_PROMPT_TOKENS, 1), -1 - i)
+    return {"model": MODEL, "prompt": text, "max_tokens": LATENCY_MAX_TOKENS, "stream": stream}
+
+
+def wait_serving(url: str, procs: Sequence[Proc], timeout_s: float = START_TIMEOUT_S) -> None:
+    """Wait until ``url`` answers a completion (the routers register workers in the
+    background); fail with the logs of ``procs`` if one exits or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(base_url=url, timeout=5) as c:
+        while time.monotonic() < deadline:
+            dead = [p for p in procs if not p.alive()]
+            if dead:
+                raise BenchRoutersError(f"{dead[0].name} exited:\n{dead[0].tail()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if c.post("/v1/completions", json=_probe_body(0)).status_code == 200:
+                    return
+            time.sleep(0.25)
+    said = "\n".join(f"--- {p.name}\n{p.tail()}" for p in procs)
+    raise BenchRoutersError(f"{url} did not serve in {timeout_s:g} s:\n{said}")
+
+
+def wait_workers(url: str, workers: int, timeout_s: float = START_TIMEOUT_S) -> None:
+    """Wait until an SGLang router lists ``workers`` healthy workers (GET /workers)."""
+    deadline = time.monotonic() + timeout_s
+    seen = 0
+    with httpx.Client(base_url=url, timeout=5) as c:
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                body = c.get("/workers").json()
+                rows = body.get("workers", []) if isinstance(body, dict) else body
+                seen = sum(1 for w in rows if not isinstance(w, dict) or w.get("is_healthy", True))
+                if seen >= workers:
+                    return
+            time.sleep(0.25)
+    raise BenchRoutersError(f"{url} lists {seen} of {workers} workers after {timeout_s:g} s")
+
+
+@contextlib.contextmanager
+def sglang_router(kind: str, venv: Path, urls: Sequence[str], log_dir: str) -> Iterator[str]:
+    """An SGLang router over ``urls`` while the block runs; its URL."""
+    port, prom = _free_ports(2)
+    p = Proc(kind, router_command(kind, venv, urls, port, prom), log_dir)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_serving(url, [p])
+        wait_workers(url, len(urls))
+        yield url
+    finally:
+        p.stop()
+
+
+@contextlib.contextmanager
+def sluice_stack(
+    fleet: HttpEngineFleet,
+    log_dir: str,
+    speed: float,
+    capacity: int = 32,
+    metrics_port: int | None = None,
+) -> Iterator[str]:
+    """nats-server, a dispatcher, one agent per engine of ``fleet`` (following its KV events)
+    and a gateway, each a process, while the block runs; the gateway's URL. ``metrics_port``:
+    the dispatcher serves its Prometheus metrics there (127.0.0.1)."""
+    from sluice.dispatcher.enginetime import DEFAULT_DECODE_TOKEN_S, DEFAULT_PREFILL_TOKENS_PER_S
+
+    procs: list[Proc] = []
+    cli = [sys.executable, "-m", "sluice.cli"]
+    with EmbeddedNats() as nats, contextlib.ExitStack() as stack:
+
+        def stop_all() -> None:
+            for p in reversed(procs):
+                p.stop()
+
+        stack.callback(stop_all)
+        env = {"SLUICE_NATS_URL": nats.url}
+        # The engines run `speed` times faster: the dispatcher's engine-time model is told.
+        d_env = {
+            **env,
+            "SLUICE_DISPATCHER_MODELS": f'["{fleet.model}"]',
+            "SLUICE_DISPATCHER_ENGINE_PREFILL_TOKENS_PER_S": str(
+                DEFAULT_PREFILL_TOKENS_PER_S * speed
+            ),
+            "SLUICE_DISPATCHER_ENGINE_DECODE_TOKEN_S": str(DEFAULT_DECODE_TOKEN_S / speed),
+            "SLUICE_DISPATCHER_LEARN_S": "0.5",
+            # Every agent's slots, not the default 64 fleet-wide: the routers cap nothing.
+            "SLUICE_DISPATCHER_GLOBAL_LIMIT": str(capacity * len(fleet.engines)),
+        }
+        if metrics_port is not None:
+            d_env["SLUICE_DISPATCHER_METRICS_PORT"] = str(metrics_port)
+        procs.append(Proc("dispatcher", [*cli, "dispatcher"], log_dir, d_env))
+        for worker_id, e in fleet.engines.items():
+            args = [
+                *cli, "agent", "--worker-id", worker_id, "--model", fleet.model,
+                "--capacity", str(capacity), "--engine", "openai-http", "--engine-url", e.url,
+                "--kv-events", e.kv_events or "",
+            ]  # fmt: skip
+            procs.append(Proc(f"agent-{worker_id}", args, log_dir, env))
+        gw = stack.enter_context(GatewayProcess(nats.url, start_timeout_s=START_TIMEOUT_S))
+        wait_serving(gw.url, procs)
+        run(_wait_sluice_workers(nats.url, len(fleet.engines), procs))
+        yield gw.url
+
+
+async def _wait_sluice_workers(nats_url: str, workers: int, procs: Sequence[Proc]) -> None:
+    from sluice.client import Client, SluiceError
+
+    deadline = time.monotonic() + START_TIMEOUT_S
+    seen = 0
+    async with Client(nats_url) as c:
+        while time.monotonic() < deadline:
+            with contextlib.suppress(SluiceError, TimeoutError):
+                seen = len((await c.workers()).workers)
+                if seen >= workers:
+                    return
+            await asyncio.sleep(0.25)
+    raise BenchRoutersError(f"the dispatcher leases {seen} of {workers} workers")
+
+
+def flush_caches(fleet: HttpEngineFleet, timeout_s: float = 60.0) -> None:
+    """Flush every engine's prefix cache (each refuses while it still runs requests)."""
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(timeout=5) as c:
+        for e in fleet.engines.values():
+            while c.post(f"{e.url}/flush_cache").status_code != 200:
+                if time.monotonic() > deadline:
+                    raise BenchRoutersError(f"{e.url} still runs requests after {timeout_s:g} s")
+                time.sleep(0.1)
+
+
+# ----------------------------------------------------------------------------- the runs
+
+
+@dataclass
+class RoutersResult:
+    engines: int
+    speed: float
+    requests: int
+    trace: str
+    slo_ttft_s: float
+    runs: dict[str, dict[float, dict[str, Any]]] = field(default_factory=dict)
+    """Per arm, per load: the load generator's figures (sluice.sim.loadgen.summarize)."""
+    latency: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Per router arm: P50 ms of the first token (streaming) and of the whole answer (not
+    streaming), one request at a time on instant engines, and the same straight to an engine
+    (``direct_*``), the two paths alternating."""
+    wall_s: float = 0.0
+
+    def stronger(self, load: float) -> str | None:
+        """The SGLang router with the higher goodput at ``load`` (the lower P99 on a tie)."""
+        got = [(a, self.runs[a][load]) for a in SGLANG_ARMS if load in self.runs.get(a, {})]
+        if not got:
+            return None
+        return max(got, key=lambda x: (x[1]["goodput_rps"] or 0, -(x[1]["ttft_p99_s"] or 1e9)))[0]
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    trace: str
+    engines: int = ENGINES
+    speed: float = SPEED
+    loads: tuple[float, ...] = LOADS
+    requests: int = REQUESTS
+    start: int = START
+    arms: tuple[str, ...] = ARMS
+    max_output_tokens: int | None = None
+    latency_requests: int = LATENCY_REQUESTS
+    routers_venv: Path = ROUTERS_VENV
+    progress: bool = True
+
+
+def _run_arm(
+    arm: str, cfg: BenchConfig, fleet: HttpEngineFleet, trace: list[TraceRequest],
+    log_dir: str, console: Console,
+) -> dict[float, dict[str, Any]]:  # fmt: skip
+    prof = get_profile(PROFILE)
+    metrics = tuple(f"{e.url}/metrics" for e in fleet.engines.values())
+    urls = [e.url for e in fleet.engines.values()]
+    out: dict[float, dict[str, Any]] = {}
+    d_port = _free_ports(1)[0]
+    d_metrics = f"http://127.0.0.1:{d_port}/metrics"
+    with contextlib.ExitStack() as stack:
+        sluice_url = (
+            stack.enter_context(sluice_stack(fleet, log_dir, cfg.speed, metrics_port=d_port))
+            if arm == "sluice"
+            else None
+        )
+        for load in cfg.loads:
+            flush_caches(fleet)
+            scaled = scale_arrivals(
+                trace, load=load, workers=cfg.engines, profile=prof, speed=cfg.speed
+            )
+            with contextlib.ExitStack() as per_run:
+                if arm == "round-robin":
+                    targets = urls
+                elif arm in SGLANG_ARMS:
+                    targets = [
+                        per_run.enter_context(sglang_router(arm, cfg.routers_venv, urls, log_dir))
+                    ]
+                else:
+                    assert sluice_url is not None
+                    targets = [sluice_url]
+                lg = LoadgenConfig(
+                    urls=tuple(targets), model=MODEL, slo_ttft_s=SLO_TTFT_S / cfg.speed,
+                    engine_metrics=metrics, max_output_tokens=cfg.max_output_tokens,
+                    progress=cfg.progress,
+                )  # fmt: skip
+                t0 = time.monotonic()
+                before = _dispatcher_waits(d_metrics) if sluice_url else None
+                out[load] = run(run_loadgen(scaled, lg, console))
+                if before is not None:
+                    out[load].update(_wait_means(before, _dispatcher_waits(d_metrics)))
+            console.print(
+                f"[dim]{arm} at load {load:g}: {_brief(out[load])} "
+                f"({time.monotonic() - t0:.0f} s)[/dim]"
+            )
+    return out
+
+
+_WAITS = ("sluice_dispatcher_queue_wait_seconds", "sluice_dispatcher_handoff_seconds")
+
+
+def _dispatcher_waits(url: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of the dispatcher's queue-wait and hand-off histograms (all labels)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {name: (0.0, 0.0) for name in _WAITS}
+    text = httpx.get(url, timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for smp in family.samples:
+            for name in _WAITS:
+                total, count = out[name]
+                if smp.name == f"{name}_sum":
+                    out[name] = (total + smp.value, count)
+                elif smp.name == f"{name}_count":
+                    out[name] = (total, count + smp.value)
+    return out
+
+
+def _wait_means(
+    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
+) -> dict[str, float | None]:
+    """Mean seconds a request waited in the dispatcher's queue, and of a hand-off's round
+    trip, over one run (where Sluice's own time goes)."""
+    out: dict[str, float | None] = {}
+    for name, key in zip(
+        _WAITS, ("dispatcher_queue_wait_mean_s", "dispatcher_handoff_mean_s"), strict=True
+    ):
+        n = after[name][1] - before[name][1]
+        out[key] = round((after[name][0] - before[name][0]) / n, 6) if n else None
+    return out
+
+
+def _brief(f: dict[str, Any]) -> str:
+    hit = f["hit_rate"]
+    return (
+        f"goodput {f['goodput_rps']:.2f}/s, TTFT p50 {_ms(f['ttft_p50_s'])} p99 "
+        f"{_ms(f['ttft_p99_s'])}, hit {'-' if hit is None else f'{hit:.1%}'}, "
+        f"{f['completed']}/{f['requests']} ok"
+        + (
+            f"; dispatcher queue wait {_ms(f['dispatcher_queue_wait_mean_s'])}, hand-off "
+            f"{_ms(f['dispatcher_handoff_mean_s'])} (means)"
+            if "dispatcher_queue_wait_mean_s" in f
+            else ""
+        )
+        + (f"; first error: {f['errors'][0]}" if f.get("errors") else "")
+    )
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1000:,.0f} ms"
+
+
+async def _one_latency(http: httpx.AsyncClient, i: int, stream: bool) -> float:
+    """Seconds to the first token (streaming) or to the whole answer of one request."""
+    body = _probe_body(1000 + i, stream)
+    t0 = time.perf_counter()
+    first = None
+    async with http.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise BenchRoutersError(f"{http.base_url}: {r.status_code} {(await r.aread())!r}")
+        async for line in r.aiter_lines():
+            if first is None and line.startswith("data: {") and '"text":""' not in line:
+                first = time.perf_counter() - t0
+    total = time.perf_counter() - t0
+    return first if stream and first is not None else total
+
+
+async def _latency(direct: str, url: str, n: int, stream: bool) -> tuple[float, float]:
+    """P50 seconds of ``n`` requests one at a time straight to an engine and ``n`` through
+    ``url``, alternating (each pair starts with the other path), so that the machine's noise
+    falls on both: (direct, through)."""
+    times: dict[str, list[float]] = {direct: [], url: []}
+    async with (
+        httpx.AsyncClient(base_url=direct, timeout=30) as d,
+        httpx.AsyncClient(base_url=url, timeout=30) as h,
+    ):
+        for i in range(n + 5):
+            pair = [(direct, d), (url, h)] if i % 2 else [(url, h), (direct, d)]
+            for name, http in pair:
+                t = await _one_latency(http, 2 * i + (name == url), stream)
+                if i >= 5:  # the first few warm the connections
+                    times[name].append(t)
+    return percentile(times[direct], 50), percentile(times[url], 50)
+
+
+def _measure(direct: str, url: str, n: int) -> dict[str, float]:
+    sd, st = run(_latency(direct, url, n, True))
+    pd, pt = run(_latency(direct, url, n, False))
+    return {
+        "stream_p50_ms": st * 1000,
+        "plain_p50_ms": pt * 1000,
+        "direct_stream_p50_ms": sd * 1000,
+        "direct_plain_p50_ms": pd * 1000,
+    }
+
+
+def _latency_phase(cfg: BenchConfig, log_dir: str) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    with HttpEngineFleet(2, model=MODEL, speed=LATENCY_SPEED, tcp=True) as fleet:
+        urls = [e.url for e in fleet.engines.values()]
+        for arm in cfg.arms:
+            if arm in SGLANG_ARMS:
+                with sglang_router(arm, cfg.routers_venv, urls, log_dir) as url:
+                    out[arm] = _measure(urls[0], url, cfg.latency_requests)
+            elif arm == "sluice":
+                with sluice_stack(fleet, log_dir, LATENCY_SPEED) as url:
+                    out[arm] = _measure(urls[0], url, cfg.latency_requests)
+    return out
+
+
+def bench_routers(cfg: BenchConfig, console: Console) -> RoutersResult:
+    """Every arm at every load on one fleet, then the added latencies (module docstring)."""
+    unknown = [a for a in cfg.arms if a not in ARMS]
+    if unknown:
+        raise BenchRoutersError(f"unknown arms {unknown}; known: {', '.join(ARMS)}")
+    for arm in cfg.arms:
+        if arm in SGLANG_ARMS:
+            _router_python(cfg.routers_venv, arm)  # missing: fail now, not after minutes
+    trace = load_trace(cfg.trace)[cfg.start : cfg.start + cfg.requests]
+    if not trace:
+        raise BenchRoutersError(f"{cfg.trace} has no requests from {cfg.start}")
+    t0 = time.monotonic()
+    log_dir = tempfile.mkdtemp(prefix="sluice-bench-routers-")
+    result = RoutersResult(cfg.engines, cfg.speed, len(trace), cfg.trace, SLO_TTFT_S / cfg.speed)
+    ok = False
+    try:
+        with HttpEngineFleet(
+            cfg.engines, model=MODEL, speed=cfg.speed, tcp=True, profile=PROFILE
+        ) as fleet:
+            for arm in cfg.arms:
+                result.runs[arm] = _run_arm(arm, cfg, fleet, trace, log_dir, console)
+        if cfg.latency_requests:
+            result.latency = _latency_phase(cfg, log_dir)
+        ok = True
+    finally:
+        if ok:
+            shutil.rmtree(log_dir, ignore_errors=True)
+        else:
+            console.print(f"[red]logs kept in {log_dir}[/red]")
+    result.wall_s = time.monotonic() - t0
+    return result
+
+
+# ----------------------------------------------------------------------------- the report
+
+
+def table(r: RoutersResult) -> Table:
+    """Per load, each arm's goodput, TTFT P50/P99 and hit rate at the engines; Sluice's
+    ratios against the stronger SGLang router of that load."""
+    t = Table(
+        title=f"{r.requests} requests of {Path(r.trace).name} on {r.engines} sluice engines at "
+        f"speed x{r.speed:g}; goodput SLO {r.slo_ttft_s * 1000:.0f} ms TTFT"
+    )
+    for col in ("load", "arm", "goodput", "TTFT p50", "TTFT p99", "hit rate", "ok", "vs stronger"):
+        t.add_column(col, justify="left" if col in ("arm",) else "right")
+    loads = sorted({load for runs in r.runs.values() for load in runs})
+    for load in loads:
+        best = r.stronger(load)
+        for arm, runs in r.runs.items():
+            f = runs.get(load)
+            if f is None:
+                continue
+            vs = ""
+            if arm == "sluice" and best is not None:
+                b = r.runs[best][load]
+                g, p = (
+                    _ratio(f["goodput_rps"], b["goodput_rps"]),
+                    _ratio(f["ttft_p99_s"], b["ttft_p99_s"]),
+                )
+                vs = f"{g} / {p}"
+            elif arm == best:
+                vs = "stronger"
+            hit = f["hit_rate"]
+            t.add_row(
+                f"{load:g}", arm, f"{f['goodput_rps']:.2f}/s", _ms(f["ttft_p50_s"]),
+                _ms(f["ttft_p99_s"]), "-" if hit is None else f"{hit:.1%}",
+                f"{f['completed']}/{f['requests']}", vs,
+            )  # fmt: skip
+    return t
+
+
+def latency_table(r: RoutersResult) -> Table:
+    """Each router's P50 against an engine straight, measured alternating in the same run."""
+    t = Table(title="added latency, one request at a time, instant engines (P50)")
+    cols = ("arm", "first token (stream)", "direct", "added", "whole answer", "direct", "added")
+    for col in cols:
+        t.add_column(col, justify="left" if col == "arm" else "right")
+    for arm, f in r.latency.items():
+        t.add_row(
+            arm,
+            f"{f['stream_p50_ms']:.2f} ms",
+            f"{f['direct_stream_p50_ms']:.2f} ms",
+            f"{f['stream_p50_ms'] - f['direct_stream_p50_ms']:+.2f} ms",
+            f"{f['plain_p50_ms']:.2f} ms",
+            f"{f['direct_plain_p50_ms']:.2f} ms",
+            f"{f['plain_p50_ms'] - f['direct_plain_p50_ms']:+.2f} ms",
+        )
+    return t
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "-" if a is None or not b else f"x{a / b:.2f}"
+
+
+def verdict(r: RoutersResult) -> list[str]:
+    """One line per load of 0.8 and above: Sluice against the stronger SGLang router and
+    the targets (goodput >= 1.2x, P99 TTFT <= 0.7x)."""
+    lines: list[str] = []
+    for load in sorted(r.runs.get("sluice", {})):
+        best = r.stronger(load)
+        if load < 0.8 or best is None:
+            continue
+        s, b = r.runs["sluice"][load], r.runs[best][load]
+        g = (s["goodput_rps"] or 0) / b["goodput_rps"] if b["goodput_rps"] else float("inf")
+        p = (s["ttft_p99_s"] or float("inf")) / b["ttft_p99_s"] if b["ttft_p99_s"] else float("inf")
+        met = g >= TARGET_GOODPUT and p <= TARGET_P99
+        lines.append(
+            f"load {load:g}: sluice goodput x{g:.2f} of {best} (target >= x{TARGET_GOODPUT}), "
+            f"P99 TTFT x{p:.2f} (target <= x{TARGET_P99}): {'MET' if met else 'MISSED'}"
+        )
+    return lines

@@ -1,0 +1,207 @@
+"""``sluice loadgen``: the trace's blocks as fixed text (properties of the pure part), the
+figures under the replay's names, SGLang's ``/flush_cache`` on ``sluice engine``, and a real
+run of the command against two ``sluice engine`` processes whose own counters give the hit
+rate. Every process is stopped by its PID, also when an assertion fails."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sluice.cli.loadgen import cache_counters
+from sluice.schemas.hashing import TEXT_BYTES_PER_TOKEN, estimate_text_tokens, text_block_hashes
+from sluice.sim.errors import LoadgenError
+from sluice.sim.loadgen import Outcome, PromptBook, block_text, scale_arrivals, summarize
+from sluice.sim.profiles import REFERENCE
+from sluice.sim.replay import scale_to_load
+from sluice.sim.traces import TraceRequest, write_jsonl
+from sluice.testing.fleet import HttpEngineFleet
+
+ENGINE_BLOCK_TOKENS = REFERENCE.block_tokens
+
+chains = st.lists(st.integers(0, 50), min_size=1, max_size=6)
+
+
+@given(key=st.text(max_size=8), tokens=st.integers(1, 600), seed=st.integers(0, 3))
+@settings(max_examples=60, deadline=None)
+def test_a_block_is_fixed_text_of_its_size(key: str, tokens: int, seed: int) -> None:
+    text = block_text(key, tokens, seed)
+    assert text == block_text(key, tokens, seed)
+    assert text.isascii() and len(text.encode()) == tokens * TEXT_BYTES_PER_TOKEN
+
+
+@given(shared=chains, a=chains, b=chains, tail=st.integers(1, 512))
+@settings(max_examples=60, deadline=None)
+def test_shared_blocks_are_shared_prompt_text_at_the_engine(
+    shared: list[int], a: list[int], b: list[int], tail: int
+) -> None:
+    """Two requests with the same leading blocks have the same leading text, so the engine's
+    block hashes of it are the same; its token count is the trace's."""
+    a_ids = tuple(shared) + tuple(1000 + x for x in a)
+    b_ids = tuple(shared) + tuple(2000 + x for x in b)
+    ra = TraceRequest(0, (len(a_ids) - 1) * 512 + tail, 1, a_ids)
+    rb = TraceRequest(0, (len(b_ids) - 1) * 512 + tail, 1, b_ids)
+    book = PromptBook()
+    pa, pb = book.prompt(ra, 0), book.prompt(rb, 1)
+    assert estimate_text_tokens(pa) == ra.input_tokens
+    assert estimate_text_tokens(pb) == rb.input_tokens
+    n = len(shared) * 512 * TEXT_BYTES_PER_TOKEN
+    assert pa[:n] == pb[:n]
+    ha = text_block_hashes(pa, ENGINE_BLOCK_TOKENS)
+    hb = text_block_hashes(pb, ENGINE_BLOCK_TOKENS)
+    common = len(shared) * 512 // ENGINE_BLOCK_TOKENS
+    assert ha[:common] == hb[:common]
+    if len(ha) > common and len(hb) > common:
+        assert ha[common] != hb[common]  # the first own block already differs
+
+
+def test_a_request_without_blocks_gets_text_of_its_own() -> None:
+    book = PromptBook()
+    r = TraceRequest(0, 700, 1)
+    assert book.prompt(r, 0) != book.prompt(r, 1)
+    assert estimate_text_tokens(book.prompt(r, 0)) == 700
+
+
+def test_arrivals_scale_by_rate_or_to_a_load() -> None:
+    trace = [TraceRequest(10 + 2 * i, 2000, 50, (i,)) for i in range(5)]
+    assert [r.arrival_s for r in scale_arrivals(trace, rate_scale=2)] == [0, 1, 2, 3, 4]
+    loaded = scale_arrivals(trace, load=0.5, workers=4, profile=REFERENCE, speed=2)
+    want = scale_to_load(trace, 0.5, 4, REFERENCE)
+    assert [r.arrival_s for r in loaded] == pytest.approx([r.arrival_s / 2 for r in want])
+    with pytest.raises(LoadgenError):
+        scale_arrivals(trace, rate_scale=0)
+    with pytest.raises(LoadgenError):
+        scale_arrivals(trace, rate_scale=1, load=1)
+    with pytest.raises(LoadgenError):
+        scale_arrivals([], rate_scale=1)
+
+
+def test_goodput_counts_first_tokens_within_the_slo_over_the_span() -> None:
+    outs = [
+        Outcome(0.0, 0.0, 0.5, 2.0, True, 4),
+        Outcome(1.0, 1.0, 1.4, 3.0, True, 4),
+        Outcome(2.0, 2.0, 5.0, 6.0, True, 4),  # first token after 3 s: outside a 1 s SLO
+        Outcome(3.0, 3.0, None, 4.0, False, error="500"),
+    ]
+    f = summarize(outs, slo_ttft_s=1.0, cache_hits_tokens=25, cache_queries_tokens=100)
+    assert (f["requests"], f["completed"], f["failed"]) == (4, 3, 1)
+    assert f["span_s"] == 6.0
+    assert f["goodput_rps"] == pytest.approx(2 / 6)
+    assert f["throughput_rps"] == pytest.approx(3 / 6)
+    assert f["ttft_p50_s"] == pytest.approx(0.5)
+    assert f["hit_rate"] == 0.25
+
+
+def test_cache_counters_prefer_vllm_names_and_fall_back_to_sglang() -> None:
+    vllm = "vllm:prefix_cache_hits_total 3.0\nvllm:prefix_cache_queries_total 10.0\n"
+    sglang = "sglang:cached_tokens_total 2.0\nsglang:prompt_tokens_total 8.0\n"
+    assert cache_counters(vllm + sglang) == (3.0, 10.0)
+    assert cache_counters(sglang) == (2.0, 8.0)
+    assert cache_counters("other_total 1.0\n") is None
+
+
+# ----------------------------------------------------------------------------- live
+
+
+@pytest.fixture
+def fleet() -> Iterator[HttpEngineFleet]:
+    with HttpEngineFleet(2, model="sim", speed=20, tcp=True) as f:
+        yield f
+
+
+def _complete(url: str, prompt: str) -> int:
+    body = {"model": "sim", "prompt": prompt, "max_tokens": 2}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+    r.raise_for_status()
+    cached: int = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    return cached
+
+
+def test_flush_cache_drops_the_engines_prefix_cache(fleet: HttpEngineFleet) -> None:
+    url = next(iter(fleet.engines.values())).url
+    prompt = block_text("flush", 256)
+    _complete(url, prompt)
+    assert _complete(url, prompt) > 0
+    r = httpx.post(f"{url}/flush_cache", timeout=10)
+    assert r.status_code == 200, r.text
+    assert _complete(url, prompt) == 0
+
+
+def _shared_prefix_trace(path: Path, requests: int) -> None:
+    """Every request: 2 blocks of one system prompt, then 1 block of its own."""
+    write_jsonl(
+        [TraceRequest(0.05 * i, 3 * 512, 4, (1, 2, 100 + i)) for i in range(requests)], path
+    )
+
+
+def _run(cmd: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = p.communicate(timeout=timeout_s)
+    finally:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+@pytest.mark.e2e
+def test_loadgen_replays_a_trace_and_reads_the_hit_rate_from_the_engines(
+    fleet: HttpEngineFleet, tmp_path: Path
+) -> None:
+    trace, out = tmp_path / "t.jsonl", tmp_path / "out.json"
+    _shared_prefix_trace(trace, 12)
+    urls = [e.url for e in fleet.engines.values()]
+    cmd = [
+        sys.executable, "-m", "sluice.cli", "loadgen", "--trace", str(trace), "--json", str(out),
+        "--no-progress", "--slo-ttft-s", "5",
+        *(x for u in urls for x in ("--url", u, "--engine-metrics", f"{u}/metrics")),
+    ]  # fmt: skip
+    done = _run(cmd, 60)
+    assert done.returncode == 0, done.stderr
+    f = json.loads(out.read_text())
+    for key in ("hit_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "throughput_rps",
+                "goodput_rps"):  # fmt: skip
+        assert key in f
+    assert (f["requests"], f["completed"], f["failed"]) == (12, 12, 0)
+    assert f["output_tokens"] == 12 * 4
+    # Round-robin over 2 engines: each sees the 2 shared blocks cold once, then hits them.
+    assert f["cache_queries_tokens"] == 12 * 3 * 512
+    assert f["cache_hits_tokens"] == (12 - 2) * 2 * 512
+    assert f["hit_rate"] == pytest.approx(10 * 2 / (12 * 3), abs=1e-6)
+
+
+def test_loadgen_rejects_bad_input_clearly(tmp_path: Path) -> None:
+    base = [sys.executable, "-m", "sluice.cli", "loadgen", "--url", "http://127.0.0.1:9"]
+    done = _run([*base, "--trace", str(tmp_path / "missing.jsonl")], 30)
+    assert done.returncode == 2 and "trace not found" in done.stderr
+    done = _run([*base, "--synthetic", "nope"], 30)
+    assert done.returncode == 2 and "unknown scenario" in done.stderr
+
+
+def test_a_cache_flush_evicts_every_idle_block_and_keeps_pinned_ones() -> None:
+    from sluice.sim.kvcache import KVCache
+
+    told: list[tuple[str, list[int]]] = []
+    cache = KVCache(100, lambda kind, hashes: told.append((kind, hashes)))
+    assert cache.admit([1, 2, 3], 0, report=[1, 2, 3])
+    cache.release([1, 2, 3], 0)
+    assert cache.admit([4], 0, report=[4])  # still running: pinned
+    cache.drain_digest()
+    assert cache.flush() == 3
+    assert 4 in cache and cache.match([1, 2, 3]) == 0
+    assert [h for kind, hs in told if kind == "removed" for h in hs] == [1, 2, 3]
+    assert cache.drain_digest() == ([], [1, 2, 3])
