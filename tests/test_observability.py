@@ -689,6 +689,7 @@ RUNBOOKS = [
     "hot-prefix-duplication",
     "stuck-worker",
     "queue-wait",
+    "upgrade",
 ]
 
 
