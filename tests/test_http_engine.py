@@ -6,6 +6,7 @@ costs its request one attempt, not the request."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 from collections.abc import AsyncIterator
@@ -376,3 +377,32 @@ async def test_the_engine_benchmark_measures_both_paths() -> None:
     console.print(verdict(r))
     out = console.export_text()
     assert f"{r.inproc.ttft_p50_ms:.1f} ms" in out and f"{r.server_added_ttft_ms:+.1f} ms" in out
+
+
+async def test_a_real_engines_first_token_and_end_wake_the_agent_not_its_poll(
+    nats_url: str,
+) -> None:
+    """The agent handles an HTTP engine's first token and end when they arrive: with a poll
+    of 60 s, a request still finishes in seconds (waiting for the poll instead, as the step
+    loop did, its first step alone would take a minute)."""
+    port = _free_port()
+    proc = _start(["--port", str(port), "--speed", "100"])
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+            _wait_healthy(c, proc)
+        settings = _agent(nats_url, "http-slow-poll", f"http://127.0.0.1:{port}").settings
+        engine = build_engine(settings)
+        assert isinstance(engine, HttpEngine)
+        engine.config = dataclasses.replace(engine.config, poll_s=60.0)
+        agent = Agent(settings, engine)
+        async with LocalCluster(nats_url, **cluster_kwargs(workers=0)):
+            await agent.start()
+            try:
+                async with Client(nats_url) as c:
+                    h = await c.submit("sim", PROMPT, max_tokens=8)
+                    first = await h.result(timeout_s=20)
+                assert first.ok and len(first.output_tokens) == 8
+            finally:
+                await agent.stop(drain=False)
+    finally:
+        _stop(proc)

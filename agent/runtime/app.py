@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import nats.errors
@@ -494,6 +494,12 @@ class Agent:
         speed = self.settings.speed
         anchor_real = loop.time()
         sim_elapsed = 0.0
+        # A real engine's step reports what already happened: handle it at once, then wait
+        # for its next delivery (at most a step). A simulated step's events happen during the
+        # step: they are handled once its time has passed.
+        delivered = getattr(self.engine, "delivered", None)
+        if not isinstance(delivered, asyncio.Event):
+            delivered = None
         while self._alive:
             if not self.engine.has_work:
                 self._wake.clear()
@@ -502,24 +508,32 @@ class Agent:
                 if not self._alive:
                     break
                 anchor_real, sim_elapsed = loop.time(), 0.0
+            if delivered is not None:
+                delivered.clear()  # before the step: a delivery after it wakes the wait below
             step = self.engine.step()
             if step.duration_s <= 0:
                 # Nothing could be admitted (KV full): wait for new work or a finish.
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            if delivered is not None:
+                await self._on_events(step.events, time.time())
+                await wait_event(delivered, step.duration_s)
+                continue
             sim_elapsed += step.duration_s
             delay = anchor_real + sim_elapsed / speed - loop.time()
             await asyncio.sleep(max(0.0, delay))  # 0: let the rest of the process run
-            now = time.time()
-            for ev in step.events:
-                if isinstance(ev, TokensOut):
-                    await self._on_tokens(ev, now)
-                elif isinstance(ev, Finished):
-                    await self._on_finished(ev, now)
-                elif isinstance(ev, Failed):
-                    await self._on_failed(ev, now)
-            await self._flush_due(now)
+            await self._on_events(step.events, time.time())
+
+    async def _on_events(self, events: Sequence[TokensOut | Finished | Failed], now: float) -> None:
+        for ev in events:
+            if isinstance(ev, TokensOut):
+                await self._on_tokens(ev, now)
+            elif isinstance(ev, Finished):
+                await self._on_finished(ev, now)
+            elif isinstance(ev, Failed):
+                await self._on_failed(ev, now)
+        await self._flush_due(now)
 
     async def _on_tokens(self, ev: TokensOut, now: float) -> None:
         run = self._running.get(ev.request_id)

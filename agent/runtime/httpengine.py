@@ -16,12 +16,14 @@ free capacity. Its load comes from its Prometheus endpoint (:mod:`.scrape`), scr
 jittered interval; figures older than ``metrics_stale_s`` count as a saturated engine, which
 takes no work either.
 
-The step loop polls: ``step()`` returns what the streams delivered since the last one, with a
-duration of ``poll_s``. Output token ids are positions in the agent's record of this engine's
-output (an OpenAI stream carries text, not the engine's token ids); the text is the engine's.
-The cache digest is the agent's record of the prompts it served (every ``stride``-th block of
-prompts of at least ``digest_min_tokens``, most recent ``max_blocks``), until KV events stand
-in for it.
+``step()`` returns what the streams delivered since the last one (events that already happened,
+unlike a simulated step's), with a duration of ``poll_s``; a first token, an end or a failure sets
+``delivered``, on which the agent's step loop waits, so it is relayed when it arrives, not at the
+next poll (which cost up to two polls per event). Output token ids are positions in the agent's
+record of this engine's output (an OpenAI stream carries text, not the engine's token ids); the
+text is the engine's. The cache digest is the agent's record of the prompts it served (every
+``stride``-th block of prompts of at least ``digest_min_tokens``, most recent ``max_blocks``),
+until KV events stand in for it.
 """
 
 from __future__ import annotations
@@ -118,6 +120,9 @@ class HttpEngine:
         self._scrapes = c.metrics_url is not None or c.metrics_path is not None
         self._runs: dict[str, _Run] = {}
         self._events: list[TokensOut | Finished | Failed] = []
+        self.delivered = asyncio.Event()
+        """Set when a stream delivers a first token, an end or a failure: the agent's step loop
+    waits on it (at most ``poll_s``)."""
         self._text: dict[int, str] = {}
         self._ids = itertools.count(1)
         self._ended: list[str] = []
@@ -390,7 +395,7 @@ class HttpEngine:
                 # (its agent refuses assignments and heartbeats no free capacity meanwhile).
                 self._healthy = False
             if rid in self._runs:
-                self._events.append(Failed(rid, f"engine {self.config.url}: {exc!r}"))
+                self._emit(Failed(rid, f"engine {self.config.url}: {exc!r}"))
 
     async def _chunks(self, r: httpx.Response) -> AsyncIterator[dict[str, Any]]:
         """The stream's JSON events, within the first-token and between-token timeouts;
@@ -425,6 +430,14 @@ class HttpEngine:
         run = self._runs.get(rid)
         return bool(run and run.pieces)
 
+    def _emit(self, event: TokensOut | Finished | Failed) -> None:
+        self._events.append(event)
+        # A first token, an end or a failure is relayed at once; later tokens are coalesced
+        # into chunks anyway (token_flush_ms), so they wait for the poll instead of waking the
+        # loop once each.
+        if not isinstance(event, TokensOut) or event.first:
+            self.delivered.set()
+
     def _piece(self, rid: str, text: str, *, first: bool) -> None:
         run = self._runs.get(rid)
         if run is None:
@@ -432,7 +445,7 @@ class HttpEngine:
         i = next(self._ids)
         self._text[i] = text
         run.pieces.append(i)
-        self._events.append(TokensOut(rid, 1, first))
+        self._emit(TokensOut(rid, 1, first))
 
     def _finished(self, rid: str, usage: dict[str, Any], t0: float, t_first: float | None) -> None:
         run = self._runs.get(rid)
@@ -443,7 +456,7 @@ class HttpEngine:
         prompt = int(usage.get("prompt_tokens") or run.prompt_tokens)
         now = time.monotonic()
         first = t_first if t_first is not None else now
-        self._events.append(
+        self._emit(
             Finished(
                 rid,
                 prompt,
