@@ -31,6 +31,7 @@ from sluice.schemas.codec import decode
 from sluice.schemas.models import Assignment, LeaderLease
 from sluice.testing.cluster import LocalCluster
 from sluice.testing.natsserver import EmbeddedNats
+from sluice.testing.processes import stop_processes
 
 _PROMPT = list(range(9000, 9128))
 _DISPATCHER = [sys.executable, "-m", "sluice.cli", "dispatcher"]
@@ -94,18 +95,6 @@ def _start(nats_url: str, dispatcher_id: str, logs: Path) -> subprocess.Popen[by
         return subprocess.Popen(_DISPATCHER, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
-def _stop(procs: dict[str, subprocess.Popen[bytes]]) -> None:
-    for p in procs.values():
-        if p.poll() is None:
-            os.kill(p.pid, signal.SIGTERM)
-    for p in procs.values():
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            os.kill(p.pid, signal.SIGKILL)
-            p.wait(5)
-
-
 async def _until(predicate: Callable[[], bool], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -153,5 +142,5 @@ async def bench_failover(runs: int = 5, workers: int = 4) -> FailoverFigures:
                 await asyncio.sleep(1.0)  # a second run of anything would finish meanwhile
                 figures.runs_at_agents = sum(a.completed for a in cluster.agents)
         finally:
-            _stop(procs)
+            stop_processes(procs.values())
     return figures

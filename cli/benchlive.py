@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -34,11 +33,12 @@ import nats
 from nats.aio.msg import Msg
 from nats.js import api
 
-from sluice.client import Client
+from sluice.client import Client, ServiceUnavailable
 from sluice.dispatcher.stats import percentile
 from sluice.schemas.codec import encode
 from sluice.schemas.models import SubmitRequest
 from sluice.testing.natsserver import EmbeddedNats
+from sluice.testing.processes import stop_processes
 
 DISPATCH_RATIO_TARGET = 4.0
 """Dispatch latency p50 at most this many publish acks (measured in the same run)."""
@@ -158,7 +158,7 @@ async def bench_hot(sizes: HotSizes | None = None) -> HotFigures:
                 rps = await _throughput(client, z.throughput_requests, z.submitters)
                 cpu = [b - a for a, b in zip(cpu0, [_cpu_s(p.pid) for p in procs], strict=True)]
         finally:
-            _stop(procs)
+            stop_processes(procs)
     return HotFigures(
         latency_requests=z.latency_requests,
         dispatch_p50_ms=percentile(dispatch_ms, 50),
@@ -304,19 +304,6 @@ def _spawn(args: list[str], env: dict[str, str], logs: Path, name: str) -> subpr
         )
 
 
-def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
-    """SIGTERM every process by PID, then SIGKILL what has not ended within 10 s."""
-    for p in procs:
-        if p.poll() is None:
-            os.kill(p.pid, signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            os.kill(p.pid, signal.SIGKILL)
-            p.wait(5)
-
-
 def _cpu_s(pid: int) -> float:
     """A process's CPU time so far (user + system), from /proc; -1 where there is none."""
     try:
@@ -345,7 +332,7 @@ async def _ready(client: Client, agents: int, procs: list[subprocess.Popen[bytes
         try:
             if len((await client.workers(timeout_s=0.5)).workers) >= agents:
                 break
-        except Exception:  # not up yet (no responders, timeout): ask again
+        except ServiceUnavailable:  # no leader yet (no responders, timeout): ask again
             pass
         await asyncio.sleep(0.1)
     for _ in range(20):  # warm every agent's and the dispatcher's first-use paths

@@ -31,7 +31,6 @@ import asyncio
 import contextlib
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -54,6 +53,7 @@ from sluice.sim.traces import TraceRequest, load_trace
 from sluice.testing.fleet import HttpEngineFleet
 from sluice.testing.gateway import GatewayProcess
 from sluice.testing.natsserver import EmbeddedNats, _free_ports
+from sluice.testing.processes import stop_processes
 
 ENGINES = 16
 SPEED = 2.0
@@ -113,13 +113,7 @@ class Proc:
         return ""
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_processes([self.proc], timeout_s=timeout_s)
         self._log.close()
 
 

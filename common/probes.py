@@ -17,9 +17,8 @@ fails the liveness probe too.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import uvicorn
@@ -31,6 +30,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from sluice.common.errors import CommonError
+from sluice.common.httpserve import QuietServer, bind_socket
 
 __all__ = [
     "HEALTH_PATH",
@@ -70,26 +70,11 @@ def nats_state(nc: NATS | None) -> str:
     return "reconnecting"
 
 
-class _Server(uvicorn.Server):
-    """uvicorn without its signal handlers: the part's own SIGTERM handling decides."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
 def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host.strip("[]"), port))
-        sock.listen(64)
-        sock.setblocking(False)
+        return bind_socket(host, port, backlog=64)
     except OSError as exc:
-        sock.close()
         raise ProbeServerError(f"cannot serve metrics on {host}:{port}: {exc}") from exc
-    return sock
 
 
 class ProbeServer:
@@ -102,7 +87,7 @@ class ProbeServer:
         self.port = port
         self._probe = probe
         self._started = False
-        self._server: _Server | None = None
+        self._server: QuietServer | None = None
         self._task: asyncio.Task[None] | None = None
 
     def part_started(self) -> None:
@@ -139,7 +124,7 @@ class ProbeServer:
             ]
         )
         config = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False)
-        self._server = _Server(config)
+        self._server = QuietServer(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="probes")
         while not self._server.started:
             if self._task.done():

@@ -13,13 +13,14 @@ import asyncio
 import contextlib
 import signal
 import socket
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 
 import uvicorn
 from starlette.routing import BaseRoute
 
 from sluice.client import Client
+from sluice.common.httpserve import QuietServer, bind_socket
 from sluice.gateway.app import Gateway, build_app
 from sluice.gateway.errors import BindError
 from sluice.gateway.settings import GatewaySettings
@@ -28,27 +29,11 @@ SHUTDOWN_GRACE_S = 5.0
 """How long a stopping server lets open answers (streams) finish before it closes them."""
 
 
-class _Server(uvicorn.Server):
-    """uvicorn's server without its signal handlers: whoever runs it decides when it stops
-    (``serve`` on SIGINT/SIGTERM; a test when it is done)."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
 def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host.strip("[]"), port))
-        sock.listen(2048)
-        sock.setblocking(False)
+        return bind_socket(host, port, backlog=2048)
     except OSError as exc:
-        sock.close()
         raise BindError(f"cannot listen on {host}:{port}: {exc}") from exc
-    return sock
 
 
 class GatewayServer:
@@ -67,7 +52,7 @@ class GatewayServer:
         self.settings = settings
         self.gateway = Gateway(settings, client)
         self._routes = routes
-        self._server: _Server | None = None
+        self._server: QuietServer | None = None
         self._task: asyncio.Task[None] | None = None
         self.port = settings.port
 
@@ -91,7 +76,7 @@ class GatewayServer:
             log_level="warning",
             timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S),
         )
-        self._server = _Server(config)
+        self._server = QuietServer(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="gateway")
         while not self._server.started:
             if self._task.done():  # it failed to start: say why

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ from pathlib import Path
 from types import TracebackType
 
 from sluice.testing.errors import GatewayProcessError
+from sluice.testing.processes import stop_processes
 
 _BANNER = re.compile(r"gateway on (http://\S+) ")
 
@@ -104,13 +104,7 @@ class GatewayProcess:
         """Stop the process (SIGTERM, then SIGKILL after ``timeout_s``); its exit code."""
         if self.proc is None:
             return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_processes([self.proc], timeout_s=timeout_s)
         if self._drain is not None:
             self._drain.join(timeout=2)
         return self.proc.returncode

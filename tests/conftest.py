@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import linecache
 import os
+import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
@@ -19,6 +20,7 @@ import pytest
 from sluice.client import Client
 from sluice.testing.cluster import LocalCluster
 from sluice.testing.natsserver import EmbeddedNats
+from sluice.testing.processes import stop_processes
 
 # Fast settings for tests: short heartbeats and leases, a fast simulated clock.
 FAST_DISPATCHER: dict[str, Any] = {
@@ -137,3 +139,38 @@ async def cluster(nats_url: str) -> AsyncIterator[LocalCluster]:
 async def client(nats_url: str) -> AsyncIterator[Client]:
     async with Client(nats_url) as c:
         yield c
+
+
+SLUICE = [sys.executable, "-m", "sluice.cli"]
+"""The command line as a process: ``python -m sluice.cli`` of this interpreter."""
+
+
+class Procs:
+    """``sluice`` processes a test started; :meth:`stop_all` stops each by its PID (SIGTERM,
+    then SIGKILL)."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[str]] = []
+
+    def start(self, args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+        p = subprocess.Popen(
+            SLUICE + args,
+            env={**os.environ, **env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.procs.append(p)
+        return p
+
+    def stop_all(self) -> None:
+        stop_processes(self.procs)
+
+
+@pytest.fixture
+def procs() -> Iterator[Procs]:
+    ps = Procs()
+    try:
+        yield ps
+    finally:
+        ps.stop_all()

@@ -52,6 +52,7 @@ from sluice.client.admin import clear_model_quota, set_model_quota
 from sluice.schemas.models import QuotaSpec
 from sluice.testing.cluster import LocalCluster
 from sluice.testing.gateway import GatewayProcess
+from sluice.testing.processes import stop_processes
 
 from .conftest import cluster_kwargs, eventually
 
@@ -195,12 +196,8 @@ def stack() -> Iterator[Stack]:
         s.text = _scrape(s)
         yield s
     finally:
-        proc.send_signal(signal.SIGINT)  # Ctrl-C: it stops everything it started
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        # Ctrl-C: it stops everything it started
+        stop_processes([proc], signal.SIGINT, timeout_s=30)
 
 
 # ------------------------------------------------------------------------ the naming rules

@@ -15,11 +15,9 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -27,9 +25,9 @@ import pytest
 from sluice.common.probes import HEALTH_PATH, METRICS_PATH, READY_PATH
 from sluice.testing.natsserver import EmbeddedNats
 
-pytestmark = pytest.mark.e2e
+from .conftest import SLUICE, Procs
 
-SLUICE = [sys.executable, "-m", "sluice.cli"]
+pytestmark = pytest.mark.e2e
 
 
 def _free_port() -> int:
@@ -64,42 +62,6 @@ def _until(check: Any, what: str, timeout_s: float = 20.0) -> Any:
             return last
         time.sleep(0.1)
     raise AssertionError(f"{what} not within {timeout_s}s (last: {last!r})")
-
-
-class Procs:
-    def __init__(self) -> None:
-        self.procs: list[subprocess.Popen[str]] = []
-
-    def start(self, args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
-        p = subprocess.Popen(
-            SLUICE + args,
-            env={**os.environ, **env},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        self.procs.append(p)
-        return p
-
-    def stop_all(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                os.kill(p.pid, signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                os.kill(p.pid, signal.SIGKILL)
-                p.wait(5)
-
-
-@pytest.fixture
-def procs() -> Iterator[Procs]:
-    ps = Procs()
-    try:
-        yield ps
-    finally:
-        ps.stop_all()
 
 
 def _env(nats_url: str) -> dict[str, str]:

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,9 +19,9 @@ from sluice.common.settings import ConfigError
 from sluice.dispatcher.runtime import DispatcherSettings
 from sluice.testing.natsserver import EmbeddedNats
 
-pytestmark = pytest.mark.e2e
+from .conftest import SLUICE, Procs
 
-SLUICE = [sys.executable, "-m", "sluice.cli"]
+pytestmark = pytest.mark.e2e
 
 
 def _pid_alive(pid: int) -> bool:
@@ -35,42 +34,6 @@ def _pid_alive(pid: int) -> bool:
         return "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
     except FileNotFoundError:
         return False
-
-
-class Procs:
-    def __init__(self) -> None:
-        self.procs: list[subprocess.Popen[str]] = []
-
-    def start(self, args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
-        p = subprocess.Popen(
-            SLUICE + args,
-            env={**os.environ, **env},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        self.procs.append(p)
-        return p
-
-    def stop_all(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(5)
-
-
-@pytest.fixture
-def procs() -> Iterator[Procs]:
-    ps = Procs()
-    try:
-        yield ps
-    finally:
-        ps.stop_all()
 
 
 def test_separate_processes_serve_a_cli_submission(nats_url: str, procs: Procs) -> None:

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from sluice.testing.processes import stop_processes
+
 pytestmark = pytest.mark.e2e
 
 GUIDE = Path(__file__).parent.parent / "docs" / "producers.md"
@@ -59,12 +61,8 @@ def stack() -> object:
         assert len(urls) == 2, urls
         yield urls
     finally:
-        proc.send_signal(signal.SIGINT)  # Ctrl-C: it stops everything it started
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        # Ctrl-C: it stops everything it started
+        stop_processes([proc], signal.SIGINT, timeout_s=30)
 
 
 @pytest.mark.parametrize("name", [name for name, _, _ in examples()])
