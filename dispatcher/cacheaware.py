@@ -292,10 +292,10 @@ class CacheAware:
         pool: CandidatePool,
         now_s: float,
         explores: bool,
-        keys: dict[str, float] | None = None,
+        left: list[tuple[int, list[tuple[float, str]]]] | None = None,
     ) -> list[Candidate]:
-        """The shortlist; ``keys`` gets the holders' load keys (for :meth:`_beyond`)."""
-        keys = {} if keys is None else keys
+        """The shortlist; ``left`` gets, per match length, the holders left off it as
+        (load key, worker), least loaded first (for :meth:`_beyond`)."""
         picked: dict[str, Candidate] = {}
         for w in ctx.reps:
             if w not in picked and (cand := pool.get(w)) is not None:
@@ -304,13 +304,18 @@ class CacheAware:
         # do): of each such group, the k least loaded. Those holding nothing are the group
         # least_loaded() gives below.
         k = self.config.shortlist_workers
-        groups: dict[int, list[tuple[float, str]]] = {}
+        groups: dict[int, list[str]] = {}
         for w, blocks in ctx.matches.items():
-            if w not in picked and (key := pool.load_key(w)) is not None:
-                keys[w] = key
-                groups.setdefault(blocks, []).append((key, w))
-        for group in groups.values():
-            for _, w in heapq.nsmallest(k, group) if len(group) > k else group:
+            if w not in picked:
+                groups.setdefault(blocks, []).append(w)
+        for blocks, members in groups.items():
+            keyed = pool.load_keys(members)
+            if len(keyed) > k:
+                keyed.sort()
+                if left is not None:
+                    left.append((blocks, keyed[k:]))
+                del keyed[k:]
+            for _, w in keyed:
                 if (cand := pool.get(w)) is not None:
                     picked[w] = cand
         if explores:
@@ -349,13 +354,13 @@ class CacheAware:
         scored: list[Candidate] = []
         if isinstance(candidates, CandidatePool) and 0 < 2 * c.shortlist_workers < n:
             # (A fleet of twice the shortlist or fewer costs less scored whole.)
-            keys: dict[str, float] = {}
-            short = self._shortlist(ctx, candidates, now_s, explores, keys)
+            left: list[tuple[int, list[tuple[float, str]]]] = []
+            short = self._shortlist(ctx, candidates, now_s, explores, left)
             scored.extend(short)
             self._score_into(acc, request, ctx, short, now_s, explores)
             if self._rule(acc, ctx, n) in ("score", "spill", "expand"):
                 seen = {cand.worker_id for cand in short}
-                more = self._beyond(acc, request, ctx, candidates, seen, scored, keys)
+                more = self._beyond(acc, request, ctx, candidates, seen, scored, left)
                 self._score_into(acc, request, ctx, more, now_s, explores)
         else:
             scored.extend(candidates)
@@ -411,6 +416,7 @@ class CacheAware:
         window = c.explore_window_s
         speeds = self.calibration.speeds if c.calibrate else None
         prior = self.calibration.prior
+        best, sticky, expand, cold = acc.best, acc.sticky, acc.expand, acc.cold
         for cand in candidates:
             w = cand.worker_id
             blocks = matches.get(w, 0)
@@ -427,19 +433,36 @@ class CacheAware:
             is_rep = w in rep_set
             moved = 1.0 if rep_set and not is_rep else 0.0
             s = w_load * (ttft / scale + busy) + w_cache * miss + w_stable * moved
-            key = (s, tie_rank(rh, w), w, hit)
-            if acc.best is None or key < acc.best:
-                acc.best = key
-            over = cand.booked >= hard_fraction * cand.capacity or ttft > hard_ttft
-            if is_rep and not over and (acc.sticky is None or key < acc.sticky):
-                acc.sticky = key
-            q = (round(ahead * per_token / scale + busy, 2), miss, key[1], w, hit)
-            if acc.expand is None or q < acc.expand:
-                acc.expand = q
+            # The tie rank (a hash) is worked out only when the score could tie or win: most
+            # candidates lose on the score alone. The tuples compare as they did in full.
+            tie = -1.0
+            if best is None or s <= best[0]:
+                tie = tie_rank(rh, w)
+                key = (s, tie, w, hit)
+                if best is None or key < best:
+                    acc.best = best = key
+            if is_rep and (sticky is None or s <= sticky[0]):
+                if not (cand.booked >= hard_fraction * cand.capacity or ttft > hard_ttft):
+                    if tie < 0.0:
+                        tie = tie_rank(rh, w)
+                    key = (s, tie, w, hit)
+                    if sticky is None or key < sticky:
+                        acc.sticky = sticky = key
+            rq = round(ahead * per_token / scale + busy, 2)
+            if expand is None or rq < expand[0] or (rq == expand[0] and miss <= expand[1]):
+                if tie < 0.0:
+                    tie = tie_rank(rh, w)
+                q = (rq, miss, tie, w, hit)
+                if expand is None or q < expand:
+                    acc.expand = expand = q
             if explores and now_s - cand.joined_s < window:
                 acc.n_cold += 1
-                if acc.cold is None or key < acc.cold:
-                    acc.cold = key
+                if cold is None or s <= cold[0]:
+                    if tie < 0.0:
+                        tie = tie_rank(rh, w)
+                    key = (s, tie, w, hit)
+                    if cold is None or key < cold:
+                        acc.cold = cold = key
 
     def _rule(self, acc: _Best, ctx: _Context, n: int) -> str:
         """Which rule decides (module docstring), from what was scored."""
@@ -468,12 +491,13 @@ class CacheAware:
         pool: CandidatePool,
         seen: set[str],
         scored: list[Candidate],
-        keys: dict[str, float],
+        left: list[tuple[int, list[tuple[float, str]]]],
     ) -> Iterator[Candidate]:
         """Candidates off the shortlist that could still win the score (or, for a prefix
         that may gain a replica, the queue) rule: each one's load key, scaled by the
         fleet's fastest speeds, bounds its terms from below; those bounds are compared with
-        the best so far as it improves. Ties with the best are not looked for."""
+        the best so far as it improves, in load order, to the first that cannot win (the
+        bound grows with the key). Ties with the best are not looked for."""
         c = self.config
         prior = self.calibration.prior
         fast_prefill, fast_decode = (
@@ -484,10 +508,13 @@ class CacheAware:
         f = min(1.0, fast_prefill / prior.prefill_s_per_token)
         expand = acc.sticky is not None
         scale, w_load, w_cache = c.ttft_scale_s, c.w_load, c.w_cache
-        w_stable = c.w_stable if ctx.reps else 0.0
+        # Who is left off is no replica (the shortlist has every replica that is a
+        # candidate): moved is the same for all of them.
+        moved = 1.0 if ctx.reps else 0.0
+        w_moved = (c.w_stable if ctx.reps else 0.0) * moved
         prompt, ibt, n_indexed = request.prompt_tokens, self.index_block_tokens, ctx.indexed
 
-        def could_win(key: float, blocks: int, moved: float) -> bool:
+        def could_win(key: float, blocks: int) -> bool:
             if expand:
                 assert acc.expand is not None
                 return round(f * key - _SLACK, 2) < acc.expand[0]
@@ -497,25 +524,27 @@ class CacheAware:
             miss = 1.0 - fraction if fraction >= c.min_hit_fraction else 1.0
             own = prompt - hit if prompt - hit > 1 else 1
             load = f * key + (own * fast_prefill + fast_decode) / scale
-            return w_load * load + w_cache * miss + w_stable * moved - _SLACK < acc.best[0]
+            return w_load * load + w_cache * miss + w_moved - _SLACK < acc.best[0]
 
-        matches, reps = ctx.matches, ctx.rep_set
-        for w, blocks in matches.items():  # the holders the shortlist's groups left off
-            key = keys.get(w) if w not in seen else None
-            if key is not None and could_win(key, blocks, 0.0 if w in reps else 1.0):
+        for blocks, keyed in left:  # the holders the shortlist's groups left off
+            for key, w in keyed:
+                if not could_win(key, blocks):
+                    break
                 cand = pool.get(w)
                 if cand is not None:
                     seen.add(w)
                     scored.append(cand)
                     yield cand
-        for key, cand in pool.by_load():  # the others, in load order, to the first too slow
-            w = cand.worker_id
+        matches = ctx.matches
+        for key, w in pool.ids_by_load():  # the others, in load order, to the first too slow
             if w in seen or w in matches:
                 continue
-            if not could_win(key, 0, 0.0 if w in reps else 1.0):
+            if not could_win(key, 0):
                 return
-            scored.append(cand)
-            yield cand
+            cand = pool.get(w)
+            if cand is not None:
+                scored.append(cand)
+                yield cand
 
     def _key(self, request: RouteRequest) -> int | None:
         """What the request sticks by: its session, or its prompt prefix."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from sluice.dispatcher.admission import AdmissionConfig
@@ -234,7 +234,26 @@ class _Pool(CandidatePool):
             return None
         return self._state.free.key(worker_id)
 
-    def by_load(self) -> Iterator[tuple[float, Candidate]]:
+    def load_keys(self, worker_ids: Iterable[str]) -> list[tuple[float, str]]:
+        # load_key() for many workers at once (a decision asks for every holder of its
+        # prefix): the same lookups, without a method call per worker.
+        moved_key, workers, model = self._s.moved_key, self._state.workers, self._model
+        free_key, out = self._state.free.key, []
+        for w in worker_ids:
+            key = moved_key.get(w)
+            if key is None:
+                info = workers.get(w)
+                if info is None or model not in info.models:
+                    continue
+                key = free_key(w)
+                if key is None:
+                    continue
+            elif key == _INF:
+                continue
+            out.append((key, w))
+        return out
+
+    def ids_by_load(self) -> Iterator[tuple[float, str]]:
         # The plan's own bookings moved some workers in the order: merge those (kept sorted
         # in the scratch) with the scheduler's order, which still has them at their old place.
         state, s, model = self._state, self._s, self._model
@@ -245,11 +264,15 @@ class _Pool(CandidatePool):
             if w in moved_key:
                 continue
             while i < len(moved) and moved[i] < (key, w):
-                yield moved[i][0], self._made(moved[i][1])
+                yield moved[i]
                 i += 1
-            yield key, self._made(w)
-        for key, w in moved[i:]:
-            yield key, self._made(w)
+            yield key, w
+        yield from moved[i:]
+
+    def by_load(self) -> Iterator[tuple[float, Candidate]]:
+        made = self._made
+        for key, w in self.ids_by_load():
+            yield key, made(w)
 
     def joined_after(self, t_s: float) -> list[Candidate]:
         joins, joined = self._state.joins, self._state.joined_s
@@ -289,29 +312,33 @@ class _Pool(CandidatePool):
 
     def _build(self, w: str, info: WorkerInfo) -> Candidate | None:
         s, books = self._s, self._state.books
-        planned = s.planned[w]
+        # .get, not [w]: a Counter's missing key costs a Python-level call, and most
+        # candidates were not planned onto yet.
+        planned = s.planned.get(w, 0)
         booked = len(books.on(w)) + planned
         if booked >= info.capacity:
             return None
         age = self._now_s - info.reported_s
-        planned_prefill = s.planned_prefill[w]
+        planned_prefill = s.planned_prefill.get(w, 0)
+        planned_tokens = s.planned_tokens.get(w, 0)
         return Candidate(
             w,
             info.capacity,
             booked,
-            books.tokens_on(w) + s.planned_tokens[w],
+            books.tokens_on(w) + planned_tokens,
             info.reported_pending_tokens,
             info.reported_prefill_tokens,
             books.unreported_prefill(w) + planned_prefill,
             age if age > 0.0 else 0.0,
             self._state.joined_s.get(w, _NEVER),
             planned,
-            s.planned_tokens[w],
+            planned_tokens,
             planned_prefill,
         )
 
 
 _NEVER = float("-inf")
+_INF = float("inf")
 
 
 def _decide(

@@ -16,7 +16,7 @@ from __future__ import annotations
 import abc
 import functools
 import itertools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol, overload, runtime_checkable
 
@@ -70,9 +70,26 @@ class CandidatePool(Sequence[Candidate], abc.ABC):
     def load_key(self, worker_id: str) -> float | None:
         """The candidate's place in the load order, or None if it is not a candidate."""
 
+    def load_keys(self, worker_ids: Iterable[str]) -> list[tuple[float, str]]:
+        """(load key, worker) of those of ``worker_ids`` that are candidates."""
+        out = []
+        for w in worker_ids:
+            key = self.load_key(w)
+            if key is not None:
+                out.append((key, w))
+        return out
+
     @abc.abstractmethod
+    def ids_by_load(self) -> Iterator[tuple[float, str]]:
+        """(load key, worker) of every candidate in load order (lowest key first), without
+        building the candidates: a policy builds (:meth:`get`) only those it scores."""
+
     def by_load(self) -> Iterator[tuple[float, Candidate]]:
         """(load key, candidate) in load order (lowest key first), built as they are taken."""
+        for key, w in self.ids_by_load():
+            c = self.get(w)
+            if c is not None:
+                yield key, c
 
     def least_loaded(self, n: int) -> list[Candidate]:
         """Up to ``n`` candidates with the lowest load key, lowest first."""
@@ -117,6 +134,9 @@ class ListPool(CandidatePool):
 
     def load_key(self, worker_id: str) -> float | None:
         return self._key.get(worker_id)
+
+    def ids_by_load(self) -> Iterator[tuple[float, str]]:
+        return ((self._key[c.worker_id], c.worker_id) for c in self._order)
 
     def by_load(self) -> Iterator[tuple[float, Candidate]]:
         return ((self._key[c.worker_id], c) for c in self._order)

@@ -125,6 +125,9 @@ class _Counting(CandidatePool):
         self.inner = inner
         self.walked = False
         self.asked = 0
+        """Candidates built."""
+        self.stepped = 0
+        """Steps along the load order."""
 
     def __len__(self) -> int:
         return len(self.inner)
@@ -136,10 +139,10 @@ class _Counting(CandidatePool):
     def load_key(self, worker_id: str) -> float | None:
         return self.inner.load_key(worker_id)
 
-    def by_load(self) -> Iterator[tuple[float, Candidate]]:
-        for kc in self.inner.by_load():
-            self.asked += 1
-            yield kc
+    def ids_by_load(self) -> Iterator[tuple[float, str]]:
+        for kw in self.inner.ids_by_load():
+            self.stepped += 1
+            yield kw
 
     def joined_after(self, t_s: float) -> list[Candidate]:
         return self.inner.joined_after(t_s)
@@ -164,9 +167,12 @@ def test_a_decision_on_a_large_fleet_looks_only_at_its_shortlist() -> None:
     choice = policy.choose(RouteRequest("r", "m", 40 * BT + 5, 8, hashes), pool, 1.0)
     assert isinstance(choice, Choice)
     assert not pool.walked
-    # The holders, the shortlist's least loaded, and as many again walking past them to
-    # the first whose bound cannot win: a few dozen of the 1,000.
-    assert pool.asked <= 3 + 2 * policy.config.shortlist_workers + 6
+    # Built: the holders, the shortlist's least loaded and a few whose bound could win.
+    # Walked: the least loaded, and as many again past them to the first whose bound
+    # cannot win: a few dozen of the 1,000.
+    k = policy.config.shortlist_workers
+    assert pool.asked <= 3 + k + 6
+    assert pool.stepped <= 2 * k + 6
     assert choice == policy.choose(RouteRequest("r", "m", 40 * BT + 5, 8, hashes), cands, 1.0)
     assert choice.worker_id == "w777"
 
