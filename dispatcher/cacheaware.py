@@ -41,7 +41,6 @@ the speeds from the runtime (or the simulator).
 from __future__ import annotations
 
 import collections
-import heapq
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -183,6 +182,35 @@ class _Best:
     n_cold: int = 0
 
 
+def _keep(
+    acc: _Best,
+    rh: int,
+    w: str,
+    hit: int,
+    score: float,
+    queue: tuple[float, float] | None,
+    sticky: bool,
+    cold: bool,
+) -> None:
+    """Keep a scored candidate in each minimum of ``acc`` it beats (``queue``: its rounded
+    queue and miss, for the expand rule; ``sticky``: a replica under the hard limit; ``cold``:
+    new and the request explores)."""
+    tie = tie_rank(rh, w)
+    key = (score, tie, w, hit)
+    if acc.best is None or key < acc.best:
+        acc.best = key
+    if sticky and (acc.sticky is None or key < acc.sticky):
+        acc.sticky = key
+    if queue is not None:
+        q = (queue[0], queue[1], tie, w, hit)
+        if acc.expand is None or q < acc.expand:
+            acc.expand = q
+    if cold:
+        acc.n_cold += 1
+        if acc.cold is None or key < acc.cold:
+            acc.cold = key
+
+
 _SLACK = 1e-9
 """A lower bound is lowered by this much before it is compared: rounding must not make it
 exceed the value it bounds."""
@@ -300,9 +328,26 @@ class CacheAware:
         for w in ctx.reps:
             if w not in picked and (cand := pool.get(w)) is not None:
                 picked[w] = cand
-        # Holders that hold as much of the prompt differ only in load (unless their speeds
-        # do): of each such group, the k least loaded. Those holding nothing are the group
-        # least_loaded() gives below.
+        self._holders(ctx, pool, picked, left)
+        if explores:
+            # Only a request that explores needs every new worker (and how many there are).
+            # A little early, so that the exact test in choose() decides who is new.
+            for cand in pool.joined_after(now_s - self.config.explore_window_s - 1.0):
+                picked.setdefault(cand.worker_id, cand)
+        for cand in pool.least_loaded(self.config.shortlist_workers):
+            picked.setdefault(cand.worker_id, cand)
+        return list(picked.values())
+
+    def _holders(
+        self,
+        ctx: _Context,
+        pool: CandidatePool,
+        picked: dict[str, Candidate],
+        left: list[tuple[int, list[tuple[float, str]]]] | None,
+    ) -> None:
+        """Into ``picked``: of each group of holders that hold as much of the prompt (they
+        differ only in load, unless their speeds do), the k least loaded. Those holding
+        nothing are the group least_loaded() gives."""
         k = self.config.shortlist_workers
         groups: dict[int, list[str]] = {}
         for w, blocks in ctx.matches.items():
@@ -318,14 +363,6 @@ class CacheAware:
             for _, w in keyed:
                 if (cand := pool.get(w)) is not None:
                     picked[w] = cand
-        if explores:
-            # Only a request that explores needs every new worker (and how many there are).
-            # A little early, so that the exact test in choose() decides who is new.
-            for cand in pool.joined_after(now_s - self.config.explore_window_s - 1.0):
-                picked.setdefault(cand.worker_id, cand)
-        for cand in pool.least_loaded(self.config.shortlist_workers):
-            picked.setdefault(cand.worker_id, cand)
-        return list(picked.values())
 
     def load_key(self, booked: int, capacity: int, unreported_prefill_tokens: int) -> float:
         """The queue term (``queue`` of :class:`Scored`) of a worker with this work whose
@@ -416,7 +453,7 @@ class CacheAware:
         window = c.explore_window_s
         speeds = self.calibration.speeds if c.calibrate else None
         prior = self.calibration.prior
-        best, sticky, expand, cold = acc.best, acc.sticky, acc.expand, acc.cold
+        best, sticky, expand = acc.best, acc.sticky, acc.expand
         for cand in candidates:
             w = cand.worker_id
             blocks = matches.get(w, 0)
@@ -433,36 +470,27 @@ class CacheAware:
             is_rep = w in rep_set
             moved = 1.0 if rep_set and not is_rep else 0.0
             s = w_load * (ttft / scale + busy) + w_cache * miss + w_stable * moved
-            # The tie rank (a hash) is worked out only when the score could tie or win: most
-            # candidates lose on the score alone. The tuples compare as they did in full.
-            tie = -1.0
-            if best is None or s <= best[0]:
-                tie = tie_rank(rh, w)
-                key = (s, tie, w, hit)
-                if best is None or key < best:
-                    acc.best = best = key
-            if is_rep and (sticky is None or s <= sticky[0]):
-                if not (cand.booked >= hard_fraction * cand.capacity or ttft > hard_ttft):
-                    if tie < 0.0:
-                        tie = tie_rank(rh, w)
-                    key = (s, tie, w, hit)
-                    if sticky is None or key < sticky:
-                        acc.sticky = sticky = key
-            rq = round(ahead * per_token / scale + busy, 2)
-            if expand is None or rq < expand[0] or (rq == expand[0] and miss <= expand[1]):
-                if tie < 0.0:
-                    tie = tie_rank(rh, w)
-                q = (rq, miss, tie, w, hit)
-                if expand is None or q < expand:
-                    acc.expand = expand = q
-            if explores and now_s - cand.joined_s < window:
-                acc.n_cold += 1
-                if cold is None or s <= cold[0]:
-                    if tie < 0.0:
-                        tie = tie_rank(rh, w)
-                    key = (s, tie, w, hit)
-                    if cold is None or key < cold:
-                        acc.cold = cold = key
+            cold = explores and now_s - cand.joined_s < window
+            # Most candidates lose on the score (and queue) alone: only one that could tie
+            # or win a rule's minimum gets its tie rank hashed and its tuples compared.
+            # Without replicas neither the sticky nor the expand rule can decide.
+            if rep_set:
+                rq = round(ahead * per_token / scale + busy, 2)
+                if not (
+                    cold
+                    or best is None
+                    or s <= best[0]
+                    or (is_rep and (sticky is None or s <= sticky[0]))
+                    or expand is None
+                    or rq <= expand[0]
+                ):
+                    continue
+                over = cand.booked >= hard_fraction * cand.capacity or ttft > hard_ttft
+                _keep(acc, rh, w, hit, s, (rq, miss), is_rep and not over, cold)
+                best, sticky, expand = acc.best, acc.sticky, acc.expand
+            elif cold or best is None or s <= best[0]:
+                _keep(acc, rh, w, hit, s, None, False, cold)
+                best = acc.best
 
     def _rule(self, acc: _Best, ctx: _Context, n: int) -> str:
         """Which rule decides (module docstring), from what was scored."""
