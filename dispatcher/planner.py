@@ -210,11 +210,12 @@ class _Pool(CandidatePool):
     plan), built one by one on demand: a shortlisting policy asks for a few; one that
     iterates gets them all, in the order workers first heartbeated."""
 
-    __slots__ = ("_all_list", "_model", "_now_s", "_s", "_state")
+    __slots__ = ("_all_list", "_model", "_moved_list", "_now_s", "_s", "_state")
 
     def __init__(self, state: PlanInput, s: _Scratch, model: str, now_s: float) -> None:
         self._state, self._s, self._model, self._now_s = state, s, model, now_s
         self._all_list: list[Candidate] | None = None
+        self._moved_list: list[tuple[float, str]] | None = None
 
     def __len__(self) -> int:
         return self._state.free.count(self._model) - self._s.filled[self._model]
@@ -236,16 +237,12 @@ class _Pool(CandidatePool):
 
     def load_keys(self, worker_ids: Iterable[str]) -> list[tuple[float, str]]:
         # load_key() for many workers at once (a decision asks for every holder of its
-        # prefix): the same lookups, without a method call per worker.
-        moved_key, workers, model = self._s.moved_key, self._state.workers, self._model
-        free_key, out = self._state.free.key, []
+        # prefix): the same answers, from the model's key map, without a call per worker.
+        moved_key, keys, out = self._s.moved_key, self._state.free.keys(self._model), []
         for w in worker_ids:
             key = moved_key.get(w)
             if key is None:
-                info = workers.get(w)
-                if info is None or model not in info.models:
-                    continue
-                key = free_key(w)
+                key = keys.get(w)
                 if key is None:
                     continue
             elif key == _INF:
@@ -256,11 +253,10 @@ class _Pool(CandidatePool):
     def ids_by_load(self) -> Iterator[tuple[float, str]]:
         # The plan's own bookings moved some workers in the order: merge those (kept sorted
         # in the scratch) with the scheduler's order, which still has them at their old place.
-        state, s, model = self._state, self._s, self._model
-        workers, moved_key = state.workers, s.moved_key
-        moved = [(k, w) for k, w in s.moved if model in workers[w].models]
+        moved = self._moved()
+        moved_key = self._s.moved_key
         i = 0
-        for key, w in state.free.ordered(model):
+        for key, w in self._state.free.ordered(self._model):
             if w in moved_key:
                 continue
             while i < len(moved) and moved[i] < (key, w):
@@ -268,6 +264,14 @@ class _Pool(CandidatePool):
                 i += 1
             yield key, w
         yield from moved[i:]
+
+    def _moved(self) -> list[tuple[float, str]]:
+        """The plan's moved workers of this model (once per decision: the plan moves none
+        while a decision is made)."""
+        if self._moved_list is None:
+            workers, model = self._state.workers, self._model
+            self._moved_list = [(k, w) for k, w in self._s.moved if model in workers[w].models]
+        return self._moved_list
 
     def by_load(self) -> Iterator[tuple[float, Candidate]]:
         made = self._made

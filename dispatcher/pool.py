@@ -9,9 +9,10 @@ with the number of workers (an update costs O(log n) comparisons and one list mo
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 _Entry = tuple[float, str]
+_NONE: Mapping[str, float] = {}
 
 
 class FreeWorkers:
@@ -20,6 +21,7 @@ class FreeWorkers:
 
     def __init__(self) -> None:
         self._order: dict[str, list[_Entry]] = {}
+        self._keys: dict[str, dict[str, float]] = {}
         self._placed: dict[str, tuple[float, frozenset[str]]] = {}
 
     def __contains__(self, worker_id: object) -> bool:
@@ -36,6 +38,7 @@ class FreeWorkers:
         self._placed[worker_id] = (key, models)
         for m in models:
             bisect.insort(self._order.setdefault(m, []), (key, worker_id))
+            self._keys.setdefault(m, {})[worker_id] = key
 
     def discard(self, worker_id: str) -> None:
         """``worker_id`` has no room, is draining, refused or gone."""
@@ -47,8 +50,10 @@ class FreeWorkers:
             order = self._order[m]
             i = bisect.bisect_left(order, (key, worker_id))
             del order[i]
+            del self._keys[m][worker_id]
             if not order:
                 del self._order[m]
+                del self._keys[m]
 
     def count(self, model: str) -> int:
         """Workers of ``model`` with room."""
@@ -66,6 +71,10 @@ class FreeWorkers:
     def workers(self, model: str) -> list[str]:
         """``model``'s workers with room, least loaded first."""
         return [w for _, w in self._order.get(model, ())]
+
+    def keys(self, model: str) -> Mapping[str, float]:
+        """Worker -> load key of ``model``'s workers with room (a live view: do not change)."""
+        return self._keys.get(model, _NONE)
 
     def key(self, worker_id: str) -> float | None:
         placed = self._placed.get(worker_id)

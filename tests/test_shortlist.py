@@ -212,6 +212,12 @@ class _Checking(CacheAware):
         for c in full:
             assert candidates.get(c.worker_id) == c
             assert candidates.load_key(c.worker_id) == ref.load_key(c.worker_id)
+        # The bulk lookup a decision makes for its holders: the same keys, and nothing for
+        # a worker that is no candidate (full, or of another model).
+        ids = [*candidates._state.workers, "not-a-worker"]  # type: ignore[attr-defined]
+        keyed = [(k, w) for w in ids if (k := ref.load_key(w)) is not None]
+        assert candidates.load_keys(ids) == keyed
+        assert [w for _, w in candidates.ids_by_load()] == [w for _, w in ref.ids_by_load()]
         cold = {c.worker_id for c in candidates.joined_after(now_s - 30.0)}
         assert cold == {c.worker_id for c in ref.joined_after(now_s - 30.0)}
         _Checking.checks += 1
@@ -351,3 +357,39 @@ def test_a_worker_off_the_shortlist_that_beats_it_still_wins() -> None:
     assert [c.worker_id for c in policy.shortlist(request, pool, 110.0)] == ["w0"]
     assert policy.choose(request, pool, 110.0).worker_id == "w1"
     assert policy.choose(request, cands, 110.0).worker_id == "w1"
+
+
+class _Recording(CacheAware):
+    """The policy, recording what the pool's bulk and ordered lookups give at each decision."""
+
+    def __init__(self, config: CacheAwareConfig) -> None:
+        super().__init__(config)
+        self.seen: list[tuple[list[tuple[float, str]], list[str]]] = []
+
+    def choose(
+        self, request: RouteRequest, candidates: Sequence[Candidate], now_s: float
+    ) -> Choice:
+        assert isinstance(candidates, CandidatePool)
+        keyed = candidates.load_keys(["a", "b", "c", "gone"])
+        self.seen.append((keyed, [w for _, w in candidates.ids_by_load()]))
+        return super().choose(request, candidates, now_s)
+
+
+def test_a_worker_the_plan_filled_is_no_candidate_for_its_next_decisions() -> None:
+    policy = _Recording(CacheAwareConfig(block_tokens=BT, index_tokens=BT, explore_share=0.0))
+    sched = Scheduler(AdmissionConfig(global_limit=100, band_floors={}), policy)
+    # a is idle (it wins first and is full then); b and c report queued prefill.
+    for w, capacity, queued in (("a", 1, 0), ("b", 2, 80_000), ("c", 2, 80_000)):
+        info = WorkerInfo(w, frozenset({"m"}), capacity, reported_prefill_tokens=queued)
+        sched.update_worker(info)
+    for i in range(3):
+        sched.enqueue(Request(f"r{i}", "interactive", "m", "t", 64, 8, 1.0), 1.0)
+    booked = [d.worker_id for d in sched.plan(1.0)]
+    assert len(booked) == 3
+    # Once a decision of this plan filled a worker, the later ones neither key nor walk it.
+    assert booked[0] == "a" and len(policy.seen) == 3
+    for (keyed, ordered), earlier in zip(policy.seen, (booked[:i] for i in range(3)), strict=True):
+        full = {w for w in earlier if w == "a" or earlier.count(w) == 2}
+        assert full or not earlier
+        assert {w for _, w in keyed} == {"a", "b", "c"} - full
+        assert set(ordered) == {"a", "b", "c"} - full
