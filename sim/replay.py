@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 import math
 import random
 from collections.abc import Callable, Sequence
@@ -403,11 +404,11 @@ class _Replay:
             run = e.decode_run()
             if run is not None and run[1] > 1:
                 step_s, steps = run
-                starts = [self.now]
-                t = self.now
-                for _ in range(steps):  # the same sums as one event per step makes
-                    t += step_s
-                    starts.append(t)
+                # The same sums as one event per step makes (accumulate adds in order).
+                starts = list(
+                    itertools.accumulate(itertools.repeat(step_s, steps), initial=self.now)
+                )
+                t = starts[-1]
                 self.runs[w] = _Run(step_s, steps, starts)
                 self.busy_until[w] = t
                 self._push(w, t)

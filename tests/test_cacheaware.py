@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 from sluice.agent.reports import DigestBuilder
 from sluice.dispatcher.admission import AdmissionConfig
 from sluice.dispatcher.affinity import Affinity, prefix_key
-from sluice.dispatcher.cacheaware import CacheAware, CacheAwareConfig
+from sluice.dispatcher.cacheaware import CacheAware, CacheAwareConfig, Scored
 from sluice.dispatcher.calibration import Calibration
 from sluice.dispatcher.decisions import DecisionLog
-from sluice.dispatcher.routing import Candidate, Digest, Outcome, RouteRequest
+from sluice.dispatcher.routing import Candidate, Choice, Digest, Outcome, RouteRequest
 from sluice.dispatcher.scheduler import Request, Scheduler, WorkerInfo
 from sluice.sim.engine import SimEngine
 from sluice.sim.profiles import REFERENCE
@@ -334,3 +334,75 @@ def test_agent_digests_are_numbered_deltas_with_periodic_bounded_snapshots() -> 
     assert d3.seq == 3 and d3.snapshot  # every third digest is a snapshot anyway
     d4 = digests.next(e)
     assert d4.seq == 4 and not d4.snapshot and d4.stored == [] and d4.evicted == []
+
+
+# ------------------------------------------------ the hot path's scoring against the full terms
+
+workers_st = st.lists(
+    st.tuples(
+        # Few distinct loads, so that scores (and rounded queues) often tie exactly.
+        st.sampled_from([0, 3, 28, 31]),  # booked
+        st.sampled_from([0, 8000, 60_000]),  # reported prefill
+        st.sampled_from([0, 4000]),  # unreported prefill
+        st.sampled_from([0.0, 0.2, 3.0]),  # report age
+        st.sampled_from([-1e9, 0.5]),  # joined long ago, or just now
+        st.integers(0, 3),  # how much of the prefix its digest reports (quarters)
+        st.sampled_from([0.0, 1.0, 4.0]),  # how slow its prefill is (0: never measured)
+    ),
+    min_size=1,
+    max_size=12,
+)
+
+
+def _reference(p: CacheAware, request: RouteRequest, cands: list[Candidate], now: float) -> Choice:
+    """The rules of the module docstring applied to the full terms of :meth:`CacheAware.score`
+    (the explained path), written out plainly: what the one-pass scoring must agree with."""
+    scored, reps, budget = p.score(request, cands, now)
+
+    def key(s: Scored) -> tuple[float, float, str, int]:
+        return (s.score, s.tie, s.candidate.worker_id, s.hit_tokens)
+
+    if p._explores(request):
+        cold = [s for s in scored if now - s.candidate.joined_s < p.config.explore_window_s]
+        if cold and len(cold) < len(cands):
+            best = min(cold, key=key)
+            return Choice(best.candidate.worker_id, best.hit_tokens, "explore")
+    sticky = [s for s in scored if s.candidate.worker_id in reps and not s.over_hard]
+    if sticky and len(reps) >= budget:
+        best = min(sticky, key=key)
+        return Choice(best.candidate.worker_id, best.hit_tokens, "sticky")
+    if sticky:
+        best = min(
+            scored,
+            key=lambda s: (round(s.queue, 2), s.miss, s.tie, s.candidate.worker_id, s.hit_tokens),
+        )
+        return Choice(best.candidate.worker_id, best.hit_tokens, "expand")
+    best = min(scored, key=key)
+    return Choice(best.candidate.worker_id, best.hit_tokens, "spill" if reps else "score")
+
+
+@given(workers_st, st.integers(0, 6), st.sampled_from([0.0, 0.5, 1.0]), st.integers(0, 40))
+@settings(max_examples=300, deadline=None)
+def test_the_one_pass_scoring_decides_as_the_full_terms_do(
+    fleet: list[tuple[int, int, int, float, float, int, float]],
+    routed: int,
+    explore: float,
+    rid: int,
+) -> None:
+    p = CacheAware(CacheAwareConfig(block_tokens=BT, index_tokens=BT, explore_share=explore))
+    now = 1.0
+    cands = []
+    for i, (booked, pre, unrep, age, joined, quarters, slow) in enumerate(fleet):
+        w = f"w{i}"
+        cands.append(Candidate(w, 32, booked, 0, 0, pre, unrep, age, joined))
+        if quarters:
+            p.heartbeat(w, Digest(0, True, PREFIX[: 20 * quarters]), 0.0)
+        if slow:
+            for _ in range(8):  # enough completions to learn its speed
+                p.completed(w, _req(99, ()), Outcome(0, slow * 0.1, 64, 64 * 0.03, 0.0))
+    for j in range(routed):  # earlier requests of the prefix: replicas, budget
+        p.observe(_req(1000 + j), cands[j % len(cands)].worker_id, 0.5)
+    request = _req(rid)
+    got = p.choose(request, cands, now)
+    assert isinstance(got, Choice)
+    assert got == _reference(p, request, cands, now)
