@@ -212,8 +212,9 @@ def _keep(
 
 
 _SLACK = 1e-9
-"""A lower bound is lowered by this much before it is compared: rounding must not make it
-exceed the value it bounds."""
+"""A worker left off the shortlist is scored only if its lower bound beats the best so far by
+more than this: a tie (or a difference of rounding) is not worth a look, and looking would
+walk a whole fleet of equally idle workers at every decision."""
 
 
 class CacheAware:
@@ -552,7 +553,7 @@ class CacheAware:
             miss = 1.0 - fraction if fraction >= c.min_hit_fraction else 1.0
             own = prompt - hit if prompt - hit > 1 else 1
             load = f * key + (own * fast_prefill + fast_decode) / scale
-            return w_load * load + w_cache * miss + w_moved - _SLACK < acc.best[0]
+            return w_load * load + w_cache * miss + w_moved < acc.best[0] - _SLACK
 
         for blocks, keyed in left:  # the holders the shortlist's groups left off
             for key, w in keyed:

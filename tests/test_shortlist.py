@@ -393,3 +393,15 @@ def test_a_worker_the_plan_filled_is_no_candidate_for_its_next_decisions() -> No
         assert full or not earlier
         assert {w for _, w in keyed} == {"a", "b", "c"} - full
         assert set(ordered) == {"a", "b", "c"} - full
+
+
+def test_a_decision_on_a_large_idle_fleet_does_not_walk_its_equal_workers() -> None:
+    # 1,000 equally idle workers all tie: a tie is not worth a look past the shortlist.
+    policy = CacheAware(CacheAwareConfig(block_tokens=BT, index_tokens=BT, explore_share=0.0))
+    cands = [Candidate(f"w{i}", 32, 0, 0) for i in range(1000)]
+    pool = _Counting(ListPool(cands, policy.load_key))
+    choice = policy.choose(RouteRequest("r", "m", 40 * BT, 8, tuple(range(40))), pool, 1.0)
+    assert isinstance(choice, Choice)
+    k = policy.config.shortlist_workers
+    assert pool.asked <= k and pool.stepped <= 2 * k + 1
+    assert not pool.walked
