@@ -17,7 +17,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sluice.dispatcher.admission import AdmissionConfig
 from sluice.dispatcher.cacheaware import CacheAwareConfig
@@ -162,6 +162,9 @@ class DecisionCosts:
     """Block hashes in the cache index before the measured decisions."""
     decisions: dict[int, int]
     """Worker count -> decisions measured."""
+    idle_decision_us: dict[int, float] = field(default_factory=dict)
+    """Worker count -> CPU µs per decision on an idle fleet (every request done before the
+    next arrivals): its workers all tie, which must not make a decision look at them all."""
 
     def ratio(self, workers: int) -> float:
         """A decision at ``workers`` against the minimal dispatcher's."""
@@ -183,9 +186,11 @@ def decision_costs(
     is new), holds ``indexed_blocks`` index entries reported by snapshot digests (its
     requests' shared prefixes on a few workers each, unrelated prompts on the rest), and runs
     a quarter of its capacity before the measured ``requests`` arrive (between two plans as
-    many complete as arrive, so it stays that busy)."""
+    many complete as arrive, so it stays that busy). Then the same requests on the same fleet
+    idle (each batch done before the next): ``idle_decision_us``."""
     stream = _stream(requests, seed)
     out: dict[int, float] = {}
+    idle: dict[int, float] = {}
     counts: dict[int, int] = {}
     filled = 0
     for n in worker_counts:
@@ -195,8 +200,27 @@ def decision_costs(
         t0 = time.process_time()
         counts[n] = _drive(sched, stream, running, rng, 0.0)
         out[n] = (time.process_time() - t0) / max(counts[n], 1) * 1e6
+        idle[n] = _drive_idle(_fleet(n, capacity, indexed_blocks, stream, seed)[0], stream)
     base = _baseline_us(stream, 16, capacity, seed)
-    return DecisionCosts(out, base, filled, counts)
+    return DecisionCosts(out, base, filled, counts, idle)
+
+
+def _drive_idle(sched: Scheduler, stream: _Stream) -> float:
+    """Arrivals in batches on an idle fleet, each batch done before the next: CPU µs per
+    decision."""
+    decisions, now = 0, 0.0
+    t0 = time.process_time()
+    for i in range(0, len(stream), _BATCH):
+        now += 0.01
+        for rid, band, tokens, hashes in stream[i : i + _BATCH]:
+            sched.enqueue(Request(rid, band, "m", "t", tokens, 128, now, None, hashes), now)
+        planned = sched.plan(now)
+        for d in planned:
+            sched.book(d, now)
+        for d in planned:
+            sched.complete(d.request.request_id)
+        decisions += len(planned)
+    return (time.process_time() - t0) / max(decisions, 1) * 1e6
 
 
 def _fleet(
@@ -270,6 +294,8 @@ def cost_table(costs: DecisionCosts) -> list[tuple[str, str, str, str]]:
                 target,
             )
         )
+    for n, us in sorted(costs.idle_decision_us.items()):
+        rows.append((f"the same, idle fleet, {n:,} workers", f"{us:.1f} us", "", ""))
     rows.append(("minimal FIFO + round-robin", f"{costs.baseline_decision_us:.2f} us", "1.0x", ""))
     if 16 in costs.decision_us and 1024 in costs.decision_us:
         g = costs.growth(1024, 16)
