@@ -18,6 +18,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from sluice.dispatcher.admission import AdmissionConfig
 from sluice.dispatcher.cacheaware import CacheAwareConfig
@@ -99,23 +100,63 @@ def bench_core(
 
 
 def _drive(
-    sched: Scheduler, stream: _Stream, running: list[str], rng: random.Random, now: float
+    sched: Scheduler,
+    stream: _Stream,
+    running: list[str],
+    rng: random.Random,
+    now: float,
+    phases: dict[str, float] | None = None,
 ) -> int:
-    """Arrivals in batches, as many random completions before each plan; returns decisions."""
+    """Arrivals in batches, as many random completions before each plan; returns decisions.
+    ``phases`` (if given) gets the CPU seconds of each part of the cycle (see
+    :data:`PHASES`): the routing policy's ``choose`` is timed on its own, inside the plan."""
+    clock = time.process_time
+    spent = dict.fromkeys(PHASES, 0.0)
+    if phases is not None:
+        choose = sched.policy.choose
+
+        def timed(*args: Any) -> Any:
+            t = clock()
+            try:
+                return choose(*args)
+            finally:
+                spent["routing"] += clock() - t
+
+        sched.policy.choose = timed  # type: ignore[assignment]
     decisions = 0
     for i in range(0, len(stream), _BATCH):
         now += 0.01
+        t0 = clock()
         for rid, band, tokens, hashes in stream[i : i + _BATCH]:
             sched.enqueue(Request(rid, band, "m", "t", tokens, 128, now, None, hashes), now)
+        t1 = clock()
         for _ in range(min(len(running), _BATCH)):
             j = rng.randrange(len(running))
             running[j], running[-1] = running[-1], running[j]
             sched.complete(running.pop())
-        for d in sched.plan(now):
+        t2 = clock()
+        planned = sched.plan(now)
+        t3 = clock()
+        for d in planned:
             sched.book(d, now)
             running.append(d.request.request_id)
             decisions += 1
+        t4 = clock()
+        spent["enqueue"] += t1 - t0
+        spent["complete"] += t2 - t1
+        spent["plan"] += t3 - t2
+        spent["book"] += t4 - t3
+    if phases is not None:
+        del sched.policy.choose
+        spent["plan"] -= spent["routing"]
+        phases.update({k: v / max(decisions, 1) * 1e6 for k, v in spent.items()})
     return decisions
+
+
+PHASES = ("enqueue", "plan", "routing", "book", "complete")
+"""The parts of a scheduling cycle :func:`decision_costs` breaks a decision into: queueing an
+arrival, planning (limits, quotas, candidates; without the routing policy), the routing
+policy's choice, booking the accepted dispatch, and releasing a completion."""
 
 
 def _baseline_us(stream: _Stream, workers: int, capacity: int, seed: int) -> float:
@@ -162,7 +203,12 @@ class DecisionCosts:
     """Block hashes in the cache index before the measured decisions."""
     decisions: dict[int, int]
     """Worker count -> decisions measured."""
+    phase_us: dict[str, float] = field(default_factory=dict)
+    """CPU µs per decision of each part of the cycle (:data:`PHASES`), at 256 workers (or the
+    largest count under it), measured in a run of its own."""
     idle_decision_us: dict[int, float] = field(default_factory=dict)
+    phase_workers: int = 0
+    """The fleet size of :attr:`phase_us`."""
     """Worker count -> CPU µs per decision on an idle fleet (every request done before the
     next arrivals): its workers all tie, which must not make a decision look at them all."""
 
@@ -201,8 +247,13 @@ def decision_costs(
         counts[n] = _drive(sched, stream, running, rng, 0.0)
         out[n] = (time.process_time() - t0) / max(counts[n], 1) * 1e6
         idle[n] = _drive_idle(_fleet(n, capacity, indexed_blocks, stream, seed)[0], stream)
+    phases: dict[str, float] = {}
+    at = max([n for n in worker_counts if n <= 256] or [min(worker_counts)])
+    sched, _ = _fleet(at, capacity, indexed_blocks, stream, seed)
+    running = _warm(sched, at * capacity // 4, seed)
+    _drive(sched, stream, running, random.Random(seed + 1), 0.0, phases)
     base = _baseline_us(stream, 16, capacity, seed)
-    return DecisionCosts(out, base, filled, counts, idle)
+    return DecisionCosts(out, base, filled, counts, phases, idle, at)
 
 
 def _drive_idle(sched: Scheduler, stream: _Stream) -> float:
@@ -294,6 +345,8 @@ def cost_table(costs: DecisionCosts) -> list[tuple[str, str, str, str]]:
                 target,
             )
         )
+    for phase, us in costs.phase_us.items():
+        rows.append((f"  {costs.phase_workers:,} workers: {phase}", f"{us:.1f} us", "", ""))
     for n, us in sorted(costs.idle_decision_us.items()):
         rows.append((f"the same, idle fleet, {n:,} workers", f"{us:.1f} us", "", ""))
     rows.append(("minimal FIFO + round-robin", f"{costs.baseline_decision_us:.2f} us", "1.0x", ""))
