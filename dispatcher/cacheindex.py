@@ -107,18 +107,20 @@ class CacheIndex:
         hold them soon (until ``guess_ttl_s`` from now, unless reports say more)."""
         until = now_s + self.guess_ttl_s
         blocks = self._blocks
-        for h in hashes:  # the hot path of every booking
-            holders = blocks.get(h)
+        get, to_end = blocks.get, blocks.move_to_end  # the hot path of every booking
+        for h in hashes:
+            holders = get(h)
             if holders is None:
                 blocks[h] = {worker_id: until}
                 continue
-            blocks.move_to_end(h)
+            to_end(h)
             hold = holders.get(worker_id)
             if hold is None or hold < until:
                 holders[worker_id] = until
             elif hold == _REPORTED and self._under.get((h, worker_id), _NO_GUESS) < until:
                 self._under[(h, worker_id)] = until
-        self._trim()
+        if len(blocks) > self.max_blocks:
+            self._trim()
 
     def completed(self, worker_id: str, hashes: Sequence[int], now_s: float) -> None:
         """A request with these prefix blocks finished on ``worker_id``: it computed the blocks
@@ -180,12 +182,15 @@ class CacheIndex:
         ``max_blocks`` least recently used blocks (all by default: a live caller bounds each
         call); returns blocks freed."""
         freed = 0
-        for h in list(itertools.islice(self._blocks, max_blocks)):
-            holders = self._blocks[h]
+        blocks = self._blocks
+        for h in list(itertools.islice(blocks, max_blocks)):
+            holders = blocks[h]
+            if min(holders.values(), default=_NO_GUESS) > now_s:
+                continue  # nothing expired (most holds: reported, or guessed recently)
             for w in [w for w, until in holders.items() if until <= now_s]:
                 del holders[w]
             if not holders:
-                del self._blocks[h]
+                del blocks[h]
                 freed += 1
         return freed
 
