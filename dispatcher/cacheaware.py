@@ -41,6 +41,7 @@ the speeds from the runtime (or the simulator).
 from __future__ import annotations
 
 import collections
+import itertools
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -322,9 +323,11 @@ class CacheAware:
         now_s: float,
         explores: bool,
         left: list[tuple[int, list[tuple[float, str]]]] | None = None,
+        walk: Iterator[tuple[float, str]] | None = None,
     ) -> list[Candidate]:
         """The shortlist; ``left`` gets, per match length, the holders left off it as
-        (load key, worker), least loaded first (for :meth:`_beyond`)."""
+        (load key, worker), least loaded first, and the least loaded are taken from ``walk``
+        (the pool's load order), which :meth:`_beyond` then goes on with."""
         picked: dict[str, Candidate] = {}
         for w in ctx.reps:
             if w not in picked and (cand := pool.get(w)) is not None:
@@ -335,8 +338,14 @@ class CacheAware:
             # A little early, so that the exact test in choose() decides who is new.
             for cand in pool.joined_after(now_s - self.config.explore_window_s - 1.0):
                 picked.setdefault(cand.worker_id, cand)
-        for cand in pool.least_loaded(self.config.shortlist_workers):
-            picked.setdefault(cand.worker_id, cand)
+        k = self.config.shortlist_workers
+        if walk is None:
+            for cand in pool.least_loaded(k):
+                picked.setdefault(cand.worker_id, cand)
+        else:
+            for _, w in itertools.islice(walk, k):
+                if w not in picked and (cand := pool.get(w)) is not None:
+                    picked[w] = cand
         return list(picked.values())
 
     def _holders(
@@ -393,12 +402,13 @@ class CacheAware:
         if isinstance(candidates, CandidatePool) and 0 < 2 * c.shortlist_workers < n:
             # (A fleet of twice the shortlist or fewer costs less scored whole.)
             left: list[tuple[int, list[tuple[float, str]]]] = []
-            short = self._shortlist(ctx, candidates, now_s, explores, left)
+            walk = candidates.ids_by_load()
+            short = self._shortlist(ctx, candidates, now_s, explores, left, walk)
             scored.extend(short)
             self._score_into(acc, request, ctx, short, now_s, explores)
             if self._rule(acc, ctx, n) in ("score", "spill", "expand"):
                 seen = {cand.worker_id for cand in short}
-                more = self._beyond(acc, request, ctx, candidates, seen, scored, left)
+                more = self._beyond(acc, request, ctx, candidates, seen, scored, left, walk)
                 self._score_into(acc, request, ctx, more, now_s, explores)
         else:
             scored.extend(candidates)
@@ -521,6 +531,7 @@ class CacheAware:
         seen: set[str],
         scored: list[Candidate],
         left: list[tuple[int, list[tuple[float, str]]]],
+        walk: Iterator[tuple[float, str]],
     ) -> Iterator[Candidate]:
         """Candidates off the shortlist that could still win the score (or, for a prefix
         that may gain a replica, the queue) rule: each one's load key, scaled by the
@@ -565,7 +576,7 @@ class CacheAware:
                     scored.append(cand)
                     yield cand
         matches = ctx.matches
-        for key, w in pool.ids_by_load():  # the others, in load order, to the first too slow
+        for key, w in walk:  # the others, in load order, on from the shortlist's least loaded
             if w in seen or w in matches:
                 continue
             if not could_win(key, 0):
