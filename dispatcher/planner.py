@@ -116,7 +116,7 @@ def plan(state: PlanInput, now_s: float, max_decisions: int | None = None) -> li
             if blocked[0] == "model-tenant" and skipped[(band, model)] < SCAN_LIMIT:
                 _push_next(heads, q, band, model, idx)
             continue
-        if state.free.count(model) <= scratch.filled[model]:
+        if state.free.count(model) <= scratch.filled.get(model, 0):
             continue  # every worker of this model is full: drop its queues from this plan
         if request.deadline_s is None or request.deadline_s > now_s:  # never run an expired one
             d = _decide(state, request, _Pool(state, scratch, model, now_s), now_s, kind)
@@ -218,13 +218,19 @@ class _Pool(CandidatePool):
         self._moved_list: list[tuple[float, str]] | None = None
 
     def __len__(self) -> int:
-        return self._state.free.count(self._model) - self._s.filled[self._model]
+        return self._state.free.count(self._model) - self._s.filled.get(self._model, 0)
 
     def get(self, worker_id: str) -> Candidate | None:
         info = self._state.workers.get(worker_id)
-        if info is None or worker_id not in self._state.free or self._model not in info.models:
+        if info is None or self._model not in info.models:
             return None
-        return self._candidate(worker_id, info)
+        made = self._s.made  # only workers with room are ever made
+        if worker_id in made:
+            return made[worker_id]
+        if worker_id not in self._state.free:
+            return None
+        c = made[worker_id] = self._build(worker_id, info)
+        return c
 
     def load_key(self, worker_id: str) -> float | None:
         moved = self._s.moved_key.get(worker_id)
