@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -100,12 +101,15 @@ _CONTRACT = (
 )
 
 
-def test_bench_json_prints_the_contract() -> None:
-    """``sluice bench --json`` at a tiny size, as a real process: one JSON object with every
-    contract key, each figure a positive number (no timing thresholds)."""
+_LIVE_TARGETS = {"dispatch p50 / publish ack", "dispatch p99 (ms)", "throughput / raw JetStream"}
+
+
+def _bench_json(*args: str) -> dict[str, Any]:
+    """``sluice bench --json`` at a tiny size, as a real process; its one JSON object. Checks
+    that nothing it started outlived it."""
     cmd = [sys.executable, "-m", "sluice.cli", "bench", "--json", "--requests", "200"]
     cmd += ["--decision-requests", "50", "--live-requests", "10"]
-    cmd += ["--throughput-requests", "40", "--submitters", "4"]
+    cmd += ["--throughput-requests", "40", "--submitters", "4", *args]
     # Its own process group: if it hangs, the fleet it started goes down with it.
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
@@ -117,13 +121,32 @@ def test_bench_json_prints_the_contract() -> None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(5)
     assert proc.returncode == 0, errors.decode()[-2000:]
-    figures = json.loads(out)
+    with pytest.raises(ProcessLookupError):  # nothing it started outlived it
+        os.killpg(proc.pid, 0)
+    figures: dict[str, Any] = json.loads(out)
+    return figures
+
+
+def test_bench_json_prints_the_contract() -> None:
+    """``sluice bench --json`` at a tiny size: every contract key, each figure a positive
+    number (no timing thresholds)."""
+    figures = _bench_json()
     assert set(_CONTRACT) <= set(figures)
     assert set(figures["decision_us"]) == {"16", "256", "1024"}
     numbers = [*figures["decision_us"].values()] + [figures[k] for k in _CONTRACT[1:]]
     assert all(isinstance(v, int | float) and v > 0 for v in numbers), figures
-    with pytest.raises(ProcessLookupError):  # nothing it started outlived it
-        os.killpg(proc.pid, 0)
+    assert set(figures["targets"]) >= _LIVE_TARGETS
+
+
+def test_bench_live_only_prints_the_live_contract_alone() -> None:
+    """``sluice bench --live-only --json``: the live contract keys and targets, positive, and
+    none of the pure-core figures (it skipped them)."""
+    figures = _bench_json("--live-only")
+    live = [k for k in _CONTRACT if k not in ("decision_us", "baseline_decision_us")]
+    assert set(live) <= set(figures)
+    assert all(isinstance(figures[k], int | float) and figures[k] > 0 for k in live), figures
+    assert "decision_us" not in figures and "core" not in figures
+    assert set(figures["targets"]) == _LIVE_TARGETS
 
 
 @given(
