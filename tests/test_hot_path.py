@@ -213,3 +213,49 @@ async def test_a_takeover_looks_up_redelivered_results_at_once(nats_url: str) ->
 
 async def _stream_empty(js: JetStreamContext, stream: str) -> bool:
     return (await js.stream_info(stream)).state.messages == 0
+
+
+async def test_an_idle_band_is_pulled_one_message_at_a_time(nats_url: str) -> None:
+    """Sequential requests on an idle fleet: once the term's first pull is answered, every
+    pull of the band asks for one message (a pull for a batch would wait, after the request,
+    for the server's "no more messages" status: a second wake-up on the hot path). Fails if
+    ``pull_batch`` ignores ``backlog`` (every pull then asks for 128)."""
+    pulls: list[int] = []
+    subject = "$JS.API.CONSUMER.MSG.NEXT.{}.{}".format(
+        names.request_stream("interactive"), names.dispatcher_consumer("interactive")
+    )
+    kw = cluster_kwargs(workers=1)
+    async with LocalCluster(nats_url, **kw) as cluster, Client(nats_url) as client:
+
+        async def on_pull(msg: Msg) -> None:
+            pulls.append(json.loads(msg.data)["batch"])
+
+        await eventually(lambda: _true(cluster.dispatcher.leading))
+        await client.nc.subscribe(subject, cb=on_pull)
+        await client.nc.flush()
+        for _ in range(4):
+            h = await client.submit("sim", _PROMPT, max_tokens=2, band="interactive")
+            assert (await h.result(timeout_s=20)).ok
+        await eventually(lambda: _true(len(pulls) >= 4))  # one (at least) after each request
+    assert pulls[-4:] == [1, 1, 1, 1], f"pulls of an idle band asked for {pulls}"
+
+
+def _js_msg(num_pending: int, num_delivered: int) -> Msg:
+    """A JetStream message as the server delivers it: its ack subject carries the
+    consumer's counts ($JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>)."""
+    ack = f"$JS.ACK.S.C.{num_delivered}.7.7.1700000000000000000.{num_pending}"
+    return Msg(_client=None, subject="sluice.req.interactive.sim.default", reply=ack)  # type: ignore[arg-type]
+
+
+def test_a_backlog_or_a_redelivery_is_pulled_in_batches() -> None:
+    """The next pull asks for a batch (at most the buffer's room) when messages wait behind
+    the last one pulled, or when it was a redelivery (those come back together after a
+    takeover); for one otherwise. Fails if either condition of ``more_behind`` is dropped."""
+    from sluice.dispatcher.runtime.intake import PULL_BATCH, more_behind, pull_batch
+
+    assert more_behind(_js_msg(num_pending=5, num_delivered=1))
+    assert more_behind(_js_msg(num_pending=0, num_delivered=2))
+    assert not more_behind(_js_msg(num_pending=0, num_delivered=1))
+    assert pull_batch(2000, backlog=True) == PULL_BATCH
+    assert pull_batch(3, backlog=True) == 3
+    assert pull_batch(2000, backlog=False) == 1
