@@ -124,12 +124,48 @@ def bench(
         typer.Option(help="Concurrent submitters and raw publishers.", min=1),
     ] = None,
     skip_live: Annotated[bool, typer.Option(help="Only the pure-core benchmarks.")] = False,
+    live_only: Annotated[
+        bool, typer.Option(help="Only the live figures (no core benchmarks, no decision_us).")
+    ] = False,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print every figure as one JSON object, nothing else.")
     ] = False,
 ) -> None:
     """Measure the dispatcher's own cost and its live hot path against baselines measured in
     the same run, and how far each figure is from its target."""
+    from sluice.cli.benchlive import BenchError, HotSizes, bench_hot, verdicts
+
+    if skip_live and live_only:
+        raise fail("--skip-live and --live-only exclude each other")
+    figures: dict[str, Any] = (
+        {"targets": {}} if live_only else _core_figures(requests, decision_requests, as_json)
+    )
+    if not skip_live:
+        given = {
+            "latency_requests": live_requests,
+            "throughput_requests": throughput_requests,
+            "submitters": submitters,
+        }
+        sizes = HotSizes(**{k: v for k, v in given.items() if v is not None})
+        try:
+            hot = run(bench_hot(sizes))
+        except BenchError as exc:
+            raise fail(str(exc)) from exc
+        figures.update(hot.as_dict())
+        figures["targets"].update(
+            {
+                v.name: {"value": v.value, "target": v.target, "met": v.met, "off_by": v.off_by}
+                for v in verdicts(hot)
+            }
+        )
+        if not as_json:
+            _print_hot(hot)
+    if as_json:
+        print(json.dumps(figures))
+
+
+def _core_figures(requests: int, decision_requests: int, as_json: bool) -> dict[str, Any]:
+    """``sluice bench``'s pure-core figures (printed unless ``as_json``), with their targets."""
     from sluice.cli.benchcore import (
         TARGET_GROWTH_1024_VS_16,
         TARGET_US_AT_256,
@@ -137,7 +173,6 @@ def bench(
         decision_costs,
         print_costs,
     )
-    from sluice.cli.benchlive import BenchError, HotSizes, bench_hot, verdicts
 
     figures: dict[str, Any] = {"core": {}}
     for policy in ("cache-aware", "least-loaded"):
@@ -170,28 +205,7 @@ def bench(
     }
     if not as_json:
         print_costs(costs, echo=console.print)
-    if not skip_live:
-        given = {
-            "latency_requests": live_requests,
-            "throughput_requests": throughput_requests,
-            "submitters": submitters,
-        }
-        sizes = HotSizes(**{k: v for k, v in given.items() if v is not None})
-        try:
-            hot = run(bench_hot(sizes))
-        except BenchError as exc:
-            raise fail(str(exc)) from exc
-        figures.update(hot.as_dict())
-        figures["targets"].update(
-            {
-                v.name: {"value": v.value, "target": v.target, "met": v.met, "off_by": v.off_by}
-                for v in verdicts(hot)
-            }
-        )
-        if not as_json:
-            _print_hot(hot)
-    if as_json:
-        print(json.dumps(figures))
+    return figures
 
 
 def _target(value: float, target: float, met: bool) -> dict[str, Any]:

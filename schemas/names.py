@@ -27,6 +27,7 @@ JS_ERR_STREAM_NAME_IN_USE = 10058
 DEFAULT_BANDS: tuple[str, ...] = ("interactive", "standard", "batch")
 
 _SAFE = re.compile(r"[A-Za-z0-9_-]")
+_ALL_SAFE = re.compile(r"[A-Za-z0-9_-]+")
 _TOKEN = re.compile(r"^[A-Za-z0-9_~-]+$")
 
 
@@ -34,6 +35,8 @@ def subject_token(value: str) -> str:
     """Encode ``value`` as one NATS subject token: ``[A-Za-z0-9_-]`` kept, other bytes ``~XX``."""
     if not value:
         raise ValueError("a subject token cannot be empty")
+    if _ALL_SAFE.fullmatch(value):
+        return value  # the usual name or id (every subject of a request has some): kept whole
     out: list[str] = []
     for ch in value:
         if _SAFE.match(ch):
@@ -47,6 +50,8 @@ def token_value(token: str) -> str:
     """Decode a token made by :func:`subject_token`; raises ``ValueError`` on a malformed token."""
     if not _TOKEN.match(token):
         raise ValueError(f"not a sluice subject token: {token!r}")
+    if "~" not in token:
+        return token  # nothing was encoded
     raw = bytearray()
     i = 0
     while i < len(token):

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -100,12 +101,15 @@ _CONTRACT = (
 )
 
 
-def test_bench_json_prints_the_contract() -> None:
-    """``sluice bench --json`` at a tiny size, as a real process: one JSON object with every
-    contract key, each figure a positive number (no timing thresholds)."""
+_LIVE_TARGETS = {"dispatch p50 / publish ack", "dispatch p99 (ms)", "throughput / raw JetStream"}
+
+
+def _bench_json(*args: str) -> dict[str, Any]:
+    """``sluice bench --json`` at a tiny size, as a real process; its one JSON object. Checks
+    that nothing it started outlived it."""
     cmd = [sys.executable, "-m", "sluice.cli", "bench", "--json", "--requests", "200"]
     cmd += ["--decision-requests", "50", "--live-requests", "10"]
-    cmd += ["--throughput-requests", "40", "--submitters", "4"]
+    cmd += ["--throughput-requests", "40", "--submitters", "4", *args]
     # Its own process group: if it hangs, the fleet it started goes down with it.
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
@@ -117,13 +121,32 @@ def test_bench_json_prints_the_contract() -> None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(5)
     assert proc.returncode == 0, errors.decode()[-2000:]
-    figures = json.loads(out)
+    with pytest.raises(ProcessLookupError):  # nothing it started outlived it
+        os.killpg(proc.pid, 0)
+    figures: dict[str, Any] = json.loads(out)
+    return figures
+
+
+def test_bench_json_prints_the_contract() -> None:
+    """``sluice bench --json`` at a tiny size: every contract key, each figure a positive
+    number (no timing thresholds)."""
+    figures = _bench_json()
     assert set(_CONTRACT) <= set(figures)
     assert set(figures["decision_us"]) == {"16", "256", "1024"}
     numbers = [*figures["decision_us"].values()] + [figures[k] for k in _CONTRACT[1:]]
     assert all(isinstance(v, int | float) and v > 0 for v in numbers), figures
-    with pytest.raises(ProcessLookupError):  # nothing it started outlived it
-        os.killpg(proc.pid, 0)
+    assert set(figures["targets"]) >= _LIVE_TARGETS
+
+
+def test_bench_live_only_prints_the_live_contract_alone() -> None:
+    """``sluice bench --live-only --json``: the live contract keys and targets, positive, and
+    none of the pure-core figures (it skipped them)."""
+    figures = _bench_json("--live-only")
+    live = [k for k in _CONTRACT if k not in ("decision_us", "baseline_decision_us")]
+    assert set(live) <= set(figures)
+    assert all(isinstance(figures[k], int | float) and figures[k] > 0 for k in live), figures
+    assert "decision_us" not in figures and "core" not in figures
+    assert set(figures["targets"]) == _LIVE_TARGETS
 
 
 @given(
@@ -190,3 +213,49 @@ async def test_a_takeover_looks_up_redelivered_results_at_once(nats_url: str) ->
 
 async def _stream_empty(js: JetStreamContext, stream: str) -> bool:
     return (await js.stream_info(stream)).state.messages == 0
+
+
+async def test_an_idle_band_is_pulled_one_message_at_a_time(nats_url: str) -> None:
+    """Sequential requests on an idle fleet: once the term's first pull is answered, every
+    pull of the band asks for one message (a pull for a batch would wait, after the request,
+    for the server's "no more messages" status: a second wake-up on the hot path). Fails if
+    ``pull_batch`` ignores ``backlog`` (every pull then asks for 128)."""
+    pulls: list[int] = []
+    subject = "$JS.API.CONSUMER.MSG.NEXT.{}.{}".format(
+        names.request_stream("interactive"), names.dispatcher_consumer("interactive")
+    )
+    kw = cluster_kwargs(workers=1)
+    async with LocalCluster(nats_url, **kw) as cluster, Client(nats_url) as client:
+
+        async def on_pull(msg: Msg) -> None:
+            pulls.append(json.loads(msg.data)["batch"])
+
+        await eventually(lambda: _true(cluster.dispatcher.leading))
+        await client.nc.subscribe(subject, cb=on_pull)
+        await client.nc.flush()
+        for _ in range(4):
+            h = await client.submit("sim", _PROMPT, max_tokens=2, band="interactive")
+            assert (await h.result(timeout_s=20)).ok
+        await eventually(lambda: _true(len(pulls) >= 4))  # one (at least) after each request
+    assert pulls[-4:] == [1, 1, 1, 1], f"pulls of an idle band asked for {pulls}"
+
+
+def _js_msg(num_pending: int, num_delivered: int) -> Msg:
+    """A JetStream message as the server delivers it: its ack subject carries the
+    consumer's counts ($JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>)."""
+    ack = f"$JS.ACK.S.C.{num_delivered}.7.7.1700000000000000000.{num_pending}"
+    return Msg(_client=None, subject="sluice.req.interactive.sim.default", reply=ack)  # type: ignore[arg-type]
+
+
+def test_a_backlog_or_a_redelivery_is_pulled_in_batches() -> None:
+    """The next pull asks for a batch (at most the buffer's room) when messages wait behind
+    the last one pulled, or when it was a redelivery (those come back together after a
+    takeover); for one otherwise. Fails if either condition of ``more_behind`` is dropped."""
+    from sluice.dispatcher.runtime.intake import PULL_BATCH, more_behind, pull_batch
+
+    assert more_behind(_js_msg(num_pending=5, num_delivered=1))
+    assert more_behind(_js_msg(num_pending=0, num_delivered=2))
+    assert not more_behind(_js_msg(num_pending=0, num_delivered=1))
+    assert pull_batch(2000, backlog=True) == PULL_BATCH
+    assert pull_batch(3, backlog=True) == 3
+    assert pull_batch(2000, backlog=False) == 1

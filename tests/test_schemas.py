@@ -123,6 +123,25 @@ def test_subject_tokens_round_trip_and_are_safe(value: str) -> None:
     assert not any(c in token for c in ".*> \t\r\n")
 
 
+def _reference_token(value: str) -> str:
+    """:func:`names.subject_token` character by character, as it was before its fast path."""
+    return "".join(
+        ch
+        if ch.isascii() and (ch.isalnum() or ch in "_-")
+        else "".join(f"~{b:02X}" for b in ch.encode("utf-8"))
+        for ch in value
+    )
+
+
+@given(st.text(alphabet=st.sampled_from("aZ09_-~.* é\n\u4e2d"), min_size=1, max_size=12))
+def test_subject_tokens_keep_safe_names_whole_and_encode_the_rest(value: str) -> None:
+    """The fast paths (a name of safe characters is its own token; a token without ``~``
+    decodes to itself) give what encoding character by character gives. Fails if the fast
+    path of ``subject_token`` lets ``~`` or ``.`` through, or ``token_value`` skips decoding."""
+    assert names.subject_token(value) == _reference_token(value)
+    assert names.token_value(_reference_token(value)) == value
+
+
 def test_request_subject_parses_back() -> None:
     subject = names.request_subject("interactive", "qwen2.5-7b", "acme corp")
     assert subject.count(".") == 4

@@ -42,6 +42,7 @@ class Intake:
         leaves what it fetched after that untouched (the next leader gets it redelivered)."""
         st = self.state
         room = st.room[band]
+        backlog = True  # a new term starts with what its predecessor left: take it in batches
         while st.running and st.term == term:
             free = st.settings.max_buffered - st.held_by_band[band]
             if free <= 0:
@@ -49,8 +50,11 @@ class Intake:
                 await room.wait()
                 continue
             try:
-                msgs = await psub.fetch(batch=min(free, 128), timeout=st.settings.fetch_timeout_s)
+                msgs = await psub.fetch(
+                    batch=pull_batch(free, backlog), timeout=st.settings.fetch_timeout_s
+                )
             except (TimeoutError, nats.errors.TimeoutError):
+                backlog = False  # a whole long-poll and nothing came: the band is idle
                 continue
             except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError):
                 await asyncio.sleep(0.2)
@@ -59,6 +63,7 @@ class Intake:
                 log.warning("fetch on band %s failed; retrying", band, exc_info=True)
                 await asyncio.sleep(0.5)
                 continue
+            backlog = more_behind(msgs[-1])
             known = await self._results_of_redeliveries(msgs)
             for msg in msgs:
                 if st.term != term or not st.leading():
@@ -184,6 +189,31 @@ class Intake:
             log.debug("could not look up the result of %s; running it", request_id)
             return False
         return True
+
+
+PULL_BATCH = 128
+"""Most request messages one pull asks for while a band has a backlog."""
+
+
+def pull_batch(free: int, backlog: bool) -> int:
+    """How many messages the next pull of a band asks for: one while the band is idle (the
+    last message pulled said none were pending behind it), a batch while it has a backlog;
+    never more than the buffer has room for (``free``).
+
+    A pull for several messages on an idle band waits on the server for the first to arrive
+    and then, having it, for the server's "no more messages" status (nats-py's ``fetch``):
+    a second wake-up of the dispatcher before the request is even decoded. A pull for one
+    returns with that message. The message's ``num_pending`` says whether more wait, and then
+    the next pull takes them (up to a batch) in one round trip, as they are available."""
+    return min(free, PULL_BATCH) if backlog else 1
+
+
+def more_behind(msg: Msg) -> bool:
+    """Whether more messages likely wait behind ``msg``: the consumer has messages it has not
+    delivered yet, or ``msg`` is a redelivery (after a takeover, or once ``ack_wait`` passed,
+    a held request comes back with the others that were held with it)."""
+    meta = msg.metadata
+    return meta.num_pending > 0 or meta.num_delivered > 1
 
 
 def _request(req: SubmitRequest, msg: Msg, now: float, ids: Sequence[int] | None) -> Request:
