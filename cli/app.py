@@ -221,7 +221,8 @@ def _print_hot(hot: Any) -> None:
         f"dispatcher and {hot.agents} agents as processes; submit -> worker accepted): p50 "
         f"{hot.dispatch_p50_ms:.2f} ms, p99 {hot.dispatch_p99_ms:.2f} ms (of which submit "
         f"returning p50 {hot.submit_p50_ms:.2f} ms); same-run baselines: "
-        f"JetStream publish ack p50 {hot.publish_ack_p50_ms:.2f} ms, core request/reply p50 "
+        f"JetStream publish ack p50 {hot.publish_ack_p50_ms:.2f} ms back to back, "
+        f"{hot.publish_ack_between_p50_ms:.2f} ms between the dispatches, core request/reply p50 "
         f"{hot.request_reply_p50_ms:.2f} ms"
     )
     console.print(

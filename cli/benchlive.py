@@ -77,6 +77,10 @@ class HotFigures:
     dispatch_p50_ms: float
     dispatch_p99_ms: float
     publish_ack_p50_ms: float
+    """JetStream publish acks back to back, before the fleet starts (the issue's baseline)."""
+    publish_ack_between_p50_ms: float
+    """A JetStream publish ack after each of the sequential dispatches, with the fleet up: the
+    broker and the machine as each dispatch meets them (idle a moment, not back to back)."""
     submit_p50_ms: float
     """``Client.submit`` returning (the request's own publish acknowledged), in the fleet."""
     request_reply_p50_ms: float
@@ -98,6 +102,11 @@ class HotFigures:
         return self.dispatch_p50_ms / self.publish_ack_p50_ms
 
     @property
+    def dispatch_ratio_between(self) -> float:
+        """The dispatch p50 against the publish ack measured between the dispatches."""
+        return self.dispatch_p50_ms / self.publish_ack_between_p50_ms
+
+    @property
     def throughput_ratio(self) -> float:
         return self.throughput_rps / self.raw_jetstream_rps
 
@@ -106,6 +115,7 @@ class HotFigures:
         return {
             **asdict(self),
             "dispatch_ratio": self.dispatch_ratio,
+            "dispatch_ratio_between": self.dispatch_ratio_between,
             "throughput_ratio": self.throughput_ratio,
         }
 
@@ -130,9 +140,15 @@ class Verdict:
 
 
 def verdicts(f: HotFigures) -> list[Verdict]:
-    """The three targets of the hot path."""
+    """The three targets of the hot path (the first against both publish-ack baselines)."""
     return [
         Verdict("dispatch p50 / publish ack", f.dispatch_ratio, DISPATCH_RATIO_TARGET, False),
+        Verdict(
+            "dispatch p50 / publish ack between dispatches",
+            f.dispatch_ratio_between,
+            DISPATCH_RATIO_TARGET,
+            False,
+        ),
         Verdict("dispatch p99 (ms)", f.dispatch_p99_ms, DISPATCH_P99_TARGET_MS, False),
         Verdict("throughput / raw JetStream", f.throughput_ratio, THROUGHPUT_RATIO_TARGET, True),
     ]
@@ -153,7 +169,9 @@ async def bench_hot(sizes: HotSizes | None = None) -> HotFigures:
                 procs.append(_spawn(["agent"], _agent_env(server.url, i), Path(tmp), f"a{i}"))
             async with Client(server.url) as client:
                 await _ready(client, z.agents, procs)
-                dispatch_ms, submit_ms = await _dispatch_latency(client, z.latency_requests)
+                dispatch_ms, submit_ms, between_ms = await _dispatch_latency(
+                    client, z.latency_requests
+                )
                 cpu0 = [_cpu_s(p.pid) for p in procs]
                 rps = await _throughput(client, z.throughput_requests, z.submitters)
                 cpu = [b - a for a, b in zip(cpu0, [_cpu_s(p.pid) for p in procs], strict=True)]
@@ -164,6 +182,7 @@ async def bench_hot(sizes: HotSizes | None = None) -> HotFigures:
         dispatch_p50_ms=percentile(dispatch_ms, 50),
         dispatch_p99_ms=percentile(dispatch_ms, 99),
         publish_ack_p50_ms=percentile(pub_ms, 50),
+        publish_ack_between_p50_ms=percentile(between_ms, 50),
         submit_p50_ms=percentile(submit_ms, 50),
         request_reply_p50_ms=percentile(rr_ms, 50),
         throughput_requests=z.throughput_requests,
@@ -340,21 +359,33 @@ async def _ready(client: Client, agents: int, procs: list[subprocess.Popen[bytes
         await h.result(timeout_s=_READY_TIMEOUT_S)
 
 
-async def _dispatch_latency(client: Client, n: int) -> tuple[list[float], list[float]]:
+async def _dispatch_latency(client: Client, n: int) -> tuple[list[float], list[float], list[float]]:
     """Sequential requests on the idle fleet, in ms: submit until a worker accepted it, and
-    until ``submit`` returned (its publish acknowledged). The agent's accept time is the
-    result's ``queued_s`` after the request's submission stamp."""
-    out, submits = [], []
-    for _ in range(n):
-        t0 = time.time()
-        h = await client.submit(_MODEL, _PROMPT, max_tokens=1, band="interactive")
-        submits.append((time.time() - t0) * 1000)
-        r = await h.result(timeout_s=30)
-        if r.timings is None:
-            raise BenchError(f"request {r.request_id} did not run: {r.rejection}")
-        accepted_unix_s = h.request.submitted_unix_ms / 1000 + r.timings.queued_s
-        out.append((accepted_unix_s - t0) * 1000)
-    return out, submits
+    until ``submit`` returned (its publish acknowledged); and after each, one JetStream publish
+    ack on a stream of its own (the baseline as the dispatches meet the broker). The agent's
+    accept time is the result's ``queued_s`` after the request's submission stamp."""
+    js = client.nc.jetstream()
+    await js.add_stream(
+        name="BENCH_BETWEEN", subjects=["bench.between"], storage=api.StorageType.FILE
+    )
+    payload = _request_bytes()
+    out, submits, between = [], [], []
+    try:
+        for i in range(n):
+            t0 = time.time()
+            h = await client.submit(_MODEL, _PROMPT, max_tokens=1, band="interactive")
+            submits.append((time.time() - t0) * 1000)
+            r = await h.result(timeout_s=30)
+            if r.timings is None:
+                raise BenchError(f"request {r.request_id} did not run: {r.rejection}")
+            accepted_unix_s = h.request.submitted_unix_ms / 1000 + r.timings.queued_s
+            out.append((accepted_unix_s - t0) * 1000)
+            t = time.perf_counter()
+            await js.publish("bench.between", payload, headers={"Nats-Msg-Id": f"between-{i}"})
+            between.append((time.perf_counter() - t) * 1000)
+    finally:
+        await js.delete_stream("BENCH_BETWEEN")
+    return out, submits, between
 
 
 async def _throughput(client: Client, n: int, submitters: int) -> float:
