@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import random
 import time
@@ -87,6 +88,7 @@ def bench_core(
         chooser.heartbeat(f"w{w}", None, 0.0)
     rng = random.Random(seed + 1)
     running: list[str] = []
+    gc.collect()  # every measurement starts from the same heap: no earlier run's debt
     t0 = time.process_time()
     decisions = _drive(sched, stream, running, rng, 0.0)
     sluice_s = time.process_time() - t0
@@ -170,6 +172,7 @@ def _baseline_us(stream: _Stream, workers: int, capacity: int, seed: int) -> flo
     rng = random.Random(seed + 1)
     running: list[str] = []
     decisions = 0
+    gc.collect()  # every measurement starts from the same heap: no earlier run's debt
     t0 = time.process_time()
     for i in range(0, len(stream), _BATCH):
         for rid, band, _, _ in stream[i : i + _BATCH]:
@@ -243,6 +246,7 @@ def decision_costs(
         sched, filled = _fleet(n, capacity, indexed_blocks, stream, seed)
         running = _warm(sched, n * capacity // 4, seed)
         rng = random.Random(seed + 1)
+        gc.collect()  # every measurement starts from the same heap: no earlier run's debt
         t0 = time.process_time()
         counts[n] = _drive(sched, stream, running, rng, 0.0)
         out[n] = (time.process_time() - t0) / max(counts[n], 1) * 1e6
@@ -251,6 +255,7 @@ def decision_costs(
     at = max([n for n in worker_counts if n <= 256] or [min(worker_counts)])
     sched, _ = _fleet(at, capacity, indexed_blocks, stream, seed)
     running = _warm(sched, at * capacity // 4, seed)
+    gc.collect()  # every measurement starts from the same heap: no earlier run's debt
     _drive(sched, stream, running, random.Random(seed + 1), 0.0, phases)
     base = _baseline_us(stream, 16, capacity, seed)
     return DecisionCosts(out, base, filled, counts, phases, idle, at)
