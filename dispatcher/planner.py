@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -46,8 +47,12 @@ class _Scratch:
     """Engine-seconds this plan charged to each (band, budget)."""
     filled: Counter[str] = field(default_factory=Counter)
     """Per model: its workers this plan filled (they had room when it began)."""
-    moved: list[tuple[float, str]] = field(default_factory=list)
-    """(load key, worker) of the workers this plan booked onto that still have room, sorted."""
+    moved: dict[str, list[tuple[float, str]]] = field(default_factory=dict)
+    """Per model: (load key, worker) of its workers this plan booked onto that still have
+    room, sorted."""
+    walked: dict[str, int] = field(default_factory=dict)
+    """Per model: how many entries at the front of the scheduler's order this plan moved
+    (a walk starts past them: the plan moves workers, never back)."""
     moved_key: dict[str, float] = field(default_factory=dict)
     made: dict[str, Candidate | None] = field(default_factory=dict)
     """Candidates built so far in this plan (a worker's changes only when it is planned)."""
@@ -210,12 +215,11 @@ class _Pool(CandidatePool):
     plan), built one by one on demand: a shortlisting policy asks for a few; one that
     iterates gets them all, in the order workers first heartbeated."""
 
-    __slots__ = ("_all_list", "_model", "_moved_list", "_now_s", "_s", "_state")
+    __slots__ = ("_all_list", "_model", "_now_s", "_s", "_state")
 
     def __init__(self, state: PlanInput, s: _Scratch, model: str, now_s: float) -> None:
         self._state, self._s, self._model, self._now_s = state, s, model, now_s
         self._all_list: list[Candidate] | None = None
-        self._moved_list: list[tuple[float, str]] | None = None
 
     def __len__(self) -> int:
         return self._state.free.count(self._model) - self._s.filled.get(self._model, 0)
@@ -259,10 +263,17 @@ class _Pool(CandidatePool):
     def ids_by_load(self) -> Iterator[tuple[float, str]]:
         # The plan's own bookings moved some workers in the order: merge those (kept sorted
         # in the scratch) with the scheduler's order, which still has them at their old place.
-        moved = self._moved()
-        moved_key = self._s.moved_key
+        s, model = self._s, self._model
+        moved, moved_key = s.moved.get(model, _NO_MOVES), s.moved_key
+        order = self._state.free.entries(model)
+        # The front of the order the plan moved away: skipped once per plan, not per walk
+        # (a plan books the least loaded first, so that front grows with every decision).
+        start = s.walked.get(model, 0)
+        while start < len(order) and order[start][1] in moved_key:
+            start += 1
+        s.walked[model] = start
         i = 0
-        for key, w in self._state.free.ordered(self._model):
+        for key, w in itertools.islice(order, start, None):
             if w in moved_key:
                 continue
             while i < len(moved) and moved[i] < (key, w):
@@ -270,14 +281,6 @@ class _Pool(CandidatePool):
                 i += 1
             yield key, w
         yield from moved[i:]
-
-    def _moved(self) -> list[tuple[float, str]]:
-        """The plan's moved workers of this model (once per decision: the plan moves none
-        while a decision is made)."""
-        if self._moved_list is None:
-            workers, model = self._state.workers, self._model
-            self._moved_list = [(k, w) for k, w in self._s.moved if model in workers[w].models]
-        return self._moved_list
 
     def by_load(self) -> Iterator[tuple[float, Candidate]]:
         made = self._made
@@ -348,6 +351,7 @@ class _Pool(CandidatePool):
 
 
 _NEVER = float("-inf")
+_NO_MOVES: list[tuple[float, str]] = []
 _INF = float("inf")
 
 
@@ -385,7 +389,9 @@ def _moved(state: PlanInput, s: _Scratch, w: str) -> None:
     info, books = state.workers[w], state.books
     old = s.moved_key.pop(w, None)
     if old is not None and old != float("inf"):
-        del s.moved[bisect.bisect_left(s.moved, (old, w))]
+        for m in info.models:
+            order = s.moved[m]
+            del order[bisect.bisect_left(order, (old, w))]
     booked = len(books.on(w)) + s.planned[w]
     if booked >= info.capacity:
         for m in info.models:
@@ -395,7 +401,8 @@ def _moved(state: PlanInput, s: _Scratch, w: str) -> None:
     unreported = books.unreported_prefill(w) + s.planned_prefill[w]
     key = state.load_key(booked, info.capacity, unreported)
     s.moved_key[w] = key
-    bisect.insort(s.moved, (key, w))
+    for m in info.models:
+        bisect.insort(s.moved.setdefault(m, []), (key, w))
 
 
 HOLD_REASONS = (

@@ -9,7 +9,7 @@ with the number of workers (an update costs O(log n) comparisons and one list mo
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 _Entry = tuple[float, str]
 _NONE: Mapping[str, float] = {}
@@ -67,6 +67,11 @@ class FreeWorkers:
         """(key, worker) of ``model``'s workers with room, least loaded first (do not change
         the pool while iterating)."""
         return iter(self._order.get(model, ()))
+
+    def entries(self, model: str) -> Sequence[_Entry]:
+        """(key, worker) of ``model``'s workers with room, least loaded first (a live view:
+        do not change the pool while reading it)."""
+        return self._order.get(model, ())
 
     def workers(self, model: str) -> list[str]:
         """``model``'s workers with room, least loaded first."""

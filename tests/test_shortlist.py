@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator, Sequence
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -408,3 +409,41 @@ def test_a_decision_on_a_large_idle_fleet_does_not_walk_its_equal_workers() -> N
     k = policy.config.shortlist_workers
     assert pool.asked <= k and pool.stepped <= 2 * k + 1
     assert not pool.walked
+
+
+class _CountingKeys(dict[str, float]):
+    """A plan's moved-key map that counts membership tests (the walks' steps past it)."""
+
+    tests = 0
+
+    def __contains__(self, key: object) -> bool:
+        _CountingKeys.tests += 1
+        return super().__contains__(key)
+
+
+def test_a_burst_onto_an_idle_fleet_walks_the_load_order_once_per_plan(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Each decision of a plan books the least loaded worker, which moves it: the next walk
+    # would step past every worker moved so far (quadratic in the plan) but for the front
+    # the plan keeps skipped.
+    from sluice.dispatcher import planner
+
+    made = planner._scratch
+
+    def counting(state: planner.PlanInput) -> planner._Scratch:
+        s = made(state)
+        s.moved_key = _CountingKeys()
+        return s
+
+    monkeypatch.setattr(planner, "_scratch", counting)
+    n = 400
+    policy = CacheAware(CacheAwareConfig(block_tokens=BT, index_tokens=BT, explore_share=0.0))
+    sched = Scheduler(AdmissionConfig(global_limit=10 * n, band_floors={}), policy)
+    for i in range(n):
+        sched.update_worker(WorkerInfo(f"w{i}", frozenset({"m"}), 2, reported_s=0.0))
+    for i in range(n):
+        sched.enqueue(Request(f"r{i}", "interactive", "m", "t", 64, 8, 1.0), 1.0)
+    _CountingKeys.tests = 0
+    assert len(sched.plan(1.0)) == n
+    assert _CountingKeys.tests < 40 * n  # linear; the quadratic walk made ~n * n / 2
