@@ -212,6 +212,9 @@ class DecisionCosts:
     idle_decision_us: dict[int, float] = field(default_factory=dict)
     phase_workers: int = 0
     """The fleet size of :attr:`phase_us`."""
+    burst_decision_us: dict[int, float] = field(default_factory=dict)
+    """Worker count -> CPU µs per decision of one plan placing four requests per worker at
+    once onto the idle fleet (a burst: every decision moves a worker in the load order)."""
     """Worker count -> CPU µs per decision on an idle fleet (every request done before the
     next arrivals): its workers all tie, which must not make a decision look at them all."""
 
@@ -240,6 +243,7 @@ def decision_costs(
     stream = _stream(requests, seed)
     out: dict[int, float] = {}
     idle: dict[int, float] = {}
+    burst: dict[int, float] = {}
     counts: dict[int, int] = {}
     filled = 0
     for n in worker_counts:
@@ -251,6 +255,7 @@ def decision_costs(
         counts[n] = _drive(sched, stream, running, rng, 0.0)
         out[n] = (time.process_time() - t0) / max(counts[n], 1) * 1e6
         idle[n] = _drive_idle(_fleet(n, capacity, indexed_blocks, stream, seed)[0], stream)
+        burst[n] = _burst(_fleet(n, capacity, indexed_blocks, stream, seed)[0], 4 * n, seed)
     phases: dict[str, float] = {}
     at = max([n for n in worker_counts if n <= 256] or [min(worker_counts)])
     sched, _ = _fleet(at, capacity, indexed_blocks, stream, seed)
@@ -258,7 +263,18 @@ def decision_costs(
     gc.collect()  # every measurement starts from the same heap: no earlier run's debt
     _drive(sched, stream, running, random.Random(seed + 1), 0.0, phases)
     base = _baseline_us(stream, 16, capacity, seed)
-    return DecisionCosts(out, base, filled, counts, phases, idle, at)
+    return DecisionCosts(out, base, filled, counts, phases, idle, at, burst)
+
+
+def _burst(sched: Scheduler, n: int, seed: int) -> float:
+    """``n`` requests queued at once onto an idle fleet, placed by one plan: CPU µs per
+    decision."""
+    for rid, band, tokens, hashes in _stream(n, seed + 4):
+        sched.enqueue(Request(rid, band, "m", "t", tokens, 128, 0.0, None, hashes), 0.0)
+    gc.collect()  # every measurement starts from the same heap: no earlier run's debt
+    t0 = time.process_time()
+    decisions = len(sched.plan(0.0))
+    return (time.process_time() - t0) / max(decisions, 1) * 1e6
 
 
 def _drive_idle(sched: Scheduler, stream: _Stream) -> float:
@@ -354,6 +370,8 @@ def cost_table(costs: DecisionCosts) -> list[tuple[str, str, str, str]]:
         rows.append((f"  {costs.phase_workers:,} workers: {phase}", f"{us:.1f} us", "", ""))
     for n, us in sorted(costs.idle_decision_us.items()):
         rows.append((f"the same, idle fleet, {n:,} workers", f"{us:.1f} us", "", ""))
+    for n, us in sorted(costs.burst_decision_us.items()):
+        rows.append((f"one plan of {4 * n:,} onto {n:,} idle workers", f"{us:.1f} us", "", ""))
     rows.append(("minimal FIFO + round-robin", f"{costs.baseline_decision_us:.2f} us", "1.0x", ""))
     if 16 in costs.decision_us and 1024 in costs.decision_us:
         g = costs.growth(1024, 16)
