@@ -701,6 +701,13 @@ def bench_routers_cmd(
     ] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the figures here.")] = None,
     progress: Annotated[bool, typer.Option(help="Show progress bars.")] = True,
+    simulate: Annotated[
+        bool,
+        typer.Option(
+            "--simulate",
+            help="Replay the same slice, warm-up and loads in the simulator instead (seconds).",
+        ),
+    ] = False,
 ) -> None:
     """Sluice head to head against the SGLang gateway (sglang-router 0.3.2 and smg 1.13) and
     round-robin, on one fleet of sluice engine servers (docs/BENCHMARKS.md). By default requests
@@ -738,6 +745,15 @@ def bench_routers_cmd(
     def stop(*_: object) -> None:
         raise KeyboardInterrupt  # SIGTERM stops every process it started, as Ctrl-C does
 
+    if simulate:
+        try:
+            sim = b.simulate(cfg, err)
+        except (b.BenchRoutersError, ConfigError) as exc:
+            raise fail(str(exc)) from exc
+        console.print(b.sim_table(sim))
+        if json_out is not None:
+            json_out.write_text(json.dumps(sim, indent=2) + "\n")
+        return
     signal.signal(signal.SIGTERM, stop)
     err.print(
         f"[dim]{cfg.engines} engines at speed x{cfg.speed:g}, {cfg.requests} requests from "

@@ -593,6 +593,93 @@ def bench_routers(cfg: BenchConfig, console: Console) -> RoutersResult:
     return result
 
 
+SIM_POLICIES = ("round-robin", "sglang-cache-aware", "sluice")
+"""The replay's policies ``--simulate`` runs: the simulator's model of the SGLang router's
+cache-aware policy, and the policy a live Sluice dispatcher builds."""
+
+
+def simulate(cfg: BenchConfig, console: Console | None = None) -> dict[str, Any]:
+    """The same slice, warm-up and loads in the simulator instead of the fleet (``sluice
+    replay``'s engines and policies, in engine time: no speed-up, the SLO at 2 s): per policy
+    of :data:`SIM_POLICIES`, per load, the replay's figures of the slice alone. A warm-up is
+    replayed first by itself to find when it ends; then the warm-up and, from that end plus
+    :data:`WARMUP_SETTLE_S` of the fleet's time, the slice, measured from its first request
+    (``ReplayConfig.measure_from``)."""
+    from sluice.sim.replay import ReplayConfig, replay
+
+    prof = get_profile(PROFILE)
+    whole = load_trace(cfg.trace)
+    trace = whole[cfg.start : cfg.start + cfg.requests]
+    if not trace:
+        raise BenchRoutersError(f"{cfg.trace} has no requests from {cfg.start}")
+    if cfg.max_output_tokens is not None:
+        cap = cfg.max_output_tokens
+        trace = [replace(r, output_tokens=min(r.output_tokens, cap)) for r in trace]
+    warm = warmup_slice(cfg, whole)
+    base = ReplayConfig(workers=cfg.engines, profile=prof, slo_ttft_s=SLO_TTFT_S)
+    runs: dict[str, dict[float, dict[str, Any]]] = {p: {} for p in SIM_POLICIES}
+    for load in cfg.loads:
+        window = scale_arrivals(trace, load=load, workers=cfg.engines, profile=prof)
+        warmed = (
+            scale_arrivals(warm, load=cfg.warmup_load, workers=cfg.engines, profile=prof)
+            if warm
+            else []
+        )
+        for policy in SIM_POLICIES:
+            rc, full, ends = base, window, 0.0
+            if warmed:
+                ends = replay(warmed, policy, base).last_finish_s + WARMUP_SETTLE_S * cfg.speed
+                full = [*warmed, *(replace(r, arrival_s=r.arrival_s + ends) for r in window)]
+                rc = replace(base, measure_from=len(warmed))
+            runs[policy][load] = {**replay(full, policy, rc).as_json(), "warmup_s": round(ends, 3)}
+        if console is not None:
+            s, g = runs["sluice"][load], runs["sglang-cache-aware"][load]
+            console.print(
+                f"[dim]simulated load {load:g}: sluice goodput {s['goodput_rps']:.2f}/s p99 "
+                f"{s['ttft_p99_s']:.1f} s, sglang-cache-aware {g['goodput_rps']:.2f}/s p99 "
+                f"{g['ttft_p99_s']:.1f} s[/dim]"
+            )
+    return {
+        "start": cfg.start, "requests": len(trace), "engines": cfg.engines,
+        "warmup": cfg.warmup if warm else "none", "warmup_requests": len(warm),
+        "hit_ceiling": round(hit_ceiling(trace, warm), 4),
+        "hit_ceiling_cold": round(hit_ceiling(trace), 4), "runs": runs,
+    }  # fmt: skip
+
+
+def sim_table(sim: dict[str, Any]) -> Table:
+    """Per load, each simulated policy's goodput, TTFT P50/P99 and hit rate (engine time);
+    ``sluice`` against ``sglang-cache-aware``."""
+    warm = (
+        f"after a warm-up of {sim['warmup_requests']} ({sim['warmup']}), hit ceiling "
+        f"{sim['hit_ceiling']:.1%}"
+        if sim["warmup_requests"]
+        else f"cold, hit ceiling {sim['hit_ceiling_cold']:.1%}"
+    )
+    t = Table(
+        title=f"simulated: requests {sim['start']}-{sim['start'] + sim['requests'] - 1} {warm}, "
+        f"{sim['engines']} engines, engine time (SLO {SLO_TTFT_S:g} s)"
+    )
+    for col in ("load", "policy", "goodput", "TTFT p50", "TTFT p99", "hit rate", "vs sglang"):
+        t.add_column(col, justify="left" if col == "policy" else "right")
+    runs = sim["runs"]
+    for load in sorted({load for by_load in runs.values() for load in by_load}):
+        g = runs["sglang-cache-aware"][load]
+        for policy in SIM_POLICIES:
+            f = runs[policy][load]
+            vs = (
+                f"{_ratio(f['goodput_rps'], g['goodput_rps'])} / "
+                f"{_ratio(f['ttft_p99_s'], g['ttft_p99_s'])}"
+                if policy == "sluice"
+                else ""
+            )
+            t.add_row(
+                f"{load:g}", policy, f"{f['goodput_rps']:.2f}/s", f"{f['ttft_p50_s']:.2f} s",
+                f"{f['ttft_p99_s']:.2f} s", f"{f['hit_rate']:.1%}", vs,
+            )  # fmt: skip
+    return t
+
+
 # ----------------------------------------------------------------------------- the report
 
 
