@@ -74,17 +74,17 @@ REQUESTS = 300
 START = 5400
 """The slice's first request: minute 28 of the conversation trace's hour. Of the 300-request
 windows from 600 on, the one whose trace statistics (hit ceiling after its warm-up, cold
-ceiling, mean and P99 prompt, mean output) are nearest the windows' medians (tied with 2,400,
-whose P99 prompt is further from the median); docs/BENCHMARKS.md."""
+ceiling, mean and P99 prompt, mean output) are nearest the windows' medians, with 2,400
+(distances 0.583 and 0.581), whose P99 prompt is further from the median's; docs/BENCHMARKS.md."""
 WARMUP = "turns"
 WARMUPS = ("turns", "all", "none")
 """What each run sends before the slice, unmeasured: ``turns``, the earlier turns the slice's
 requests continue (:func:`earlier_turns`) among the ``warmup_requests`` before it; ``all``, all
 of those requests; ``none``, nothing (the caches start empty)."""
 WARMUP_REQUESTS = 600
-"""How far before the slice the warm-up looks: 600 requests (3 minutes of the trace) hold
-7 M prompt tokens, within the 16 engines' 8.4 M of KV cache, so a fleet in steady state could
-still hold what they left."""
+"""How far before the slice the warm-up looks: 600 requests (about 3 minutes of the trace)
+hold 5.8-6.5 M distinct prompt tokens, within the 16 engines' 8.4 M of KV cache, so a fleet in
+steady state could still hold what they left."""
 WARMUP_LOAD = 1.0
 """The warm-up's offered load (its prefill only, counted as ``--load`` counts work)."""
 WARMUP_SETTLE_S = 2.0
