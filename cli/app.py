@@ -690,7 +690,23 @@ def bench_routers_cmd(
     ] = None,
     loads: Annotated[str | None, typer.Option(help="Offered loads, comma-separated.")] = None,
     requests: Annotated[int | None, typer.Option(help="Requests of the slice.", min=1)] = None,
-    start: Annotated[int, typer.Option(help="First request of the slice.", min=0)] = 0,
+    start: Annotated[
+        int | None, typer.Option(help="First request of the slice (default 5400).", min=0)
+    ] = None,
+    warmup: Annotated[
+        str | None,
+        typer.Option(
+            help="Before each run, unmeasured: turns (the earlier turns the slice continues, "
+            "the default), all (every request before it) or none (empty caches)."
+        ),
+    ] = None,
+    warmup_requests: Annotated[
+        int | None,
+        typer.Option(help="How many requests before the slice the warm-up draws on (600).", min=0),
+    ] = None,
+    warmup_load: Annotated[
+        float | None, typer.Option(help="The warm-up's offered load (1.0).", min=0.01)
+    ] = None,
     arms: Annotated[str | None, typer.Option(help="Arms, comma-separated.")] = None,
     max_output_tokens: Annotated[
         int | None, typer.Option(help="Cap each request's output tokens.", min=1)
@@ -703,9 +719,18 @@ def bench_routers_cmd(
     ] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the figures here.")] = None,
     progress: Annotated[bool, typer.Option(help="Show progress bars.")] = True,
+    simulate: Annotated[
+        bool,
+        typer.Option(
+            "--simulate",
+            help="Replay the same slice, warm-up and loads in the simulator instead (seconds).",
+        ),
+    ] = False,
 ) -> None:
     """Sluice head to head against the SGLang gateway (sglang-router 0.3.2 and smg 1.13) and
-    round-robin, on one fleet of sluice engine servers (docs/BENCHMARKS.md)."""
+    round-robin, on one fleet of sluice engine servers (docs/BENCHMARKS.md). By default requests
+    5400-5699 of the trace, each run after a warm-up of the earlier turns they continue;
+    `--start 0 --warmup none` is the cold first 300 of before."""
     import dataclasses
 
     from sluice.cli import benchrouters as b
@@ -716,6 +741,10 @@ def bench_routers_cmd(
             "engines": engines,
             "speed": speed,
             "requests": requests,
+            "start": start,
+            "warmup": warmup,
+            "warmup_requests": warmup_requests,
+            "warmup_load": warmup_load,
             "max_output_tokens": max_output_tokens,
             "latency_requests": latency_requests,
             "routers_venv": routers_venv,
@@ -729,16 +758,25 @@ def bench_routers_cmd(
             kw["arms"] = tuple(a.strip() for a in arms.split(",") if a.strip())
     except ValueError as exc:
         raise fail(f"--loads: {exc}") from exc
-    cfg = b.BenchConfig(trace=trace, start=start, progress=progress, **kw)
+    cfg = b.BenchConfig(trace=trace, progress=progress, **kw)
 
     def stop(*_: object) -> None:
         raise KeyboardInterrupt  # SIGTERM stops every process it started, as Ctrl-C does
 
+    if simulate:
+        try:
+            sim = b.simulate(cfg, err)
+        except (b.BenchRoutersError, ConfigError) as exc:
+            raise fail(str(exc)) from exc
+        console.print(b.sim_table(sim))
+        if json_out is not None:
+            json_out.write_text(json.dumps(sim, indent=2) + "\n")
+        return
     signal.signal(signal.SIGTERM, stop)
     err.print(
         f"[dim]{cfg.engines} engines at speed x{cfg.speed:g}, {cfg.requests} requests from "
-        f"{cfg.start}, loads {', '.join(f'{x:g}' for x in cfg.loads)}, arms "
-        f"{', '.join(cfg.arms)}[/dim]"
+        f"{cfg.start} after a warm-up of {cfg.warmup} from the {cfg.warmup_requests} before, "
+        f"loads {', '.join(f'{x:g}' for x in cfg.loads)}, arms {', '.join(cfg.arms)}[/dim]"
     )
     try:
         r = b.bench_routers(cfg, err)

@@ -20,6 +20,16 @@ so that it asks the same of the fleet. Before every run each engine's prefix cac
 up across loads (its cache index follows the engines' flush through their KV events). The hit
 rate is read from the engines' own counters.
 
+By default the slice is requests 5,400-5,699 of the Mooncake conversation trace (minute 28 of its
+hour), and before each run the arm serves a **warm-up**: the earlier turns the slice's requests
+continue (:func:`sluice.sim.traces.earlier_turns`) among the 600 requests before it, prefill
+only (one output token), at an offered load of 1.0; the benchmark waits for the warm-up to end
+and for the Sluice agents' reports to settle, then measures the slice alone (its first tokens,
+its goodput, the engines' counters). So a run starts with the caches a fleet serving the trace
+would hold, not empty ones: the first 300 requests cold (``--start 0 --warmup none``) can hit
+8 % of their prompt tokens at most, this slice after its warm-up 26 % (docs/BENCHMARKS.md,
+"Head to head on a warm slice"). ``--warmup all`` sends all the preceding requests instead.
+
 Then each router's added latency: a second fleet of 2 engines running 10,000 times faster
 (instant), one request at a time, alternating between an engine straight (the baseline of the
 same run) and the router, streaming (time to the first token) and not (the whole answer).
@@ -36,7 +46,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +59,7 @@ from sluice.cli.loadgen import LoadgenConfig, run_loadgen
 from sluice.dispatcher.stats import percentile
 from sluice.sim.loadgen import PromptBook, scale_arrivals
 from sluice.sim.profiles import get_profile
-from sluice.sim.traces import TraceRequest, load_trace
+from sluice.sim.traces import TraceRequest, earlier_turns, hit_ceiling, load_trace
 from sluice.testing.fleet import HttpEngineFleet
 from sluice.testing.gateway import GatewayProcess
 from sluice.testing.natsserver import EmbeddedNats, _free_ports
@@ -61,7 +71,25 @@ SPEED = 2.0
 ten minutes on 2 cores (at 4 the engines fall behind their clock on a busy 2-core machine)."""
 LOADS = (0.6, 0.8, 1.0)
 REQUESTS = 300
-START = 0
+START = 5400
+"""The slice's first request: minute 28 of the conversation trace's hour. Of the 300-request
+windows from 600 on, the one whose trace statistics (hit ceiling after its warm-up, cold
+ceiling, mean and P99 prompt, mean output) are nearest the windows' medians, with 2,400
+(distances 0.583 and 0.581), whose P99 prompt is further from the median's; docs/BENCHMARKS.md."""
+WARMUP = "turns"
+WARMUPS = ("turns", "all", "none")
+"""What each run sends before the slice, unmeasured: ``turns``, the earlier turns the slice's
+requests continue (:func:`earlier_turns`) among the ``warmup_requests`` before it; ``all``, all
+of those requests; ``none``, nothing (the caches start empty)."""
+WARMUP_REQUESTS = 600
+"""How far before the slice the warm-up looks: 600 requests (about 3 minutes of the trace)
+hold 5.8-6.5 M distinct prompt tokens, within the 16 engines' 8.4 M of KV cache, so a fleet in
+steady state could still hold what they left."""
+WARMUP_LOAD = 1.0
+"""The warm-up's offered load (its prefill only, counted as ``--load`` counts work)."""
+WARMUP_SETTLE_S = 2.0
+"""Wall seconds between the warm-up's end and the slice, for every arm: the Sluice agents
+report the engines' caches on a 1 s heartbeat (an SGLang router learns as it routes)."""
 SLO_TTFT_S = 2.0
 """The replay's SLO in the engines' own time (divided by the speed-up on the wall clock)."""
 PROFILE = "reference"
@@ -281,8 +309,17 @@ class RoutersResult:
     requests: int
     trace: str
     slo_ttft_s: float
+    start: int = 0
+    warmup: str = "none"
+    warmup_requests: int = 0
+    """Requests sent before each run of the slice (unmeasured)."""
+    hit_ceiling: float = 0.0
+    """The slice's hit ceiling after its warm-up (an infinite shared cache)."""
+    hit_ceiling_cold: float = 0.0
+    """The slice's hit ceiling with empty caches."""
     runs: dict[str, dict[float, dict[str, Any]]] = field(default_factory=dict)
-    """Per arm, per load: the load generator's figures (sluice.sim.loadgen.summarize)."""
+    """Per arm, per load: the load generator's figures (sluice.sim.loadgen.summarize), plus
+    ``warmup_s`` and ``warmup_failed`` when a warm-up ran."""
     latency: dict[str, dict[str, float]] = field(default_factory=dict)
     """Per router arm: P50 ms of the first token (streaming) and of the whole answer (not
     streaming), one request at a time on instant engines, and the same straight to an engine
@@ -305,6 +342,9 @@ class BenchConfig:
     loads: tuple[float, ...] = LOADS
     requests: int = REQUESTS
     start: int = START
+    warmup: str = WARMUP
+    warmup_requests: int = WARMUP_REQUESTS
+    warmup_load: float = WARMUP_LOAD
     arms: tuple[str, ...] = ARMS
     max_output_tokens: int | None = None
     latency_requests: int = LATENCY_REQUESTS
@@ -314,7 +354,7 @@ class BenchConfig:
 
 def _run_arm(
     arm: str, cfg: BenchConfig, fleet: HttpEngineFleet, trace: list[TraceRequest],
-    log_dir: str, console: Console,
+    warm: list[TraceRequest], log_dir: str, console: Console,
 ) -> dict[float, dict[str, Any]]:  # fmt: skip
     prof = get_profile(PROFILE)
     metrics = tuple(f"{e.url}/metrics" for e in fleet.engines.values())
@@ -343,6 +383,7 @@ def _run_arm(
                 else:
                     assert sluice_url is not None
                     targets = [sluice_url]
+                warmed = _warm_up(warm, targets, cfg, console) if warm else {}
                 lg = LoadgenConfig(
                     urls=tuple(targets), model=MODEL, slo_ttft_s=SLO_TTFT_S / cfg.speed,
                     engine_metrics=metrics, max_output_tokens=cfg.max_output_tokens,
@@ -351,6 +392,7 @@ def _run_arm(
                 t0 = time.monotonic()
                 before = _dispatcher_waits(d_metrics) if sluice_url else None
                 out[load] = run(run_loadgen(scaled, lg, console))
+                out[load].update(warmed)
                 if before is not None:
                     out[load].update(_wait_means(before, _dispatcher_waits(d_metrics)))
             console.print(
@@ -358,6 +400,40 @@ def _run_arm(
                 f"({time.monotonic() - t0:.0f} s)[/dim]"
             )
     return out
+
+
+def warmup_slice(cfg: BenchConfig, requests: Sequence[TraceRequest]) -> list[TraceRequest]:
+    """What each run sends before the slice (:data:`WARMUPS`), from the ``warmup_requests``
+    requests of ``requests`` (the whole trace) before ``cfg.start``, prefill only (one output
+    token: a later turn reuses the prompt's cache, not the answer's)."""
+    if cfg.warmup not in WARMUPS:
+        raise BenchRoutersError(f"unknown warm-up {cfg.warmup!r}; known: {', '.join(WARMUPS)}")
+    if cfg.warmup == "none" or cfg.warmup_requests < 1:
+        return []
+    before = requests[max(0, cfg.start - cfg.warmup_requests) : cfg.start]
+    if cfg.warmup == "turns":
+        before = earlier_turns(before, requests[cfg.start : cfg.start + cfg.requests])
+    return [replace(r, output_tokens=1) for r in before]
+
+
+def _warm_up(
+    warm: list[TraceRequest], targets: Sequence[str], cfg: BenchConfig, console: Console
+) -> dict[str, Any]:
+    """Send ``warm`` through ``targets`` open loop at ``cfg.warmup_load`` and wait for every
+    answer, then :data:`WARMUP_SETTLE_S`: the engines' caches and the router's state are what
+    serving it left. Nothing of it is measured (the slice reads the engines' counters after)."""
+    t0 = time.monotonic()
+    scaled = scale_arrivals(
+        warm, load=cfg.warmup_load, workers=cfg.engines, profile=get_profile(PROFILE),
+        speed=cfg.speed,
+    )  # fmt: skip
+    lg = LoadgenConfig(
+        urls=tuple(targets), model=MODEL, slo_ttft_s=SLO_TTFT_S / cfg.speed,
+        max_output_tokens=1, progress=cfg.progress,
+    )  # fmt: skip
+    got = run(run_loadgen(scaled, lg, console))
+    time.sleep(WARMUP_SETTLE_S)
+    return {"warmup_s": round(time.monotonic() - t0, 3), "warmup_failed": got["failed"]}
 
 
 _WAITS = ("sluice_dispatcher_queue_wait_seconds", "sluice_dispatcher_handoff_seconds")
@@ -407,6 +483,11 @@ def _brief(f: dict[str, Any]) -> str:
             else ""
         )
         + (f"; first error: {f['errors'][0]}" if f.get("errors") else "")
+        + (
+            f"; warm-up {f['warmup_s']:.0f} s, {f['warmup_failed']} failed"
+            if "warmup_s" in f
+            else ""
+        )
     )
 
 
@@ -480,19 +561,26 @@ def bench_routers(cfg: BenchConfig, console: Console) -> RoutersResult:
     for arm in cfg.arms:
         if arm in SGLANG_ARMS:
             _router_python(cfg.routers_venv, arm)  # missing: fail now, not after minutes
-    trace = load_trace(cfg.trace)[cfg.start : cfg.start + cfg.requests]
+    whole = load_trace(cfg.trace)
+    trace = whole[cfg.start : cfg.start + cfg.requests]
     if not trace:
         raise BenchRoutersError(f"{cfg.trace} has no requests from {cfg.start}")
+    warm = warmup_slice(cfg, whole)
     t0 = time.monotonic()
     log_dir = tempfile.mkdtemp(prefix="sluice-bench-routers-")
-    result = RoutersResult(cfg.engines, cfg.speed, len(trace), cfg.trace, SLO_TTFT_S / cfg.speed)
+    result = RoutersResult(
+        cfg.engines, cfg.speed, len(trace), cfg.trace, SLO_TTFT_S / cfg.speed, start=cfg.start,
+        warmup=cfg.warmup if warm else "none", warmup_requests=len(warm),
+        hit_ceiling=round(hit_ceiling(trace, warm), 4),
+        hit_ceiling_cold=round(hit_ceiling(trace), 4),
+    )  # fmt: skip
     ok = False
     try:
         with HttpEngineFleet(
             cfg.engines, model=MODEL, speed=cfg.speed, tcp=True, profile=PROFILE
         ) as fleet:
             for arm in cfg.arms:
-                result.runs[arm] = _run_arm(arm, cfg, fleet, trace, log_dir, console)
+                result.runs[arm] = _run_arm(arm, cfg, fleet, trace, warm, log_dir, console)
         if cfg.latency_requests:
             result.latency = _latency_phase(cfg, log_dir)
         ok = True
@@ -505,15 +593,108 @@ def bench_routers(cfg: BenchConfig, console: Console) -> RoutersResult:
     return result
 
 
+SIM_POLICIES = ("round-robin", "sglang-cache-aware", "sluice")
+"""The replay's policies ``--simulate`` runs: the simulator's model of the SGLang router's
+cache-aware policy, and the policy a live Sluice dispatcher builds."""
+
+
+def simulate(cfg: BenchConfig, console: Console | None = None) -> dict[str, Any]:
+    """The same slice, warm-up and loads in the simulator instead of the fleet (``sluice
+    replay``'s engines and policies, in engine time: no speed-up, the SLO at 2 s): per policy
+    of :data:`SIM_POLICIES`, per load, the replay's figures of the slice alone. A warm-up is
+    replayed first by itself to find when it ends; then the warm-up and, from that end plus
+    :data:`WARMUP_SETTLE_S` of the fleet's time, the slice, measured from its first request
+    (``ReplayConfig.measure_from``)."""
+    from sluice.sim.replay import ReplayConfig, replay
+
+    prof = get_profile(PROFILE)
+    whole = load_trace(cfg.trace)
+    trace = whole[cfg.start : cfg.start + cfg.requests]
+    if not trace:
+        raise BenchRoutersError(f"{cfg.trace} has no requests from {cfg.start}")
+    if cfg.max_output_tokens is not None:
+        cap = cfg.max_output_tokens
+        trace = [replace(r, output_tokens=min(r.output_tokens, cap)) for r in trace]
+    warm = warmup_slice(cfg, whole)
+    base = ReplayConfig(workers=cfg.engines, profile=prof, slo_ttft_s=SLO_TTFT_S)
+    runs: dict[str, dict[float, dict[str, Any]]] = {p: {} for p in SIM_POLICIES}
+    for load in cfg.loads:
+        window = scale_arrivals(trace, load=load, workers=cfg.engines, profile=prof)
+        warmed = (
+            scale_arrivals(warm, load=cfg.warmup_load, workers=cfg.engines, profile=prof)
+            if warm
+            else []
+        )
+        for policy in SIM_POLICIES:
+            rc, full, ends = base, window, 0.0
+            if warmed:
+                ends = replay(warmed, policy, base).last_finish_s + WARMUP_SETTLE_S * cfg.speed
+                full = [*warmed, *(replace(r, arrival_s=r.arrival_s + ends) for r in window)]
+                rc = replace(base, measure_from=len(warmed))
+            runs[policy][load] = {**replay(full, policy, rc).as_json(), "warmup_s": round(ends, 3)}
+        if console is not None:
+            s, g = runs["sluice"][load], runs["sglang-cache-aware"][load]
+            console.print(
+                f"[dim]simulated load {load:g}: sluice goodput {s['goodput_rps']:.2f}/s p99 "
+                f"{s['ttft_p99_s']:.1f} s, sglang-cache-aware {g['goodput_rps']:.2f}/s p99 "
+                f"{g['ttft_p99_s']:.1f} s[/dim]"
+            )
+    return {
+        "start": cfg.start, "requests": len(trace), "engines": cfg.engines,
+        "warmup": cfg.warmup if warm else "none", "warmup_requests": len(warm),
+        "hit_ceiling": round(hit_ceiling(trace, warm), 4),
+        "hit_ceiling_cold": round(hit_ceiling(trace), 4), "runs": runs,
+    }  # fmt: skip
+
+
+def sim_table(sim: dict[str, Any]) -> Table:
+    """Per load, each simulated policy's goodput, TTFT P50/P99 and hit rate (engine time);
+    ``sluice`` against ``sglang-cache-aware``."""
+    warm = (
+        f"after a warm-up of {sim['warmup_requests']} ({sim['warmup']}), hit ceiling "
+        f"{sim['hit_ceiling']:.1%}"
+        if sim["warmup_requests"]
+        else f"cold, hit ceiling {sim['hit_ceiling_cold']:.1%}"
+    )
+    t = Table(
+        title=f"simulated: requests {sim['start']}-{sim['start'] + sim['requests'] - 1} {warm}, "
+        f"{sim['engines']} engines, engine time (SLO {SLO_TTFT_S:g} s)"
+    )
+    for col in ("load", "policy", "goodput", "TTFT p50", "TTFT p99", "hit rate", "vs sglang"):
+        t.add_column(col, justify="left" if col == "policy" else "right")
+    runs = sim["runs"]
+    for load in sorted({load for by_load in runs.values() for load in by_load}):
+        g = runs["sglang-cache-aware"][load]
+        for policy in SIM_POLICIES:
+            f = runs[policy][load]
+            vs = (
+                f"{_ratio(f['goodput_rps'], g['goodput_rps'])} / "
+                f"{_ratio(f['ttft_p99_s'], g['ttft_p99_s'])}"
+                if policy == "sluice"
+                else ""
+            )
+            t.add_row(
+                f"{load:g}", policy, f"{f['goodput_rps']:.2f}/s", f"{f['ttft_p50_s']:.2f} s",
+                f"{f['ttft_p99_s']:.2f} s", f"{f['hit_rate']:.1%}", vs,
+            )  # fmt: skip
+    return t
+
+
 # ----------------------------------------------------------------------------- the report
 
 
 def table(r: RoutersResult) -> Table:
     """Per load, each arm's goodput, TTFT P50/P99 and hit rate at the engines; Sluice's
     ratios against the stronger SGLang router of that load."""
+    warm = (
+        f"after a warm-up of {r.warmup_requests} ({r.warmup}), hit ceiling {r.hit_ceiling:.1%}"
+        if r.warmup_requests
+        else f"cold, hit ceiling {r.hit_ceiling_cold:.1%}"
+    )
     t = Table(
-        title=f"{r.requests} requests of {Path(r.trace).name} on {r.engines} sluice engines at "
-        f"speed x{r.speed:g}; goodput SLO {r.slo_ttft_s * 1000:.0f} ms TTFT"
+        title=f"requests {r.start}-{r.start + r.requests - 1} of {Path(r.trace).name} {warm}, on "
+        f"{r.engines} sluice engines at speed x{r.speed:g}; goodput SLO "
+        f"{r.slo_ttft_s * 1000:.0f} ms TTFT"
     )
     for col in ("load", "arm", "goodput", "TTFT p50", "TTFT p99", "hit rate", "ok", "vs stronger"):
         t.add_column(col, justify="left" if col in ("arm",) else "right")

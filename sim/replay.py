@@ -69,6 +69,10 @@ class ReplayConfig:
     decode_runs: bool = True
     """Step through a stretch of decode steps that finish nothing as one event (the same
     results, several times fewer events); False: one event per engine step."""
+    measure_from: int = 0
+    """The figures count the trace's requests from this index on: those before it run (a
+    warm-up: they fill the caches and teach the policy) but are not measured. The engine
+    figures (``util_std``, ``engine``) still count the whole replay."""
 
     @property
     def slots(self) -> int:
@@ -115,6 +119,8 @@ class PolicyResult:
     load_series: list[tuple[float, list[int]]] = field(default_factory=list, repr=False)
     """(time, running requests per worker), sampled at the emulated heartbeats."""
     ttfts: list[float] = field(default_factory=list, repr=False)
+    last_finish_s: float = 0.0
+    """When the last measured request finished (virtual time)."""
 
     def as_json(self) -> dict[str, Any]:
         keys = (
@@ -328,7 +334,10 @@ class _Replay:
             if self.sched.queued and self.tick_at == math.inf:
                 self.tick_at = self.now + self.cfg.tick_s
             self._after_event()
-        result = _summarise(self.records, self.engines, self.sched.flaps.rate, self.cfg)
+        measured = self.records[self.cfg.measure_from :]
+        if not measured:
+            raise ValueError(f"measure_from {self.cfg.measure_from}: no request left to measure")
+        result = _summarise(measured, self.engines, self.sched.flaps.rate, self.cfg)
         self._engine_figures(result)
         step = max(1, len(self.series) // 400)  # at most ~400 points per chart
         result.load_series = self.series[::step]
@@ -614,6 +623,7 @@ def _summarise(
         rejected=sum(1 for r in records if r.rejected),
         busy=busy,
         ttfts=ttft,
+        last_finish_s=end,
     )
 
 

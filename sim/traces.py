@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -125,3 +125,38 @@ def upper_bound_hits(requests: Iterable[TraceRequest]) -> list[int]:
         out.append(min(hit * r.block_tokens, r.input_tokens))
         seen.update(r.block_ids)
     return out
+
+
+def earlier_turns(
+    before: Sequence[TraceRequest], window: Sequence[TraceRequest], *, min_shared_blocks: int = 2
+) -> list[TraceRequest]:
+    """The requests of ``before`` that ``window``'s requests continue: for each request of the
+    window, the latest request of ``before`` sharing the longest leading run of its blocks, if
+    that run is at least ``min_shared_blocks`` long (2: more than a first block every request
+    may share, as block 0 of the Mooncake conversation trace). Each at most once, in the order
+    of ``before``. Sent before the window, they leave the caches holding the prefixes the window
+    reuses, as a fleet that has served the earlier turns holds them."""
+    if min_shared_blocks < 1:
+        raise TraceError("min_shared_blocks must be >= 1")
+    latest: dict[int, int] = {}
+    for i, r in enumerate(before):
+        for b in r.block_ids:
+            latest[b] = i  # prefix-chained: the latest holder of b holds the whole run up to it
+    chosen: set[int] = set()
+    for r in window:
+        depth, holder = 0, -1
+        for b in r.block_ids:
+            if b not in latest:
+                break
+            depth, holder = depth + 1, latest[b]
+        if depth >= min_shared_blocks:
+            chosen.add(holder)
+    return [before[i] for i in sorted(chosen)]
+
+
+def hit_ceiling(window: Sequence[TraceRequest], warmup: Sequence[TraceRequest] = ()) -> float:
+    """The share of ``window``'s prompt tokens an infinite, perfectly shared cache would hit
+    after serving ``warmup`` (:func:`upper_bound_hits`, counted over the window only)."""
+    hits = upper_bound_hits([*warmup, *window])[len(warmup) :]
+    total = sum(r.input_tokens for r in window)
+    return sum(hits) / total if total else 0.0

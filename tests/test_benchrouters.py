@@ -1,5 +1,6 @@
 """``sluice bench-routers`` at a tiny size, every arm (round-robin, sglang-router 0.3.2, smg 1.13
-and the Sluice stack), so that the head-to-head benchmark keeps working. The SGLang routers come
+and the Sluice stack), so that the head-to-head benchmark keeps working, its warm-up included
+(skip its sends in ``_warm_up`` and round-robin's hit rate is 0.0). The SGLang routers come
 from ``make routers`` (``make test`` builds them): a missing one fails this test, it is never
 skipped. The benchmark process stops every process it started by PID; this test stops the
 benchmark by its PID (SIGTERM, which the benchmark handles as Ctrl-C), also on failure."""
@@ -22,13 +23,17 @@ pytestmark = [pytest.mark.bench, pytest.mark.timeout(400)]
 
 def test_bench_routers_runs_every_arm_at_a_tiny_size(tmp_path: Path) -> None:
     trace, out = tmp_path / "t.jsonl", tmp_path / "out.json"
-    # A shared 2-block prefix and a block of its own per request: every arm must show hits.
-    reqs = [TraceRequest(0.5 * i, 3 * 512, 4, (1, 2, 100 + i)) for i in range(8)]
-    write_jsonl(reqs, trace)
+    # Four first turns, then the slice: four second turns, each continuing one of them with a
+    # block of its own and sharing nothing with the others. Every arm can only hit what the
+    # warm-up (the first turns, unmeasured) left: without it the hit rate is 0.
+    first = [TraceRequest(0.5 * i, 2 * 512, 4, (10 + i, 20 + i)) for i in range(4)]
+    second = [TraceRequest(2 + 0.5 * i, 3 * 512, 4, (10 + i, 20 + i, 100 + i)) for i in range(4)]
+    write_jsonl([*first, *second], trace)
     cmd = [
         sys.executable, "-m", "sluice.cli", "bench-routers", "--trace", str(trace),
-        "--engines", "2", "--speed", "10", "--loads", "1.0", "--requests", "8",
-        "--latency-requests", "3", "--json", str(out), "--no-progress",
+        "--engines", "2", "--speed", "10", "--loads", "1.0", "--start", "4", "--requests", "4",
+        "--warmup-requests", "4", "--latency-requests", "3", "--json", str(out),
+        "--no-progress",
     ]  # fmt: skip
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -44,10 +49,11 @@ def test_bench_routers_runs_every_arm_at_a_tiny_size(tmp_path: Path) -> None:
     assert p.returncode == 0, stderr + stdout
     r = json.loads(out.read_text())
     assert set(r["runs"]) == set(ARMS)
+    assert (r["warmup"], r["warmup_requests"], r["hit_ceiling_cold"]) == ("turns", 4, 0)
     for arm, runs in r["runs"].items():
         f = runs["1.0"]
-        assert (f["completed"], f["failed"]) == (8, 0), (arm, f)
-        assert f["hit_rate"] > 0, (arm, f)  # read from the engines' counters
+        assert (f["completed"], f["failed"], f["warmup_failed"]) == (4, 0, 0), (arm, f)
+        assert f["hit_rate"] > 0, (arm, f)  # read from the engines' counters, after the warm-up
         assert f["goodput_rps"] is not None and f["ttft_p99_s"] is not None
     assert set(r["latency"]) == set(ARMS) - {"round-robin"}
     for arm, f in r["latency"].items():

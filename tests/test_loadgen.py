@@ -23,7 +23,7 @@ from sluice.sim.errors import LoadgenError
 from sluice.sim.loadgen import Outcome, PromptBook, block_text, scale_arrivals, summarize
 from sluice.sim.profiles import REFERENCE
 from sluice.sim.replay import scale_to_load
-from sluice.sim.traces import TraceRequest, write_jsonl
+from sluice.sim.traces import TraceRequest, earlier_turns, hit_ceiling, write_jsonl
 from sluice.testing.fleet import HttpEngineFleet
 
 ENGINE_BLOCK_TOKENS = REFERENCE.block_tokens
@@ -83,6 +83,37 @@ def test_arrivals_scale_by_rate_or_to_a_load() -> None:
         scale_arrivals(trace, rate_scale=1, load=1)
     with pytest.raises(LoadgenError):
         scale_arrivals([], rate_scale=1)
+
+
+def test_the_warm_up_is_the_latest_earlier_turn_each_request_continues() -> None:
+    """bench-routers' warm-up (earlier_turns). Fails if the holder is taken at the first
+    matching block instead of the last (6 for every request), if a later holder does not
+    replace an earlier one (``latest.setdefault``: 4 instead of 5), or without the
+    ``min_shared_blocks`` test (6, which shares only block 0 with request 8, is chosen)."""
+    before = [
+        TraceRequest(0, 1536, 9, (0, 1, 2)),
+        TraceRequest(1, 1024, 9, (0, 1)),
+        TraceRequest(2, 2048, 9, (0, 1, 2, 3)),  # the turn after 0: longer
+        TraceRequest(3, 1024, 9, (0, 7)),
+        TraceRequest(4, 1024, 9, (0, 8)),
+        TraceRequest(5, 1024, 9, (0, 8)),  # the same prompt again, later
+        TraceRequest(6, 1024, 9, (0, 13)),  # the latest holder of block 0
+    ]
+    window = [
+        TraceRequest(7, 2560, 9, (0, 1, 2, 3, 4)),  # continues 2 (4 blocks; 0 and 1 share 3, 2)
+        TraceRequest(8, 1536, 9, (0, 8, 9)),  # continues 5
+        TraceRequest(9, 1536, 9, (0, 8, 10)),  # continues 5 as well: sent once
+        TraceRequest(10, 1024, 9, (0, 11)),  # only block 0: no earlier turn
+    ]
+    assert earlier_turns(before, window) == [before[2], before[5]]
+    assert earlier_turns(before, window, min_shared_blocks=1) == [before[2], *before[5:]]
+    assert earlier_turns(before, window, min_shared_blocks=5) == []
+    assert earlier_turns([], window) == []
+    # The window's ceiling counts what the warm-up left: 4 + 2 + 2 + 1 blocks of 512 tokens
+    # hit after it, 0 + 1 + 2 + 1 from empty caches (block 0 once 7 has run, 8 once 8 has).
+    prompt = sum(r.input_tokens for r in window)
+    assert hit_ceiling(window, earlier_turns(before, window)) == pytest.approx(9 * 512 / prompt)
+    assert hit_ceiling(window) == pytest.approx(4 * 512 / prompt)
 
 
 def test_goodput_counts_first_tokens_within_the_slo_over_the_span() -> None:

@@ -359,3 +359,20 @@ def test_decode_runs_change_nothing_but_the_number_of_events(
     assert runs.steps == steps.steps
     # Fewer events where nothing waits (while requests wait, every step end is one).
     assert runs.step_events_seen < steps.step_events_seen / (1.2 if policy == "batch" else 3)
+
+
+def test_measure_from_counts_only_the_requests_after_the_warm_up() -> None:
+    """Four first turns (unmeasured), then four second turns continuing them: only the second
+    turns are counted, and they hit what the first left. Fails if ``measure_from`` is ignored
+    (8 submitted, and the first turns' misses halve the hit rate)."""
+    first = [TraceRequest(float(i), 1024, 8, (10 + i, 20 + i)) for i in range(4)]
+    second = [TraceRequest(60.0 + i, 1536, 8, (10 + i, 20 + i, 30 + i)) for i in range(4)]
+    cfg = ReplayConfig(workers=2, profile=REFERENCE, measure_from=4)
+    r = replay([*first, *second], "sluice", cfg)
+    assert r.bands["interactive"]["submitted"] == 4
+    assert r.hit_rate == pytest.approx(2 / 3)  # 2 of each second turn's 3 blocks
+    assert r.last_finish_s > 63.0
+    alone = replay(second, "sluice", dataclasses.replace(cfg, measure_from=0))
+    assert alone.hit_rate == 0.0
+    with pytest.raises(ValueError, match="measure_from"):
+        replay(first, "sluice", cfg)
