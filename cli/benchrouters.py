@@ -391,8 +391,10 @@ def _run_arm(
                 )  # fmt: skip
                 t0 = time.monotonic()
                 before = _dispatcher_waits(d_metrics) if sluice_url else None
+                dropped = engine_clock_dropped_s(metrics)
                 out[load] = run(run_loadgen(scaled, lg, console))
                 out[load].update(warmed)
+                out[load]["engine_clock_dropped_s"] = engine_clock_dropped_s(metrics) - dropped
                 if before is not None:
                     out[load].update(_wait_means(before, _dispatcher_waits(d_metrics)))
             console.print(
@@ -439,6 +441,22 @@ def _warm_up(
 _WAITS = ("sluice_dispatcher_queue_wait_seconds", "sluice_dispatcher_handoff_seconds")
 
 
+CLOCK_DROPPED = "sluice_engine_clock_dropped_seconds_total"
+"""The ``sluice engine`` counter of wall seconds its stepping loop fell behind and dropped."""
+
+
+def engine_clock_dropped_s(urls: Sequence[str]) -> float:
+    """Wall seconds the engines behind ``urls`` (their /metrics) dropped behind their clock,
+    summed: a starved engine process runs slower than its speed-up, whichever arm starves it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for url in urls:
+        for family in text_string_to_metric_families(httpx.get(url, timeout=10).text):
+            total += sum(smp.value for smp in family.samples if smp.name == CLOCK_DROPPED)
+    return total
+
+
 def _dispatcher_waits(url: str) -> dict[str, tuple[float, float]]:
     """(sum, count) of the dispatcher's queue-wait and hand-off histograms (all labels)."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -480,6 +498,11 @@ def _brief(f: dict[str, Any]) -> str:
             f"; dispatcher queue wait {_ms(f['dispatcher_queue_wait_mean_s'])}, hand-off "
             f"{_ms(f['dispatcher_handoff_mean_s'])} (means)"
             if "dispatcher_queue_wait_mean_s" in f
+            else ""
+        )
+        + (
+            f"; engines dropped {f['engine_clock_dropped_s']:.1f} s of their clock"
+            if "engine_clock_dropped_s" in f
             else ""
         )
         + (f"; first error: {f['errors'][0]}" if f.get("errors") else "")

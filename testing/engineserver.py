@@ -173,6 +173,9 @@ class SimServer:
         self._task: asyncio.Task[None] | None = None
         self.requests_total = 0
         self.generation_tokens_total = 0
+        self.clock_dropped_s_total = 0.0
+        """Wall seconds the stepping loop fell behind its clock and dropped (a starved
+        process): the engine ran that much slower than ``speed`` says."""
         self.started_unix_s = time.time()
 
     # ---------------------------------------------------------------------------- engine
@@ -220,7 +223,10 @@ class SimServer:
                 # streaming tokens between two steps does not lengthen every step. An engine
                 # that cannot admit its waiting request (its KV cache is full of running ones)
                 # returns an empty step: yield instead of spinning.
-                due = max(due, loop.time() - _MAX_LAG_S)
+                floor = loop.time() - _MAX_LAG_S
+                if due < floor:
+                    self.clock_dropped_s_total += floor - due
+                    due = floor
                 due += step.duration_s / self.speed if step.duration_s else 0.001
                 await asyncio.sleep(max(0.0, due - loop.time()))
                 for ev in step.events:
@@ -333,6 +339,7 @@ class SimServer:
             ("sglang:cache_hit_rate", "gauge", hit),
             ("sglang:prompt_tokens_total", "counter", e.prompt_tokens_total),
             ("sglang:cached_tokens_total", "counter", e.cached_tokens_total),
+            ("sluice_engine_clock_dropped_seconds_total", "counter", self.clock_dropped_s_total),
         ]
         out: list[str] = []
         for name, kind, value in rows:
@@ -701,7 +708,7 @@ class EngineProcess:
                     if c.get("/health").status_code == 200:
                         return self
                 except httpx.TransportError:
-                    pass
+                    self.clock_dropped_s_total += floor - due
                 time.sleep(0.05)
         self.stop()
         raise EngineError(f"sluice engine on {self.url} did not start in {timeout_s:g} s")

@@ -298,3 +298,32 @@ def test_kv_events_in_vllm_format_and_their_replay() -> None:
         dealer.close(linger=0)
         ctx.term()
         _stop(proc)
+
+
+def test_an_engine_starved_of_its_event_loop_counts_the_clock_it_dropped() -> None:
+    """A server whose process cannot keep up does not race to catch up: it drops the lag
+    and counts it (``sluice_engine_clock_dropped_seconds_total``), so that a benchmark sees
+    when its engines ran slower than their speed-up says."""
+    import asyncio
+
+    from sluice.sim.profiles import get_profile
+    from sluice.testing.engineserver import SimServer
+
+    async def starve() -> float:
+        server = SimServer(get_profile("reference"), model="sim", speed=1.0)
+        await server.start()
+        try:
+            rid, stream = server.submit(server.prompt(list(range(64)), "prompt"), 400)
+            await asyncio.sleep(0.05)  # decoding: a step every few ms
+            time.sleep(0.4)  # noqa: ASYNC251 (on purpose: the loop is starved, no step runs)
+            async for _, fin in server.events(rid, stream):
+                if fin is not None:
+                    break
+        finally:
+            await server.stop()
+        text = server.metrics_text()
+        samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+        assert samples["sluice_engine_clock_dropped_seconds_total"] == server.clock_dropped_s_total
+        return server.clock_dropped_s_total
+
+    assert asyncio.run(starve()) >= 0.3  # the 0.4 s it could not step, less the lag it allows
