@@ -30,6 +30,22 @@ def _free_port() -> int:
         return port
 
 
+def _free_port_pair() -> int:
+    """A port ``p`` with ``p + 1`` free beside it on 127.0.0.1 now: a KV events endpoint on
+    ``p`` has its replay socket on ``p + 1`` (vLLM's layout), and a port the kernel hands out
+    alone says nothing of its neighbour (a client connection may hold it)."""
+    for _ in range(100):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            port: int = a.getsockname()[1]
+            try:
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no two adjacent free ports on 127.0.0.1")
+
+
 def _start(args: list[str]) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "sluice.cli", "engine", "--speed", "20", *args]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -262,7 +278,7 @@ def test_kv_events_in_vllm_format_and_their_replay() -> None:
     )
     from sluice.schemas.hashing import block_hashes
 
-    port, kv = _free_port(), _free_port()
+    port, kv = _free_port(), _free_port_pair()
     proc = _start(["--port", str(port), "--kv-events-port", str(kv)])
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)

@@ -24,7 +24,7 @@ from sluice.testing.cluster import LocalCluster
 from sluice.testing.engines import build_engine
 
 from .conftest import FAST_AGENT, cluster_kwargs, eventually
-from .test_engine_server import _free_port, _start, _stop, _wait_healthy
+from .test_engine_server import _free_port, _free_port_pair, _start, _stop, _wait_healthy
 
 pytestmark = pytest.mark.e2e
 
@@ -201,7 +201,7 @@ async def test_the_engine_reports_its_scraped_load_and_stale_metrics_saturate_it
 async def test_kv_events_feed_the_digest_and_a_gap_is_replayed() -> None:
     from sluice.schemas.hashing import block_hashes
 
-    port, kv = _free_port(), _free_port()
+    port, kv = _free_port(), _free_port_pair()
     proc = _start(["--port", str(port), "--kv-events-port", str(kv)])
     other = list(range(9000, 9000 + 256))
     try:
