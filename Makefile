@@ -41,15 +41,12 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not fault and not bench"
 
 ## lint: ruff (with the complexity rule), the formatter, mypy and the import contracts (mypy
-## and lint-imports see the sluice.* package through a symlink tree in .lint/)
+## and lint-imports see the sluice.* package through the symlinks in sluice/)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	rm -rf .lint && mkdir -p .lint/sluice
-	for d in schemas common client dispatcher agent sim testing gateway cli; do ln -s ../../$$d .lint/sluice/$$d; done
-	for f in sluice/*.py sluice/py.typed; do ln -s ../../$$f .lint/sluice/; done
-	cd .lint && ../$(BIN)/mypy --config-file ../pyproject.toml -p sluice
-	cd .lint && PYTHONPATH=. ../$(BIN)/lint-imports ../pyproject.toml
+	$(BIN)/mypy -p sluice
+	$(BIN)/lint-imports
 
 clean:
-	rm -rf $(VENV) $(ROUTERS) .lint build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(ROUTERS) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
