@@ -88,7 +88,7 @@ def bench_core(
         chooser.heartbeat(f"w{w}", None, 0.0)
     rng = random.Random(seed + 1)
     running: list[str] = []
-    gc.collect()  # every measurement starts from the same heap: no earlier run's debt
+    _fresh_heap()
     t0 = time.process_time()
     decisions = _drive(sched, stream, running, rng, 0.0)
     sluice_s = time.process_time() - t0
@@ -99,6 +99,12 @@ def bench_core(
         sluice_us_per_decision=sluice_s / max(decisions, 1) * 1e6,
         baseline_us_per_decision=base_us,
     )
+
+
+def _fresh_heap() -> None:
+    """Collect now, outside the timing: every measurement starts from the same heap and pays
+    no garbage collection an earlier run or its setup left behind."""
+    gc.collect()
 
 
 def _drive(
@@ -172,7 +178,7 @@ def _baseline_us(stream: _Stream, workers: int, capacity: int, seed: int) -> flo
     rng = random.Random(seed + 1)
     running: list[str] = []
     decisions = 0
-    gc.collect()  # every measurement starts from the same heap: no earlier run's debt
+    _fresh_heap()
     t0 = time.process_time()
     for i in range(0, len(stream), _BATCH):
         for rid, band, _, _ in stream[i : i + _BATCH]:
@@ -250,7 +256,7 @@ def decision_costs(
         sched, filled = _fleet(n, capacity, indexed_blocks, stream, seed)
         running = _warm(sched, n * capacity // 4, seed)
         rng = random.Random(seed + 1)
-        gc.collect()  # every measurement starts from the same heap: no earlier run's debt
+        _fresh_heap()
         t0 = time.process_time()
         counts[n] = _drive(sched, stream, running, rng, 0.0)
         out[n] = (time.process_time() - t0) / max(counts[n], 1) * 1e6
@@ -260,7 +266,7 @@ def decision_costs(
     at = max([n for n in worker_counts if n <= 256] or [min(worker_counts)])
     sched, _ = _fleet(at, capacity, indexed_blocks, stream, seed)
     running = _warm(sched, at * capacity // 4, seed)
-    gc.collect()  # every measurement starts from the same heap: no earlier run's debt
+    _fresh_heap()
     _drive(sched, stream, running, random.Random(seed + 1), 0.0, phases)
     base = _baseline_us(stream, 16, capacity, seed)
     return DecisionCosts(out, base, filled, counts, phases, idle, at, burst)
@@ -271,7 +277,7 @@ def _burst(sched: Scheduler, n: int, seed: int) -> float:
     decision."""
     for rid, band, tokens, hashes in _stream(n, seed + 4):
         sched.enqueue(Request(rid, band, "m", "t", tokens, 128, 0.0, None, hashes), 0.0)
-    gc.collect()  # every measurement starts from the same heap: no earlier run's debt
+    _fresh_heap()
     t0 = time.process_time()
     decisions = len(sched.plan(0.0))
     return (time.process_time() - t0) / max(decisions, 1) * 1e6
