@@ -390,13 +390,14 @@ def _run_arm(
                     progress=cfg.progress,
                 )  # fmt: skip
                 t0 = time.monotonic()
-                before = _dispatcher_waits(d_metrics) if sluice_url else None
+                waits = [d_metrics, f"{sluice_url}/metrics"]
+                before = _sluice_waits(waits) if sluice_url else None
                 dropped = engine_clock_dropped_s(metrics)
                 out[load] = run(run_loadgen(scaled, lg, console))
                 out[load].update(warmed)
                 out[load]["engine_clock_dropped_s"] = engine_clock_dropped_s(metrics) - dropped
                 if before is not None:
-                    out[load].update(_wait_means(before, _dispatcher_waits(d_metrics)))
+                    out[load].update(_wait_means(before, _sluice_waits(waits)))
             console.print(
                 f"[dim]{arm} at load {load:g}: {_brief(out[load])} "
                 f"({time.monotonic() - t0:.0f} s)[/dim]"
@@ -438,7 +439,12 @@ def _warm_up(
     return {"warmup_s": round(time.monotonic() - t0, 3), "warmup_failed": got["failed"]}
 
 
-_WAITS = ("sluice_dispatcher_queue_wait_seconds", "sluice_dispatcher_handoff_seconds")
+_WAITS = {
+    "sluice_dispatcher_queue_wait_seconds": "dispatcher_queue_wait_mean_s",
+    "sluice_dispatcher_handoff_seconds": "dispatcher_handoff_mean_s",
+    "sluice_gateway_first_token_seconds": "gateway_first_token_mean_s",
+}
+"""Sluice's own histograms whose means over a run say where its time goes, and their keys."""
 
 
 CLOCK_DROPPED = "sluice_engine_clock_dropped_seconds_total"
@@ -457,12 +463,13 @@ def engine_clock_dropped_s(urls: Sequence[str]) -> float:
     return total
 
 
-def _dispatcher_waits(url: str) -> dict[str, tuple[float, float]]:
-    """(sum, count) of the dispatcher's queue-wait and hand-off histograms (all labels)."""
+def _sluice_waits(urls: Sequence[str]) -> dict[str, tuple[float, float]]:
+    """(sum, count) of the :data:`_WAITS` histograms (all labels) on the metrics pages
+    ``urls`` (the dispatcher's and the gateway's)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out = {name: (0.0, 0.0) for name in _WAITS}
-    text = httpx.get(url, timeout=10).text
+    text = "".join(httpx.get(url, timeout=10).text for url in urls)
     for family in text_string_to_metric_families(text):
         for smp in family.samples:
             for name in _WAITS:
@@ -477,12 +484,11 @@ def _dispatcher_waits(url: str) -> dict[str, tuple[float, float]]:
 def _wait_means(
     before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
 ) -> dict[str, float | None]:
-    """Mean seconds a request waited in the dispatcher's queue, and of a hand-off's round
-    trip, over one run (where Sluice's own time goes)."""
+    """Over one run: the mean seconds a request waited in the dispatcher's queue, of a
+    hand-off's round trip, and from a request's arrival at the gateway to its first token
+    there (where Sluice's own time goes, beside the engines' time to the first token)."""
     out: dict[str, float | None] = {}
-    for name, key in zip(
-        _WAITS, ("dispatcher_queue_wait_mean_s", "dispatcher_handoff_mean_s"), strict=True
-    ):
+    for name, key in _WAITS.items():
         n = after[name][1] - before[name][1]
         out[key] = round((after[name][0] - before[name][0]) / n, 6) if n else None
     return out
@@ -492,11 +498,19 @@ def _brief(f: dict[str, Any]) -> str:
     hit = f["hit_rate"]
     return (
         f"goodput {f['goodput_rps']:.2f}/s, TTFT p50 {_ms(f['ttft_p50_s'])} p99 "
-        f"{_ms(f['ttft_p99_s'])}, hit {'-' if hit is None else f'{hit:.1%}'}, "
+        f"{_ms(f['ttft_p99_s'])} mean {_ms(f.get('ttft_mean_s'))}, "
+        f"hit {'-' if hit is None else f'{hit:.1%}'}, "
         f"{f['completed']}/{f['requests']} ok"
         + (
+            f"; at the engines TTFT p50 {_ms(f['engine_ttft_p50_s'])} mean "
+            f"{_ms(f['engine_ttft_mean_s'])}, queue mean {_ms(f.get('engine_queue_mean_s'))}"
+            if f.get("engine_ttft_p50_s") is not None
+            else ""
+        )
+        + (
             f"; dispatcher queue wait {_ms(f['dispatcher_queue_wait_mean_s'])}, hand-off "
-            f"{_ms(f['dispatcher_handoff_mean_s'])} (means)"
+            f"{_ms(f['dispatcher_handoff_mean_s'])}, gateway to first token "
+            f"{_ms(f.get('gateway_first_token_mean_s'))} (means)"
             if "dispatcher_queue_wait_mean_s" in f
             else ""
         )
@@ -719,7 +733,11 @@ def table(r: RoutersResult) -> Table:
         f"{r.engines} sluice engines at speed x{r.speed:g}; goodput SLO "
         f"{r.slo_ttft_s * 1000:.0f} ms TTFT"
     )
-    for col in ("load", "arm", "goodput", "TTFT p50", "TTFT p99", "hit rate", "ok", "vs stronger"):
+    cols = (
+        "load", "arm", "goodput", "TTFT p50", "TTFT p99", "at engines p50", "hit rate", "ok",
+        "vs stronger",
+    )  # fmt: skip
+    for col in cols:
         t.add_column(col, justify="left" if col in ("arm",) else "right")
     loads = sorted({load for runs in r.runs.values() for load in runs})
     for load in loads:
@@ -741,7 +759,8 @@ def table(r: RoutersResult) -> Table:
             hit = f["hit_rate"]
             t.add_row(
                 f"{load:g}", arm, f"{f['goodput_rps']:.2f}/s", _ms(f["ttft_p50_s"]),
-                _ms(f["ttft_p99_s"]), "-" if hit is None else f"{hit:.1%}",
+                _ms(f["ttft_p99_s"]), _ms(f.get("engine_ttft_p50_s")),
+                "-" if hit is None else f"{hit:.1%}",
                 f"{f['completed']}/{f['requests']}", vs,
             )  # fmt: skip
     return t

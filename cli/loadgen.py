@@ -8,7 +8,10 @@ to the first token is taken at the first streamed chunk that carries text, count
 request's due time. The prefix-cache hit rate is read from the engines' own Prometheus counters
 (``vllm:prefix_cache_hits_total`` over ``vllm:prefix_cache_queries_total``, or SGLang's
 ``sglang:cached_tokens_total`` over ``sglang:prompt_tokens_total``), before and after the run,
-never from the router in front of them.
+never from the router in front of them. So are the engines' own latencies, where they export
+vLLM's histograms (``vllm:time_to_first_token_seconds``, ``vllm:request_queue_time_seconds``,
+``vllm:request_prefill_time_seconds``, or the same under ``sglang:``): ``engine_ttft_p50_s``
+and the like, the part of the time to the first token spent in the engines, whatever is in front.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import itertools
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -78,9 +81,109 @@ def cache_counters(text: str) -> tuple[float, float] | None:
     return None
 
 
-async def read_counters(urls: Sequence[str]) -> tuple[float, float]:
-    """The engines' counters, summed over ``urls``."""
-    hits = queries = 0.0
+ENGINE_LATENCIES = {
+    "ttft": "time_to_first_token_seconds",
+    "queue": "request_queue_time_seconds",
+    "prefill": "request_prefill_time_seconds",
+}
+"""The engines' latency histograms read around a run (vLLM's names, under ``vllm:`` or else
+``sglang:``), by the short name of the figures they give (``engine_ttft_p50_s``, ...)."""
+
+
+@dataclass
+class Histogram:
+    """One latency histogram summed over engines: cumulative counts by upper bound, and the
+    sum and count of the observations."""
+
+    buckets: dict[float, float]
+    sum: float = 0.0
+    count: float = 0.0
+
+    def __sub__(self, other: Histogram) -> Histogram:
+        got = {le: n - other.buckets.get(le, 0.0) for le, n in self.buckets.items()}
+        return Histogram(got, self.sum - other.sum, self.count - other.count)
+
+    def __add__(self, other: Histogram) -> Histogram:
+        got = dict(self.buckets)
+        for le, n in other.buckets.items():
+            got[le] = got.get(le, 0.0) + n
+        return Histogram(got, self.sum + other.sum, self.count + other.count)
+
+    def mean(self) -> float | None:
+        return self.sum / self.count if self.count > 0 else None
+
+    def quantile(self, q: float) -> float | None:
+        """The ``q`` quantile (0-1), interpolated linearly within its bucket as Prometheus's
+        ``histogram_quantile`` does; None without observations."""
+        if self.count <= 0:
+            return None
+        rank = q * self.count
+        lo, below = 0.0, 0.0
+        for le in sorted(self.buckets):
+            n = self.buckets[le]
+            if n >= rank:
+                if le == float("inf"):
+                    return lo  # past the last finite bound: that bound is all that is known
+                return lo + (le - lo) * ((rank - below) / (n - below) if n > below else 1.0)
+            lo, below = le, n
+        return lo
+
+
+def engine_histograms(text: str) -> dict[str, Histogram]:
+    """The :data:`ENGINE_LATENCIES` histograms of one engine's metrics text, by short name
+    (``vllm:`` names first, ``sglang:`` otherwise; a histogram it lacks is left out)."""
+    found: dict[str, dict[str, Histogram]] = {"vllm": {}, "sglang": {}}
+    names = {
+        f"{ns}:{name}": (ns, short) for short, name in ENGINE_LATENCIES.items() for ns in found
+    }
+    for family in text_string_to_metric_families(text):
+        got = names.get(family.name)
+        if got is None:
+            continue
+        h = found[got[0]].setdefault(got[1], Histogram({}))
+        for smp in family.samples:
+            if smp.name.endswith("_bucket"):
+                le = float(smp.labels["le"])
+                h.buckets[le] = h.buckets.get(le, 0.0) + smp.value
+            elif smp.name.endswith("_sum"):
+                h.sum += smp.value
+            elif smp.name.endswith("_count"):
+                h.count += smp.value
+    return found["vllm"] or found["sglang"]
+
+
+@dataclass
+class EngineReading:
+    """The engines' counters and latency histograms at one moment, summed over engines."""
+
+    hits: float = 0.0
+    queries: float = 0.0
+    latencies: dict[str, Histogram] = field(default_factory=dict)
+
+    def __sub__(self, other: EngineReading) -> EngineReading:
+        lat = {
+            k: h - other.latencies.get(k, Histogram({}))
+            for k, h in self.latencies.items()
+        }  # fmt: skip
+        return EngineReading(self.hits - other.hits, self.queries - other.queries, lat)
+
+    def figures(self) -> dict[str, float | None]:
+        """``engine_<name>_{mean,p50,p99}_s`` of each histogram read (the engines' own side of
+        the latency: what a router in front of them adds is the difference)."""
+        out: dict[str, float | None] = {}
+        for short, h in self.latencies.items():
+            for label, v in (
+                ("mean", h.mean()),
+                ("p50", h.quantile(0.5)),
+                ("p99", h.quantile(0.99)),
+            ):
+                out[f"engine_{short}_{label}_s"] = None if v is None else round(v, 6)
+        return out
+
+
+async def read_counters(urls: Sequence[str]) -> EngineReading:
+    """The engines' counters and latency histograms, summed over ``urls``."""
+    total = EngineReading()
     async with httpx.AsyncClient(timeout=10) as http:
         for url in urls:
             try:
@@ -91,8 +194,11 @@ async def read_counters(urls: Sequence[str]) -> tuple[float, float]:
             got = cache_counters(r.text)
             if got is None:
                 raise LoadgenRunError(f"{url} has no prefix-cache counters ({HITS[0]} ...)")
-            hits, queries = hits + got[0], queries + got[1]
-    return hits, queries
+            total.hits += got[0]
+            total.queries += got[1]
+            for k, h in engine_histograms(r.text).items():
+                total.latencies[k] = total.latencies[k] + h if k in total.latencies else h
+    return total
 
 
 def _body(cfg: LoadgenConfig, r: TraceRequest, prompt: str) -> dict[str, Any]:
@@ -202,13 +308,17 @@ async def run_loadgen(
             outcomes = await asyncio.gather(*tasks)
     finally:
         await asyncio.gather(*(c.aclose() for c in clients))
-    hits = queries = None
+    delta = None
     if before is not None:
-        after = await read_counters(cfg.engine_metrics)
-        hits, queries = after[0] - before[0], after[1] - before[1]
+        delta = await read_counters(cfg.engine_metrics) - before
     out = summarize(
-        outcomes, slo_ttft_s=cfg.slo_ttft_s, cache_hits_tokens=hits, cache_queries_tokens=queries
+        outcomes,
+        slo_ttft_s=cfg.slo_ttft_s,
+        cache_hits_tokens=None if delta is None else delta.hits,
+        cache_queries_tokens=None if delta is None else delta.queries,
     )
+    if delta is not None:
+        out.update(delta.figures())
     out["errors"] = [o.error for o in outcomes if o.error][:5]
     return out
 

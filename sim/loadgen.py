@@ -261,6 +261,7 @@ def summarize(
         "completed": len(ok),
         "failed": len(outcomes) - len(ok),
         "hit_rate": None if hit is None else round(hit, 6),
+        "ttft_mean_s": _round(sum(ttft) / len(ttft)) if ttft else None,
         "ttft_p50_s": _round(percentile(ttft, 50)),
         "ttft_p90_s": _round(percentile(ttft, 90)),
         "ttft_p99_s": _round(percentile(ttft, 99)),

@@ -52,5 +52,6 @@ def build_engine(settings: AgentSettings) -> Engine:
             stride=index_stride(DEFAULT_BLOCK_TOKENS, settings.digest_index_tokens),
             max_blocks=settings.engine_record_max_blocks,
             kv_max_blocks=settings.engine_kv_max_blocks,
+            poll_s=max(HttpEngineConfig.poll_s, settings.token_flush_ms / 1000),
         )
     )

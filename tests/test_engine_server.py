@@ -196,6 +196,16 @@ def test_info_endpoints_and_metrics_in_vllm_and_sglang_names(engine: httpx.Clien
     assert samples["vllm:prompt_tokens_total"] == 2 * len(PROMPT)
     assert samples["vllm:prefix_cache_hits_total"] == len(PROMPT) - 1
     assert samples["sglang:cache_hit_rate"] == pytest.approx((len(PROMPT) - 1) / (2 * len(PROMPT)))
+    # vLLM's latency histograms, under both prefixes: one observation per request, and a
+    # request's time to its first token is its queue time plus its prefill.
+    for ns in ("vllm", "sglang"):
+        ttft = samples[f"{ns}:time_to_first_token_seconds_sum"]
+        queue = samples[f"{ns}:request_queue_time_seconds_sum"]
+        prefill = samples[f"{ns}:request_prefill_time_seconds_sum"]
+        assert samples[f"{ns}:time_to_first_token_seconds_count"] == 2
+        assert samples[f"{ns}:request_prefill_time_seconds_count"] == 2
+        assert ttft > 0 and prefill > 0 and queue >= 0
+        assert queue + prefill == pytest.approx(ttft)
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ import asyncio
 import dataclasses
 import os
 import signal
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from sluice.agent.engine import Failed
+from sluice.agent.engine import Failed, TokensOut
 from sluice.agent.runtime import Agent, AgentSettings
 from sluice.agent.runtime.httpengine import HttpEngine, HttpEngineConfig
 from sluice.client import Client
@@ -268,7 +269,11 @@ class _Misbehaving:
 
         async def completions(_: Any) -> Any:
             async def body() -> AsyncIterator[bytes]:
+                if mode == "slow-first":
+                    await asyncio.sleep(0.8)  # past the between-token timeout, within the first's
                 yield b'data: {"choices": [{"index": 0, "text": " hi"}]}\n\n'
+                if mode == "slow-first":
+                    await asyncio.sleep(3600)
                 if mode == "garbage":
                     yield b"data: {not json\n\n"
                 elif mode == "hang":
@@ -406,3 +411,37 @@ async def test_a_real_engines_first_token_and_end_wake_the_agent_not_its_poll(
                 await agent.stop(drain=False)
     finally:
         _stop(proc)
+
+
+async def test_the_first_token_has_its_own_longer_timeout_and_later_ones_the_shorter() -> None:
+    """A first token slower than the between-token timeout still arrives (a stream's reads
+    wait as long as the first-token timeout); a stream that stalls after it fails after the
+    between-token timeout."""
+    async with _Misbehaving("slow-first") as server:
+        engine = HttpEngine(
+            HttpEngineConfig(
+                url=f"http://127.0.0.1:{server.port}",
+                model="sim",
+                first_token_timeout_s=5.0,
+                token_timeout_s=0.3,
+                metrics_path=None,
+            )
+        )
+        await engine.open()
+        try:
+            engine.add("r1", 3, 5, [], 0.0, "hello")
+            t0 = time.monotonic()
+            events: list[Any] = []
+            first_at = None
+            while time.monotonic() - t0 < 4 and not any(isinstance(e, Failed) for e in events):
+                got = engine.step().events
+                if first_at is None and any(isinstance(e, TokensOut) for e in got):
+                    first_at = time.monotonic()
+                events += got
+                await asyncio.sleep(0.01)
+            assert first_at is not None and first_at - t0 >= 0.75, events
+            failed = [e for e in events if isinstance(e, Failed)]
+            assert len(failed) == 1 and "TimeoutError" in failed[0].error, events
+            assert 0.25 <= time.monotonic() - first_at < 2.0
+        finally:
+            await engine.close()

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sluice.cli.loadgen import cache_counters
+from sluice.cli.loadgen import EngineReading, Histogram, cache_counters, engine_histograms
 from sluice.schemas.hashing import TEXT_BYTES_PER_TOKEN, estimate_text_tokens, text_block_hashes
 from sluice.sim.errors import LoadgenError
 from sluice.sim.loadgen import Outcome, PromptBook, block_text, scale_arrivals, summarize
@@ -138,6 +138,37 @@ def test_cache_counters_prefer_vllm_names_and_fall_back_to_sglang() -> None:
     assert cache_counters(vllm + sglang) == (3.0, 10.0)
     assert cache_counters(sglang) == (2.0, 8.0)
     assert cache_counters("other_total 1.0\n") is None
+
+
+def _page(ns: str, le_counts: dict[str, int], total: float) -> str:
+    name = f"{ns}:time_to_first_token_seconds"
+    rows = [f"# TYPE {name} histogram"]
+    rows += [f'{name}_bucket{{le="{le}",model_name="m"}} {n}' for le, n in le_counts.items()]
+    count = le_counts["+Inf"]
+    rows += [f'{name}_sum{{model_name="m"}} {total}', f'{name}_count{{model_name="m"}} {count}']
+    return "\n".join(rows) + "\n"
+
+
+def test_engine_latency_histograms_sum_over_engines_and_give_quantiles() -> None:
+    a = engine_histograms(_page("vllm", {"0.1": 2, "0.5": 6, "1.0": 8, "+Inf": 8}, 3.0))
+    b = engine_histograms(_page("sglang", {"0.1": 0, "0.5": 2, "1.0": 2, "+Inf": 2}, 0.6))
+    assert set(a) == {"ttft"} and set(b) == {"ttft"}  # SGLang's names when vLLM's are absent
+    both = EngineReading(latencies={"ttft": a["ttft"] + b["ttft"]})
+    h = both.latencies["ttft"]
+    assert (h.count, h.sum) == (10, pytest.approx(3.6))
+    assert h.mean() == pytest.approx(0.36)
+    # 10 observations: 2 up to 0.1 s, 6 more up to 0.5 s, 2 more up to 1 s; the median's rank
+    # 5 lies 3/6 of the way through the second bucket, interpolated as Prometheus does.
+    assert h.quantile(0.5) == pytest.approx(0.1 + 0.4 * 3 / 6)
+    assert h.quantile(0.99) == pytest.approx(0.5 + 0.5 * (9.9 - 8) / 2)
+    # A run's figures are the difference of the readings around it.
+    before = EngineReading(
+        latencies={"ttft": Histogram({0.1: 2.0, 0.5: 2.0, 1.0: 2.0, float("inf"): 2.0}, 0.1, 2)}
+    )
+    f = (both - before).figures()
+    assert f["engine_ttft_mean_s"] == pytest.approx(3.5 / 8)
+    assert f["engine_ttft_p50_s"] == pytest.approx(0.1 + 0.4 * 4 / 6)
+    assert EngineReading().figures() == {} and Histogram({}).quantile(0.5) is None
 
 
 # ----------------------------------------------------------------------------- live

@@ -58,6 +58,9 @@ from sluice.agent.runtime.scrape import EngineMetricsError, ScrapedLoad, parse_l
 
 log = logging.getLogger(__name__)
 
+KEEPALIVE_S = 2.0
+"""Seconds an idle connection to the engine is kept for the next request."""
+
 
 @dataclass(frozen=True)
 class HttpEngineConfig:
@@ -83,6 +86,11 @@ class HttpEngineConfig:
     kv_replay: str | None = None
     """Its replay socket (default: :func:`~sluice.agent.kvevents.replay_endpoint`)."""
     poll_s: float = 0.002
+    """The longest the agent's step loop waits for a delivery: a later token waits at most
+    this long (plus the coalescing) to be relayed. An agent polls at its ``token_flush_ms``,
+    since it holds later tokens that long anyway: a loop waking every 2 ms cost a fleet of
+    busy agents more CPU than their streams (docs/BENCHMARKS.md, "Where live Sluice lost its
+    first tokens")."""
     digest_min_tokens: int | None = 256
     stride: int = 1
     max_blocks: int = RECORD_MAX_BLOCKS
@@ -103,15 +111,26 @@ class HttpEngine:
 
     def __init__(self, config: HttpEngineConfig) -> None:
         self.config = c = config
+        # As many kept connections as streams run: httpx's default keeps 20, so an agent with
+        # more requests in flight opened a TCP connection for every request past them.
+        # Idle ones close before a server's keep-alive (uvicorn's 5 s) would close them.
+        limits = httpx.Limits(
+            max_connections=None, max_keepalive_connections=None, keepalive_expiry=KEEPALIVE_S
+        )
         if c.url.startswith("unix://"):
-            transport = httpx.AsyncHTTPTransport(uds=c.url[len("unix://") :])
+            transport = httpx.AsyncHTTPTransport(uds=c.url[len("unix://") :], limits=limits)
             base = "http://engine"
         elif c.url.startswith(("http://", "https://")):
-            transport, base = httpx.AsyncHTTPTransport(), c.url.rstrip("/")
+            transport, base = httpx.AsyncHTTPTransport(limits=limits), c.url.rstrip("/")
         else:
             raise EngineError(f"engine URL must be http://, https:// or unix://, not {c.url!r}")
         timeout = httpx.Timeout(c.token_timeout_s, connect=c.connect_timeout_s)
         self._client = httpx.AsyncClient(base_url=base, transport=transport, timeout=timeout)
+        # A stream's reads wait as long as its first token may take: the stream's own watch
+        # (_Watch) keeps the first-token and between-token timeouts.
+        self._stream_timeout = httpx.Timeout(
+            max(c.first_token_timeout_s, c.token_timeout_s), connect=c.connect_timeout_s
+        )
         self._metrics_client = self._client
         if c.metrics_url is not None:
             if not c.metrics_url.startswith(("http://", "https://")):
@@ -369,7 +388,9 @@ class HttpEngine:
         t0 = time.monotonic()
         t_first: float | None = None
         try:
-            async with self._client.stream("POST", "/v1/completions", json=body) as r:
+            async with self._client.stream(
+                "POST", "/v1/completions", json=body, timeout=self._stream_timeout
+            ) as r:
                 if r.status_code != 200:
                     detail = (await r.aread())[:300].decode(errors="replace")
                     raise EngineError(f"the engine answered {r.status_code}: {detail}")
@@ -400,31 +421,35 @@ class HttpEngine:
     async def _chunks(self, r: httpx.Response) -> AsyncIterator[dict[str, Any]]:
         """The stream's JSON events, within the first-token and between-token timeouts;
         raises ``EngineError`` on a malformed line or a stream cut before ``[DONE]``."""
-        lines = r.aiter_lines()
-        timeout = self.config.first_token_timeout_s
-        while True:
+        c = self.config
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(None) as deadline:
+            # One timer per stream, not a timeout per line: a line only notes its time.
+            watch = _Watch(loop, deadline, c.first_token_timeout_s, c.token_timeout_s)
             try:
-                async with asyncio.timeout(timeout):
-                    line = await anext(lines)
-            except StopAsyncIteration:
-                raise EngineError("the stream ended before [DONE]") from None
-            timeout = self.config.token_timeout_s
-            if not line or line.startswith(":"):
-                continue
-            if not line.startswith("data:"):
-                raise EngineError(f"not an SSE data line: {line[:80]!r}")
-            data = line[len("data:") :].strip()
-            if data == "[DONE]":
-                return
-            try:
-                chunk = json.loads(data)
-            except json.JSONDecodeError as exc:
-                raise EngineError(f"a malformed SSE event: {data[:80]!r}") from exc
-            if not isinstance(chunk, dict):
-                raise EngineError("an SSE event that is not an object")
-            if "error" in chunk:
-                raise EngineError(f"the engine reported an error: {chunk['error']}")
-            yield chunk
+                async for line in r.aiter_lines():
+                    watch.last_s = loop.time()
+                    if watch.first:
+                        watch.first_line()
+                    if not line or line.startswith(":"):
+                        continue
+                    if not line.startswith("data:"):
+                        raise EngineError(f"not an SSE data line: {line[:80]!r}")
+                    data = line[len("data:") :].strip()
+                    if data == "[DONE]":
+                        return
+                    try:
+                        chunk = json.loads(data)
+                    except json.JSONDecodeError as exc:
+                        raise EngineError(f"a malformed SSE event: {data[:80]!r}") from exc
+                    if not isinstance(chunk, dict):
+                        raise EngineError("an SSE event that is not an object")
+                    if "error" in chunk:
+                        raise EngineError(f"the engine reported an error: {chunk['error']}")
+                    yield chunk
+            finally:
+                watch.stop()
+        raise EngineError("the stream ended before [DONE]")
 
     def _has(self, rid: str) -> bool:
         run = self._runs.get(rid)
@@ -483,3 +508,42 @@ class HttpEngine:
             while len(self._served) > c.max_blocks:
                 old, _ = self._served.popitem(last=False)
                 self._evicted.append(old)
+
+
+class _Watch:
+    """The first-token and between-token timeouts of one stream: a timer checks, when a
+    timeout could have passed, whether a line came since (then it waits again from that
+    line), and otherwise moves the stream's deadline to now, which cancels its read."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        deadline: asyncio.Timeout,
+        first_s: float,
+        between_s: float,
+    ) -> None:
+        self.loop, self.deadline, self.between_s = loop, deadline, between_s
+        self.first = True
+        """No line yet: the first-token timeout runs."""
+        self.last_s = loop.time()
+        self._handle = loop.call_at(self.last_s + first_s, self._check)
+
+    def first_line(self) -> None:
+        """The first line came (at ``last_s``): from now on the between-token timeout runs."""
+        self.first = False
+        self._handle.cancel()
+        self._handle = self.loop.call_at(self.last_s + self.between_s, self._check)
+
+    def _check(self) -> None:
+        now = self.loop.time()
+        if self.first:  # no line yet: the first-token timeout has passed
+            self.deadline.reschedule(now)
+            return
+        due = self.last_s + self.between_s
+        if due <= now:
+            self.deadline.reschedule(now)
+        else:
+            self._handle = self.loop.call_at(due, self._check)
+
+    def stop(self) -> None:
+        self._handle.cancel()

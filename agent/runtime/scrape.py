@@ -7,7 +7,10 @@
   ``sglang:token_usage``.
 
 Samples of one name are summed over their labels (an engine with several model or rank
-labels). A page with none of these names, or one that does not parse, raises
+labels). Only the lines of these names are parsed: an engine's page is mostly histograms (a
+vLLM page runs to hundreds of lines), and the agent scrapes it every second, beside a fleet of
+streams on the same cores. A page with none of these names, or one whose lines of them do not
+parse, raises
 :class:`EngineMetricsError`; the scraper counts it and keeps its last figures, which then grow
 stale: figures older than their bound count as a saturated engine.
 """
@@ -23,6 +26,7 @@ from sluice.agent.errors import AgentError
 RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
 WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
+_NAMES = RUNNING + WAITING + KV_USAGE
 
 
 class EngineMetricsError(AgentError):
@@ -40,10 +44,12 @@ class ScrapedLoad:
 def parse_load(text: str) -> ScrapedLoad:
     """The load on one metrics page (see the module docstring)."""
     sums: dict[str, float] = {}
+    # A prefix match may keep a longer name's line too: the exact names are checked below.
+    ours = "\n".join(line for line in text.splitlines() if line.startswith(_NAMES))
     try:
-        for family in text_string_to_metric_families(text):
+        for family in text_string_to_metric_families(ours):
             for sample in family.samples:
-                if sample.name in RUNNING + WAITING + KV_USAGE:
+                if sample.name in _NAMES:
                     sums[sample.name] = sums.get(sample.name, 0.0) + float(sample.value)
     except (ValueError, TypeError, IndexError) as exc:
         raise EngineMetricsError(f"the metrics page does not parse: {exc}") from exc
