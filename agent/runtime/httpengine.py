@@ -2,11 +2,14 @@
 behind the agent's :class:`~sluice.agent.engine.Engine` protocol.
 
 Each request is one streaming ``POST /v1/completions`` (SSE, ``stream_options.include_usage``)
-on one pooled httpx client, over TCP (``http://host:port``) or a Unix socket beside the agent
+on one pooled aiohttp session, over TCP (``http://host:port``) or a Unix socket beside the agent
 (``unix:///path/to.sock``). Text chunks become tokens as they arrive (the agent coalesces
 them as for the simulated engine); the final ``usage`` gives the completion's prompt, output
 and cached tokens (``prompt_tokens_details.cached_tokens``, 0 where the engine reports none).
-Cancelling a request closes its stream, and so aborts it in the engine.
+Cancelling a request closes its stream, and so aborts it in the engine. aiohttp, not httpx as
+elsewhere in Sluice: an agent reads every token of every stream its engine serves, and aiohttp
+(with its compiled parser) reads one in about a third of httpx's CPU (docs/BENCHMARKS.md,
+"Where live Sluice lost its first tokens").
 
 Timeouts: connecting, the first token, and between tokens. A request whose engine dies, hangs
 or answers garbage ends as :class:`~sluice.agent.engine.Failed` (the dispatcher runs it
@@ -40,7 +43,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 
 from sluice.agent.defaults import KV_MAX_BLOCKS, RECORD_MAX_BLOCKS
 from sluice.agent.engine import EngineError, EngineLoad, Failed, Finished, Step, TokensOut
@@ -60,6 +63,8 @@ log = logging.getLogger(__name__)
 
 KEEPALIVE_S = 2.0
 """Seconds an idle connection to the engine is kept for the next request."""
+_GONE = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError)
+"""Errors that say the engine is gone or hangs (not that it answered badly)."""
 
 
 @dataclass(frozen=True)
@@ -111,31 +116,30 @@ class HttpEngine:
 
     def __init__(self, config: HttpEngineConfig) -> None:
         self.config = c = config
-        # As many kept connections as streams run: httpx's default keeps 20, so an agent with
-        # more requests in flight opened a TCP connection for every request past them.
-        # Idle ones close before a server's keep-alive (uvicorn's 5 s) would close them.
-        limits = httpx.Limits(
-            max_connections=None, max_keepalive_connections=None, keepalive_expiry=KEEPALIVE_S
-        )
         if c.url.startswith("unix://"):
-            transport = httpx.AsyncHTTPTransport(uds=c.url[len("unix://") :], limits=limits)
-            base = "http://engine"
+            self._socket: str | None = c.url[len("unix://") :]
+            self._base = "http://engine"
         elif c.url.startswith(("http://", "https://")):
-            transport, base = httpx.AsyncHTTPTransport(limits=limits), c.url.rstrip("/")
+            self._socket, self._base = None, c.url.rstrip("/")
         else:
             raise EngineError(f"engine URL must be http://, https:// or unix://, not {c.url!r}")
-        timeout = httpx.Timeout(c.token_timeout_s, connect=c.connect_timeout_s)
-        self._client = httpx.AsyncClient(base_url=base, transport=transport, timeout=timeout)
+        if c.metrics_url is not None and not c.metrics_url.startswith(("http://", "https://")):
+            raise EngineError(f"metrics URL must be http:// or https://, not {c.metrics_url!r}")
+        self._metrics_at = (
+            c.metrics_url
+            if c.metrics_url is not None
+            else None
+            if c.metrics_path is None
+            else self._base + c.metrics_path
+        )
+        self._session: aiohttp.ClientSession | None = None
+        self._metrics_session: aiohttp.ClientSession | None = None
         # A stream's reads wait as long as its first token may take: the stream's own watch
         # (_Watch) keeps the first-token and between-token timeouts.
-        self._stream_timeout = httpx.Timeout(
-            max(c.first_token_timeout_s, c.token_timeout_s), connect=c.connect_timeout_s
+        self._stream_timeout = aiohttp.ClientTimeout(
+            total=None, connect=c.connect_timeout_s, sock_read=None
         )
-        self._metrics_client = self._client
-        if c.metrics_url is not None:
-            if not c.metrics_url.startswith(("http://", "https://")):
-                raise EngineError(f"metrics URL must be http:// or https://, not {c.metrics_url!r}")
-            self._metrics_client = httpx.AsyncClient(timeout=timeout)
+        self._get_timeout = aiohttp.ClientTimeout(total=c.connect_timeout_s)
         self._scrapes = c.metrics_url is not None or c.metrics_path is not None
         self._runs: dict[str, _Run] = {}
         self._events: list[TokensOut | Finished | Failed] = []
@@ -166,7 +170,23 @@ class HttpEngine:
 
     # ------------------------------------------------------------------ lifecycle
 
+    def _connector(self) -> aiohttp.BaseConnector:
+        # No limit on connections, one kept per stream; idle ones close before a server's
+        # keep-alive (uvicorn's 5 s) would close them under a new request.
+        if self._socket is not None:
+            return aiohttp.UnixConnector(self._socket, limit=0, keepalive_timeout=KEEPALIVE_S)
+        return aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
+
+    @property
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise EngineError("the engine is not open")
+        return self._session
+
     async def open(self) -> None:
+        self._session = aiohttp.ClientSession(connector=self._connector())
+        if self.config.metrics_url is not None:
+            self._metrics_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector())
         await self._check_health()
         self._health = asyncio.create_task(self._health_loop(), name="engine-health")
         if self._scrapes:
@@ -181,9 +201,9 @@ class HttpEngine:
         for t in [*background, *tasks]:
             t.cancel()
         await asyncio.gather(*tasks, *background, return_exceptions=True)
-        await self._client.aclose()
-        if self._metrics_client is not self._client:
-            await self._metrics_client.aclose()
+        for session in (self._session, self._metrics_session):
+            if session is not None:
+                await session.close()
 
     async def _scrape_loop(self) -> None:
         while True:
@@ -192,15 +212,16 @@ class HttpEngine:
             await self._scrape()
 
     async def _scrape(self) -> None:
-        where = self.config.metrics_url or self.config.metrics_path
-        assert where is not None
+        assert self._metrics_at is not None
+        session = self._metrics_session or self._http
         try:
-            r = await self._metrics_client.get(where, timeout=self.config.connect_timeout_s)
-            if r.status_code != 200:
-                raise EngineMetricsError(f"the metrics endpoint answered {r.status_code}")
-            self.scraped = parse_load(r.text)
+            async with session.get(self._metrics_at, timeout=self._get_timeout) as r:
+                if r.status != 200:
+                    raise EngineMetricsError(f"the metrics endpoint answered {r.status}")
+                text = await r.text()
+            self.scraped = parse_load(text)
             self.scraped_at_s = time.monotonic()
-        except (httpx.HTTPError, EngineMetricsError) as exc:
+        except (aiohttp.ClientError, TimeoutError, EngineMetricsError) as exc:
             self.scrape_errors += 1
             log.debug("metrics of %s not read: %s", self.config.url, exc)
 
@@ -272,9 +293,9 @@ class HttpEngine:
 
     async def _check_health(self) -> None:
         try:
-            r = await self._client.get("/health", timeout=self.config.connect_timeout_s)
-            ok = r.status_code == 200
-        except httpx.HTTPError:
+            async with self._http.get(f"{self._base}/health", timeout=self._get_timeout) as r:
+                ok = r.status == 200
+        except (aiohttp.ClientError, TimeoutError):
             ok = False
         if ok != self._healthy:
             log.warning("engine at %s is %s", self.config.url, "healthy" if ok else "unhealthy")
@@ -388,12 +409,12 @@ class HttpEngine:
         t0 = time.monotonic()
         t_first: float | None = None
         try:
-            async with self._client.stream(
-                "POST", "/v1/completions", json=body, timeout=self._stream_timeout
+            async with self._http.post(
+                f"{self._base}/v1/completions", json=body, timeout=self._stream_timeout
             ) as r:
-                if r.status_code != 200:
-                    detail = (await r.aread())[:300].decode(errors="replace")
-                    raise EngineError(f"the engine answered {r.status_code}: {detail}")
+                if r.status != 200:
+                    detail = (await r.read())[:300].decode(errors="replace")
+                    raise EngineError(f"the engine answered {r.status}: {detail}")
                 usage: dict[str, Any] | None = None
                 async for chunk in self._chunks(r):
                     if chunk.get("usage"):
@@ -409,16 +430,16 @@ class HttpEngine:
             self._finished(rid, usage, t0, t_first)
         except asyncio.CancelledError:
             raise
-        except (httpx.HTTPError, EngineError, TimeoutError, ValueError) as exc:
+        except (aiohttp.ClientError, EngineError, TimeoutError, ValueError) as exc:
             self.failures += 1
-            if isinstance(exc, httpx.TransportError | TimeoutError):
+            if isinstance(exc, _GONE):
                 # The engine is gone or hangs: take no more work until a health check passes
                 # (its agent refuses assignments and heartbeats no free capacity meanwhile).
                 self._healthy = False
             if rid in self._runs:
                 self._emit(Failed(rid, f"engine {self.config.url}: {exc!r}"))
 
-    async def _chunks(self, r: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    async def _chunks(self, r: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
         """The stream's JSON events, within the first-token and between-token timeouts;
         raises ``EngineError`` on a malformed line or a stream cut before ``[DONE]``."""
         c = self.config
@@ -427,20 +448,21 @@ class HttpEngine:
             # One timer per stream, not a timeout per line: a line only notes its time.
             watch = _Watch(loop, deadline, c.first_token_timeout_s, c.token_timeout_s)
             try:
-                async for line in r.aiter_lines():
+                async for raw in r.content:
                     watch.last_s = loop.time()
                     if watch.first:
                         watch.first_line()
-                    if not line or line.startswith(":"):
+                    line = raw.strip()
+                    if not line or line.startswith(b":"):
                         continue
-                    if not line.startswith("data:"):
+                    if not line.startswith(b"data:"):
                         raise EngineError(f"not an SSE data line: {line[:80]!r}")
-                    data = line[len("data:") :].strip()
-                    if data == "[DONE]":
+                    data = line[5:].lstrip()
+                    if data == b"[DONE]":
                         return
                     try:
                         chunk = json.loads(data)
-                    except json.JSONDecodeError as exc:
+                    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                         raise EngineError(f"a malformed SSE event: {data[:80]!r}") from exc
                     if not isinstance(chunk, dict):
                         raise EngineError("an SSE event that is not an object")
