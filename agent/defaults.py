@@ -1,5 +1,5 @@
-"""The agent's memory bounds, named once: the engine adapters take their defaults from here,
-and the agent's settings theirs from the same names."""
+"""The agent's memory bounds and streaming defaults, named once: the engine adapters take
+their defaults from here, and the agent's settings theirs from the same names."""
 
 from __future__ import annotations
 
@@ -9,3 +9,10 @@ removal events got lost would otherwise keep them forever; the oldest stored go 
 RECORD_MAX_BLOCKS = 200_000
 """Prompt block hashes the ``openai-http`` engine's record of served prompts keeps at most
 (its cache digest while the engine sends no KV events; least recently served go first)."""
+TOKEN_FLUSH_MS = 50.0
+"""How long the agent coalesces a request's later tokens before it publishes them (its first
+goes out at once). An engine streams a request's tokens every 10-30 ms, so at 15 ms nearly every
+chunk carried one token: one publish, one broker delivery and one gateway write per token. At
+50 ms (20 chunks a second, smooth to a reader) a chunk carries 2-5, and on the head-to-head
+fleet the time to the first token's median fell by about 150 ms (docs/BENCHMARKS.md, "Where live
+Sluice lost its first tokens")."""

@@ -52,6 +52,7 @@ def build_engine(settings: AgentSettings) -> Engine:
             stride=index_stride(DEFAULT_BLOCK_TOKENS, settings.digest_index_tokens),
             max_blocks=settings.engine_record_max_blocks,
             kv_max_blocks=settings.engine_kv_max_blocks,
-            poll_s=max(HttpEngineConfig.poll_s, settings.token_flush_ms / 1000),
+            # Half its coalescing: a later token waits at most 1.5 times that to go out.
+            poll_s=max(HttpEngineConfig.poll_s, settings.token_flush_ms / 2000),
         )
     )

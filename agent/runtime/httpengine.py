@@ -92,10 +92,10 @@ class HttpEngineConfig:
     """Its replay socket (default: :func:`~sluice.agent.kvevents.replay_endpoint`)."""
     poll_s: float = 0.002
     """The longest the agent's step loop waits for a delivery: a later token waits at most
-    this long (plus the coalescing) to be relayed. An agent polls at its ``token_flush_ms``,
-    since it holds later tokens that long anyway: a loop waking every 2 ms cost a fleet of
-    busy agents more CPU than their streams (docs/BENCHMARKS.md, "Where live Sluice lost its
-    first tokens")."""
+    this long (plus the coalescing) to be relayed. An agent polls at half its
+    ``token_flush_ms``, since it holds later tokens that long anyway: a loop waking every 2 ms
+    cost a fleet of busy agents more CPU than their streams (docs/BENCHMARKS.md, "Where live
+    Sluice lost its first tokens")."""
     digest_min_tokens: int | None = 256
     stride: int = 1
     max_blocks: int = RECORD_MAX_BLOCKS

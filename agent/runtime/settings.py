@@ -10,7 +10,7 @@ from typing import ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from sluice.agent.defaults import KV_MAX_BLOCKS, RECORD_MAX_BLOCKS
+from sluice.agent.defaults import KV_MAX_BLOCKS, RECORD_MAX_BLOCKS, TOKEN_FLUSH_MS
 from sluice.agent.errors import KVEventError
 from sluice.agent.kvevents import replay_endpoint
 from sluice.agent.outbox import DEFAULT_MAX_REPORTS
@@ -115,7 +115,7 @@ class AgentSettings(BrokerSettings):
         default=DEFAULT_HEARTBEAT_S, gt=0, description="Seconds between heartbeats."
     )
     token_flush_ms: float = Field(
-        default=15.0, ge=0, description="Coalesce streamed tokens for up to this long."
+        default=TOKEN_FLUSH_MS, ge=0, description="Coalesce streamed tokens for up to this long."
     )
     token_flush_tokens: int = Field(
         default=16, ge=1, description="...or until this many tokens are buffered."
