@@ -1,9 +1,10 @@
 """The books (pure): what runs where, and how much of every quota level it uses.
 
-A booking is made once, after the worker accepted (``book``), and released once, when the
-request completes, fails or loses its worker (``release``). The books also keep, per worker,
-the prefill expected from bookings its last heartbeat did not list yet, so that routing counts
-work the worker has not reported.
+A booking is made once, when its offer goes out (``book``; the scheduler confirms it once the
+worker accepted, and ``restamp`` then dates it from the acceptance), and released once, when
+the request completes, fails, loses its worker or its worker refused it (``release``). The
+books also keep, per worker, the prefill expected from bookings its last heartbeat did not
+list yet, so that routing counts work the worker has not reported.
 """
 
 from __future__ import annotations
@@ -71,6 +72,12 @@ class Books:
             pending = self._unreported.setdefault(w, {})
             self._unreported_sum[w] += expected_prefill_tokens - pending.get(r.request_id, 0)
             pending[r.request_id] = expected_prefill_tokens
+
+    def restamp(self, request_id: str, booked_s: float) -> None:
+        """Date a booking from ``booked_s`` (its worker's acceptance): reconciliation's grace
+        counts from there, as it did when bookings were made only after the acceptance."""
+        b = self._running[request_id]
+        self._running[request_id] = Booking(b.request, b.worker_id, booked_s, b.expected_hit_tokens)
 
     def release(self, request_id: str, levels: Iterable[Level], amount: int) -> Booking:
         booking = self._running.pop(request_id)

@@ -108,6 +108,8 @@ class Scheduler:
         )
         self._served: Counter[str] = Counter()
         self._joins: list[tuple[float, str]] = []
+        # Request id -> its dispatch whose offer is in flight (booked, not yet confirmed).
+        self._reserved: dict[str, Dispatch] = {}
 
     # ----------------------------------------------------------------------------- queries
 
@@ -424,8 +426,17 @@ class Scheduler:
     # ----------------------------------------------------------------------------- outcomes
 
     def book(self, dispatch: Dispatch, now_s: float) -> bool:
-        """The worker accepted: take the quota and record the booking. Returns False if the
+        """The worker accepted at once: :meth:`reserve` and :meth:`confirm` in one (the
+        simulator's workers, and a worker's report of running a request). Returns False if the
         decision went stale meanwhile (request no longer queued as that attempt)."""
+        return self.reserve(dispatch, now_s) and self.confirm(dispatch, now_s)
+
+    def reserve(self, dispatch: Dispatch, now_s: float) -> bool:
+        """Hold a planned dispatch's place while its offer is in flight: the request leaves the
+        queue and counts on its worker (its quota and its room taken), so that the next plan
+        neither plans it again nor overfills that worker. The worker's answer settles it:
+        :meth:`confirm` or :meth:`withdraw`. False if the decision went stale (the request is
+        no longer queued as that attempt, or its worker left)."""
         r = dispatch.request
         queued = self._queues.get(r.request_id)
         if queued is None or queued.attempt != r.attempt:
@@ -444,12 +455,41 @@ class Scheduler:
             expected_prefill_tokens=dispatch.expected_prefill_tokens,
         )
         self._refresh(w)
+        self._reserved[r.request_id] = dispatch
+        return True
+
+    def confirm(self, dispatch: Dispatch, now_s: float) -> bool:
+        """Its worker accepted a reserved dispatch: the booking stands, and the routing
+        policy, the flap meter and the engine-time meter learn of it (once, and only now).
+        False if the reservation is gone: its request ended, failed or was stopped, or its
+        worker left, while the offer was in flight."""
+        r = dispatch.request
+        if self._reserved.get(r.request_id) is not dispatch:
+            return False
+        del self._reserved[r.request_id]
+        self._books.restamp(r.request_id, now_s)
+        w = dispatch.worker_id
         self.policy.observe(r.route_view(), w, now_s)
         self.flaps.booked(r.block_hashes, w, now_s)
         self._now_s = max(self._now_s, now_s)
         cost = dispatch.engine_s or self.engine_time.cost_s(r, w, dispatch.expected_hit_tokens)
         self.meter.charge(r.band, dispatch.share, cost, now_s)
         return True
+
+    def withdraw(self, dispatch: Dispatch) -> None:
+        """Its worker refused a reserved dispatch, or did not answer: the request goes back to
+        its place in the queue (the same attempt), and the worker stays out of plans until it
+        heartbeats (:meth:`refused`). A reservation already gone changes nothing but that."""
+        r = dispatch.request
+        if self._reserved.get(r.request_id) is dispatch:
+            self._release(r.request_id)
+            self._insert(r)
+        self.refused(dispatch)
+
+    @property
+    def reserved(self) -> int:
+        """Dispatches whose offers are in flight."""
+        return len(self._reserved)
 
     def refused(self, dispatch: Dispatch) -> None:
         """The worker refused or did not answer: keep it out of plans until it heartbeats."""
@@ -503,6 +543,7 @@ class Scheduler:
     def _release(self, request_id: str) -> Booking:
         booking = self._books.get(request_id)
         assert booking is not None
+        self._reserved.pop(request_id, None)
         levels, amount = self.quota_levels(booking.request)
         released = self._books.release(request_id, levels, amount)
         self._refresh(released.worker_id)

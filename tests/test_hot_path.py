@@ -60,6 +60,54 @@ async def test_requests_queued_together_are_offered_in_one_round(nats_url: str) 
     assert kinds[:6] == ["offer"] * 6, f"offers and answers interleaved: {kinds}"
 
 
+async def test_a_slow_answer_holds_back_no_other_offer(nats_url: str) -> None:
+    """The first worker to get an offer answers it 2.5 s late; a request submitted meanwhile
+    is offered to the other worker before that answer (a pass that waited for every answer
+    would offer it only after)."""
+    seen: list[tuple[str, str]] = []  # ("offer", worker) or ("answer", reply subject)
+    offers: dict[str, str] = {}  # reply subject -> worker
+    late: list[str] = []
+    # The first request runs for seconds (engines at real time, 600 tokens), so that its
+    # worker is still full when the second is planned, whether or not its answer came.
+    kw = cluster_kwargs(
+        workers=2, dispatcher={"handoff_timeout_s": 5.0}, agent={"capacity": 1, "speed": 1.0}
+    )
+    async with LocalCluster(nats_url, **kw) as cluster, Client(nats_url) as client:
+        for agent in cluster.agents:
+            answer = agent._reply
+
+            async def slow_once(msg: Msg, rid: str, accepted: bool, reason: str = "", *,
+                                _answer: Any = answer) -> None:  # fmt: skip
+                if not late:  # the very first assignment of either worker
+                    late.append(rid)
+                    await asyncio.sleep(2.5)
+                await _answer(msg, rid, accepted, reason)
+
+            agent._reply = slow_once  # type: ignore[method-assign]
+
+            async def on_offer(msg: Msg, _w: str = agent.worker_id) -> None:
+                offers[msg.reply] = _w
+                seen.append(("offer", _w))
+
+            await client.nc.subscribe(names.work_subject(agent.worker_id), cb=on_offer)
+
+        async def on_inbox(msg: Msg) -> None:
+            if msg.subject in offers:
+                seen.append(("answer", offers[msg.subject]))
+
+        await client.nc.subscribe("_INBOX.>", cb=on_inbox)
+        await client.nc.flush()
+        first = await client.submit("sim", _PROMPT, max_tokens=600, band="interactive")
+        await eventually(lambda: _true(bool(late)))
+        second = await client.submit("sim", list(range(64, 128)), max_tokens=2)
+        assert (await second.result(timeout_s=20)).ok
+        assert (await first.result(timeout_s=20)).ok
+        await eventually(lambda: _true(len(seen) >= 4))
+    slow_worker = seen[0][1]
+    kinds = [(kind, w == slow_worker) for kind, w in seen]
+    assert kinds.index(("offer", False)) < kinds.index(("answer", True)), seen
+
+
 async def _true(value: bool) -> bool:
     return value
 

@@ -417,3 +417,113 @@ def test_deadline_bookkeeping_stays_bounded_and_still_ends_the_queued() -> None:
     s.update_worker(_worker("w", capacity=0))  # no room: it stays queued
     assert len(s._queues._deadlines) <= 2 * s.queued + 1024
     assert [e.request.request_id for e in s.sweep(2.0)] == ["late"]
+
+
+# ----------------------------------------------------------------------------- reservations
+
+
+def _snapshot(s: Scheduler) -> tuple[object, ...]:
+    """What a plan reads of the scheduler: the queue in order, the books, the room and the
+    quota use."""
+    books = sorted((b.request.request_id, b.worker_id) for b in s._books.bookings())
+    return (list(s.order()), books, s.counts(), dict(s.usage()), s.running, s.queued)
+
+
+def test_a_reserved_dispatch_is_not_planned_again_and_counts_on_its_worker() -> None:
+    """While an offer is in flight its request is out of the queue and takes its room: the
+    next plan neither offers it again nor overfills the worker."""
+    s = _sched(global_limit=8)
+    s.update_worker(_worker("a", capacity=1))
+    s.update_worker(_worker("b", capacity=1))
+    for rid in ("r1", "r2", "r3"):
+        s.enqueue(_req(rid), 0.0)
+    first = s.plan(0.0)[0]
+    assert s.reserve(first, 0.0) and s.reserved == 1
+    assert not s.is_queued("r1") and s.running == 1
+    again = s.plan(0.0)
+    assert [d.request.request_id for d in again] == ["r2"]  # r1 is offered, its worker full
+    assert again[0].worker_id != first.worker_id
+    assert not s.reserve(first, 0.0)  # reserved once only
+
+
+def test_confirm_books_once_and_withdraw_puts_the_request_back_in_its_place() -> None:
+    s = _sched(global_limit=8)
+    s.update_worker(_worker("a", capacity=4))
+    for i, rid in enumerate(("r1", "r2", "r3")):
+        s.enqueue(_req(rid, t=0.1 * i), 0.1 * i)
+    before = _snapshot(s)
+    d = s.plan(1.0)[0]
+    assert d.request.request_id == "r1"
+    assert s.reserve(d, 1.0)
+    s.withdraw(d)  # refused: back to the head of the queue, the worker out of plans
+    assert _snapshot(s) == before and s.reserved == 0
+    assert s.plan(1.0) == []  # the refusing worker waits for its next heartbeat
+    s.update_worker(_worker("a", capacity=4))
+    d = s.plan(1.0)[0]
+    assert s.reserve(d, 1.0) and s.confirm(d, 1.0)
+    assert not s.confirm(d, 1.0)  # learned once
+    assert s.booking("r1") is not None and s.reserved == 0
+    s.withdraw(d)  # a late refusal of a confirmed dispatch changes no booking
+    assert s.booking("r1") is not None
+
+
+def test_a_reservation_whose_request_ended_meanwhile_is_not_confirmed() -> None:
+    s = _sched(global_limit=8)
+    s.update_worker(_worker("a", capacity=4))
+    s.enqueue(_req("r1"), 0.0)
+    d = s.plan(0.0)[0]
+    assert s.reserve(d, 0.0)
+    assert s.stop_running("r1") is not None  # cancelled while its offer was in flight
+    assert not s.confirm(d, 0.1) and s.reserved == 0 and s.running == 0
+    s.enqueue(_req("r2"), 0.0)
+    d2 = s.plan(0.2)[0]
+    assert s.reserve(d2, 0.2)
+    s.remove_worker("a")  # the worker left: its reservation goes with it
+    assert not s.confirm(d2, 0.3) and s.reserved == 0
+
+
+@given(
+    n=st.integers(1, 12),
+    capacity=st.integers(1, 4),
+    answers=st.lists(st.booleans(), min_size=12, max_size=12),
+)
+@settings(max_examples=80, deadline=None)
+def test_reserving_then_answering_ends_as_booking_what_was_accepted(
+    n: int, capacity: int, answers: list[bool]
+) -> None:
+    """A plan reserved whole, then answered (accepted or refused) one by one, leaves the same
+    books, queue and quota use as booking at once what was accepted, and never more on a
+    worker than its capacity."""
+    piped, direct = _sched(global_limit=6), _sched(global_limit=6)
+    for s in (piped, direct):
+        for w in ("a", "b", "c"):
+            s.update_worker(_worker(w, capacity=capacity))
+        for i in range(n):
+            s.enqueue(_req(f"r{i}", t=0.01 * i), 0.01 * i)
+    plan = piped.plan(1.0)
+    assert [(d.request.request_id, d.worker_id) for d in direct.plan(1.0)] == [
+        (d.request.request_id, d.worker_id) for d in plan
+    ]
+    for d in plan:
+        assert piped.reserve(d, 1.0)
+        assert all(len(piped.booked_on(w)) <= capacity for w in ("a", "b", "c"))
+    for d, ok in zip(plan, answers, strict=False):
+        if ok:
+            assert piped.confirm(d, 1.0) and direct.book(d, 1.0)
+        else:
+            piped.withdraw(d)
+            direct.refused(d)
+    assert piped.reserved == 0
+    assert _snapshot(piped) == _snapshot(direct)
+
+
+def test_a_confirmed_booking_dates_from_its_acceptance() -> None:
+    """Reconciliation's grace counts from the worker's acceptance, not from the offer: an
+    offer answered late is not an orphan at once."""
+    s = _sched(global_limit=8)
+    s.update_worker(_worker("a", capacity=4))
+    s.enqueue(_req("r1"), 0.0)
+    d = s.plan(0.0)[0]
+    assert s.reserve(d, 0.0) and s.confirm(d, 1.5)
+    booking = s.booking("r1")
+    assert booking is not None and booking.booked_s == 1.5

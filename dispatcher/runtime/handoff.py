@@ -1,5 +1,6 @@
-"""The hand-off loop: expire leases and deadlines, plan, offer every decision to its worker
-at once (request/reply on its work subject), and book what the workers accepted."""
+"""The hand-off loop: expire leases and deadlines, plan, reserve every decision and offer it to
+its worker (request/reply on its work subject) without waiting for the answer; each answer
+books its decision or withdraws it (back into the queue). A pass never waits for a worker."""
 
 from __future__ import annotations
 
@@ -75,25 +76,31 @@ class HandOff:
         await self._notify(now, learning)
 
     async def _dispatch(self, now: float) -> None:
+        """Offer what the plan decides, without waiting for the answers: each decision is
+        reserved (its request out of the queue, its room on the worker taken) and its offer
+        runs on its own, so a slow worker's answer holds back neither the next plan nor the
+        other offers; each answer books or withdraws its own decision (:meth:`_settle`)."""
         st = self.state
-        decisions = st.scheduler.plan(now)
-        if not decisions:
-            return
-        if len(decisions) == 1:  # the idle case: no task to wrap the one offer in
-            accepted = [await self.offer(decisions[0])]
-        else:
-            accepted = await asyncio.gather(*(self.offer(d) for d in decisions))
+        sched = st.scheduler
+        for d in sched.plan(now):
+            if sched.reserve(d, now):
+                st.spawn(self._settle(sched, d), "hand-off")
+
+    async def _settle(self, sched: Scheduler, d: Dispatch) -> None:
+        st = self.state
+        ok = await self.offer(d)
+        if sched is not st.scheduler:
+            return  # the term ended meanwhile: the next leader adopts what the worker runs
         booked_s = time.monotonic()
-        for d, ok in zip(decisions, accepted, strict=True):
-            if ok:
-                if not self._book(d, booked_s) and st.cancelled.has(d.request.request_id, now):
-                    # Cancelled while its offer was in flight: the worker took it anyway.
-                    rid, w = d.request.request_id, d.worker_id
-                    st.spawn(stop_work(st, w, rid, d.request.attempt), "cancel-stop")
-            else:
-                metrics.HANDOFF_REFUSED.inc()
-                st.scheduler.refused(d)
-        st.kick.set()  # room may remain: plan again at once
+        if ok:
+            if not self._book(d, booked_s) and st.cancelled.has(d.request.request_id, booked_s):
+                # Cancelled while its offer was in flight: the worker took it anyway.
+                rid, w = d.request.request_id, d.worker_id
+                st.spawn(stop_work(st, w, rid, d.request.attempt), "cancel-stop")
+        else:
+            metrics.HANDOFF_REFUSED.inc()
+            sched.withdraw(d)
+            st.kick.set()  # back in the queue: plan it again at once
 
     async def _notify(self, now: float, learning: bool) -> None:
         """Tell the producers of requests queued since the last pass, and still queued after
@@ -125,7 +132,7 @@ class HandOff:
     def _book(self, d: Dispatch, booked_s: float) -> bool:
         st = self.state
         r = d.request
-        booked = st.scheduler.book(d, booked_s)
+        booked = st.scheduler.confirm(d, booked_s)
         # The worker's heartbeat may have listed it first (adopted): still this decision.
         b = st.scheduler.booking(r.request_id)
         if not booked and (
