@@ -16,7 +16,9 @@ SGLang serve:
   ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``, ``vllm:gpu_cache_usage_perc``,
   ``vllm:prompt_tokens_total``, ``vllm:prefix_cache_hits_total``, ...) and SGLang's
   (``sglang:num_running_reqs``, ``sglang:num_queue_reqs``, ``sglang:token_usage``,
-  ``sglang:cache_hit_rate``).
+  ``sglang:cache_hit_rate``), and vLLM's latency histograms under both prefixes
+  (``time_to_first_token_seconds``, ``request_queue_time_seconds``,
+  ``request_prefill_time_seconds``; wall seconds, measured in the server).
 
 A prompt given as token ids is hashed in blocks of the profile's size with Sluice's own block
 hashing; a text prompt with the tokenizer-free fallback (4 bytes a token). Output tokens are
