@@ -432,11 +432,14 @@ class Scheduler:
         return self.reserve(dispatch, now_s) and self.confirm(dispatch, now_s)
 
     def reserve(self, dispatch: Dispatch, now_s: float) -> bool:
-        """Hold a planned dispatch's place while its offer is in flight: the request leaves the
-        queue and counts on its worker (its quota and its room taken), so that the next plan
-        neither plans it again nor overfills that worker. The worker's answer settles it:
-        :meth:`confirm` or :meth:`withdraw`. False if the decision went stale (the request is
-        no longer queued as that attempt, or its worker left)."""
+        """Book a planned dispatch while its offer is in flight: the request leaves the queue
+        and counts on its worker (its quota and its room taken), and the routing policy, the
+        flap meter and the engine-time meter learn of it now, so that the next plan sees it
+        as every plan saw the bookings before it (it neither plans it again nor overfills that
+        worker, and a prefix's next request finds it). The worker's answer settles it:
+        :meth:`confirm` or :meth:`withdraw` (a refusal leaves the policy's note of it to expire
+        as a guess does). False if the decision went stale (the request is no longer queued as
+        that attempt, or its worker left)."""
         r = dispatch.request
         queued = self._queues.get(r.request_id)
         if queued is None or queued.attempt != r.attempt:
@@ -455,25 +458,26 @@ class Scheduler:
             expected_prefill_tokens=dispatch.expected_prefill_tokens,
         )
         self._refresh(w)
-        self._reserved[r.request_id] = dispatch
-        return True
-
-    def confirm(self, dispatch: Dispatch, now_s: float) -> bool:
-        """Its worker accepted a reserved dispatch: the booking stands, and the routing
-        policy, the flap meter and the engine-time meter learn of it (once, and only now).
-        False if the reservation is gone: its request ended, failed or was stopped, or its
-        worker left, while the offer was in flight."""
-        r = dispatch.request
-        if self._reserved.get(r.request_id) is not dispatch:
-            return False
-        del self._reserved[r.request_id]
-        self._books.restamp(r.request_id, now_s)
-        w = dispatch.worker_id
         self.policy.observe(r.route_view(), w, now_s)
         self.flaps.booked(r.block_hashes, w, now_s)
         self._now_s = max(self._now_s, now_s)
         cost = dispatch.engine_s or self.engine_time.cost_s(r, w, dispatch.expected_hit_tokens)
         self.meter.charge(r.band, dispatch.share, cost, now_s)
+        self._reserved[r.request_id] = dispatch
+        return True
+
+    def confirm(self, dispatch: Dispatch, now_s: float) -> bool:
+        """Its worker accepted a reserved dispatch: the booking stands, dated from now (the
+        acceptance: reconciliation's grace counts from there). False if the reservation is
+        gone: its request ended, failed or was stopped, or its worker left, while the offer
+        was in flight."""
+        r = dispatch.request
+        if self._reserved.get(r.request_id) is not dispatch:
+            return False
+        del self._reserved[r.request_id]
+        booking = self._books.get(r.request_id)  # a reservation is booked until released
+        if booking is not None and booking.booked_s != now_s:
+            self._books.restamp(r.request_id, now_s)
         return True
 
     def withdraw(self, dispatch: Dispatch) -> None:
