@@ -368,7 +368,8 @@ async def test_a_client_that_leaves_mid_stream_cancels_its_request(nats_url: str
             async for line in r.aiter_lines():
                 if line.startswith("data: {"):
                     break
-        assert await _running(c) == 1  # still running: the client left first
+        # No check that it still runs here: the cancel may already have landed (a race the
+        # test lost on a loaded machine). What ended it is in its result: cancelled, short.
 
         async def cancelled() -> bool:
             result = await c.fetch_result(rid)
