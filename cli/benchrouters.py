@@ -390,8 +390,8 @@ def _run_arm(
                     progress=cfg.progress,
                 )  # fmt: skip
                 t0 = time.monotonic()
-                waits = [d_metrics, f"{sluice_url}/metrics"]
-                before = _sluice_waits(waits) if sluice_url else None
+                waits = [d_metrics, f"{sluice_url}/metrics"] if sluice_url else []
+                before = _sluice_waits(waits) if waits else None
                 dropped = engine_clock_dropped_s(metrics)
                 out[load] = run(run_loadgen(scaled, lg, console))
                 out[load].update(warmed)

@@ -125,13 +125,9 @@ class HttpEngine:
             raise EngineError(f"engine URL must be http://, https:// or unix://, not {c.url!r}")
         if c.metrics_url is not None and not c.metrics_url.startswith(("http://", "https://")):
             raise EngineError(f"metrics URL must be http:// or https://, not {c.metrics_url!r}")
-        self._metrics_at = (
-            c.metrics_url
-            if c.metrics_url is not None
-            else None
-            if c.metrics_path is None
-            else self._base + c.metrics_path
-        )
+        self._metrics_at = c.metrics_url
+        if self._metrics_at is None and c.metrics_path is not None:
+            self._metrics_at = self._base + c.metrics_path
         self._session: aiohttp.ClientSession | None = None
         self._metrics_session: aiohttp.ClientSession | None = None
         # A stream's reads wait as long as its first token may take: the stream's own watch
@@ -140,7 +136,7 @@ class HttpEngine:
             total=None, connect=c.connect_timeout_s, sock_read=None
         )
         self._get_timeout = aiohttp.ClientTimeout(total=c.connect_timeout_s)
-        self._scrapes = c.metrics_url is not None or c.metrics_path is not None
+        self._scrapes = self._metrics_at is not None
         self._runs: dict[str, _Run] = {}
         self._events: list[TokensOut | Finished | Failed] = []
         self.delivered = asyncio.Event()
