@@ -80,6 +80,12 @@ class Engine(Protocol):
         ...
 
     @property
+    def uses_prompt_hashes(self) -> bool:
+        """Whether :meth:`add` reads its ``hashes`` (an engine whose own KV events say what
+        it caches does not: the agent then spares itself hashing every prompt)."""
+        ...
+
+    @property
     def has_work(self) -> bool:
         """Whether anything is running or waiting."""
         ...

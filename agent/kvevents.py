@@ -29,7 +29,7 @@ import msgpack
 
 from sluice.agent.defaults import KV_MAX_BLOCKS
 from sluice.agent.errors import KVEventError
-from sluice.schemas.hashing import block_hashes
+from sluice.schemas.hashing import pack_tokens, packed_block_hashes, unpack_tokens
 
 EngineHash = int | bytes
 _SEQ = struct.Struct(">q")
@@ -41,8 +41,14 @@ REPLAY_END = -1
 class BlockStored:
     block_hashes: tuple[EngineHash, ...]
     parent_block_hash: EngineHash | None
-    token_ids: tuple[int, ...]
+    tokens: bytes
+    """The token ids, packed as Sluice hashes them (:func:`~sluice.schemas.hashing.pack_tokens`):
+    the packing checks them, in C, and the hashing needs no second pass."""
     block_size: int
+
+    @property
+    def token_ids(self) -> list[int]:
+        return unpack_tokens(self.tokens)
 
 
 @dataclass(frozen=True)
@@ -145,8 +151,12 @@ def _event(item: Any) -> KVEvent | None:
     if tag == "BlockRemoved":
         return BlockRemoved(hashes)
     tokens, size = values.get("token_ids"), values.get("block_size")
-    if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+    if not isinstance(tokens, list):
         raise KVEventError("BlockStored.token_ids is a list of integers")
+    try:
+        packed = pack_tokens(tokens)
+    except ValueError as exc:
+        raise KVEventError(f"BlockStored.token_ids: {exc}") from None
     if not isinstance(size, int) or size < 1:
         raise KVEventError("BlockStored.block_size is an integer >= 1")
     if len(tokens) != size * len(hashes):
@@ -156,7 +166,7 @@ def _event(item: Any) -> KVEvent | None:
     parent = values.get("parent_block_hash")
     if parent is not None and not isinstance(parent, int | bytes):
         raise KVEventError("BlockStored.parent_block_hash is an integer, bytes or null")
-    return BlockStored(hashes, parent, tuple(tokens), size)
+    return BlockStored(hashes, parent, packed, size)
 
 
 def _hashes(value: Any) -> tuple[EngineHash, ...]:
@@ -252,7 +262,7 @@ class KVEventTracker:
                 self.stats.orphans += 1
                 return
             parent_hash, depth = parent.sluice, parent.depth
-        ours = block_hashes(ev.token_ids, self.block_tokens, parent_hash)
+        ours = packed_block_hashes(ev.tokens, self.block_tokens, parent_hash)
         blocks = self._blocks
         for engine_hash, h in zip(ev.block_hashes, ours, strict=True):
             depth += 1

@@ -15,7 +15,9 @@ use different seeds, so they never collide with each other.
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+import sys
+from array import array
+from collections.abc import Iterable, Sequence
 
 import xxhash
 
@@ -30,6 +32,8 @@ _TOKEN_SEED = 0x5A1C_E000
 _TEXT_SEED = 0x5A1C_E001
 _SESSION_SEED = 0x5A1C_E002
 _PREV = struct.Struct("<Q")
+# The array type of 4-byte unsigned items (``I`` on every platform CPython supports).
+_U32 = next(code for code in "IL" if array(code).itemsize == 4)
 
 
 def index_stride(block_tokens: int, index_tokens: int = DEFAULT_INDEX_TOKENS) -> int:
@@ -41,6 +45,26 @@ def index_stride(block_tokens: int, index_tokens: int = DEFAULT_INDEX_TOKENS) ->
     return max(1, index_tokens // block_tokens)
 
 
+def pack_tokens(tokens: Iterable[int]) -> bytes:
+    """Token ids as the little-endian uint32s that :func:`packed_block_hashes` hashes. A token
+    id that is not an integer in ``[0, 2**32)`` is a ``ValueError``."""
+    try:
+        packed = array(_U32, tokens)
+    except (TypeError, OverflowError) as exc:
+        raise ValueError(f"token ids are integers in [0, 2**32): {exc}") from None
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_tokens(data: bytes) -> list[int]:
+    """The token ids :func:`pack_tokens` packed."""
+    unpacked = array(_U32, data)
+    if sys.byteorder == "big":
+        unpacked.byteswap()
+    return unpacked.tolist()
+
+
 def block_hashes(
     tokens: Sequence[int], block_tokens: int = DEFAULT_BLOCK_TOKENS, parent: int = 0
 ) -> list[int]:
@@ -49,12 +73,22 @@ def block_hashes(
     if block_tokens < 1:
         raise ValueError("block_tokens must be >= 1")
     n_full = len(tokens) // block_tokens
+    return packed_block_hashes(pack_tokens(tokens[: n_full * block_tokens]), block_tokens, parent)
+
+
+def packed_block_hashes(
+    data: bytes, block_tokens: int = DEFAULT_BLOCK_TOKENS, parent: int = 0
+) -> list[int]:
+    """:func:`block_hashes` of token ids already packed by :func:`pack_tokens` (a trailing
+    partial block is not hashed)."""
+    if block_tokens < 1:
+        raise ValueError("block_tokens must be >= 1")
+    size = block_tokens * 4
     out: list[int] = []
     prev = parent
-    fmt = struct.Struct(f"<{block_tokens}I")
-    for i in range(n_full):
-        block = tokens[i * block_tokens : (i + 1) * block_tokens]
-        prev = xxhash.xxh64_intdigest(_PREV.pack(prev) + fmt.pack(*block), _TOKEN_SEED)
+    digest, pack = xxhash.xxh64_intdigest, _PREV.pack
+    for start in range(0, len(data) - size + 1, size):
+        prev = digest(pack(prev) + data[start : start + size], _TOKEN_SEED)
         out.append(prev)
     return out
 

@@ -75,6 +75,10 @@ class SimEngine:
         return self.profile.block_tokens
 
     @property
+    def uses_prompt_hashes(self) -> bool:
+        return True
+
+    @property
     def has_work(self) -> bool:
         return bool(self._waiting or self._running)
 

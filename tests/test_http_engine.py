@@ -230,7 +230,9 @@ async def test_kv_events_feed_the_digest_and_a_gap_is_replayed() -> None:
                 engine.step()
                 return tracker.stats.batches >= 2
 
-            engine.add("r1", len(PROMPT), 1, block_hashes(PROMPT), 0.0, PROMPT)
+            # The agent hashes no prompt for an engine whose KV events say what it holds.
+            assert not engine.uses_prompt_hashes
+            engine.add("r1", len(PROMPT), 1, [], 0.0, PROMPT)
             await eventually(applied)
             assert tracker.stats.gaps == 1  # batch 0 came back through the replay socket
             held = set(engine.cached_blocks())

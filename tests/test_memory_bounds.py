@@ -187,5 +187,6 @@ def test_the_agents_bounds_come_from_its_settings_and_hold_when_filled_past() ->
     assert len(engine.cached_blocks()) == 5
     kv = build_engine(_http_settings(engine_kv_events="tcp://127.0.0.1:9", engine_kv_max_blocks=7))
     assert isinstance(kv, HttpEngine) and kv.kv_tracker is not None
+    assert engine.uses_prompt_hashes and not kv.uses_prompt_hashes
     _store(kv.kv_tracker, 0, list(range(1, 21)), None)
     assert len(kv.kv_tracker) == 7

@@ -327,7 +327,7 @@ class Agent:
         # A text prompt tokenized here goes to the engine as those ids: it caches what we hash.
         ids = self._tokenizers.prompt_ids(req.model, req.prompt_tokens, req.prompt_text)
         n_prompt = prompt_length(ids, req.prompt_text)
-        hashes = prompt_hashes(ids, req.prompt_text, bt)
+        hashes = prompt_hashes(ids, req.prompt_text, bt) if self.engine.uses_prompt_hashes else []
         run = self._running[rid] = _Running(assignment, time.time())
         self._changed()
         # Into the engine before the reply's await: a stop arriving meanwhile finds it there.

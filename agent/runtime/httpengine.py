@@ -309,6 +309,11 @@ class HttpEngine:
         return self.config.block_tokens
 
     @property
+    def uses_prompt_hashes(self) -> bool:
+        c = self.config
+        return self.kv_tracker is None and c.digest_min_tokens is not None
+
+    @property
     def has_work(self) -> bool:
         return bool(self._runs or self._events)
 
@@ -513,9 +518,8 @@ class HttpEngine:
     def _record(self, prompt_tokens: int, hashes: Sequence[int]) -> None:
         """The digest stand-in: blocks of the prompts this engine served, most recent kept."""
         c = self.config
-        if self.kv_tracker is not None:
-            return  # the engine's KV events say what it holds
-        if c.digest_min_tokens is None or len(hashes) * c.block_tokens < c.digest_min_tokens:
+        # Not with KV events: the engine's own events say what it holds.
+        if not self.uses_prompt_hashes or len(hashes) * c.block_tokens < (c.digest_min_tokens or 0):
             return
         for h in hashes[c.stride - 1 :: c.stride]:
             if h in self._served:
