@@ -17,7 +17,7 @@ import typer
 from rich.console import Console
 
 from sluice.cli.console import err, fail, make_client, run, with_client
-from sluice.common.settings import ConfigError
+from sluice.common.errors import ConfigError
 
 if TYPE_CHECKING:
     from sluice.common.probes import Probe, ProbeServer

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 import typer
 from rich.console import Console
 
-from sluice.common.settings import ConfigError
+from sluice.common.errors import ConfigError
 
 T = TypeVar("T")
 

@@ -12,7 +12,7 @@ import typer
 from pydantic import ValidationError
 
 from sluice.cli.console import err, fail
-from sluice.common.settings import ConfigError
+from sluice.common.errors import ConfigError
 
 app = typer.Typer(
     help="Per-model quotas at run time: dispatchers apply a change within a second.",
