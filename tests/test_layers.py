@@ -102,3 +102,12 @@ def test_the_check_sees_a_runtime_import() -> None:
     """The guard itself: importing a runtime module is reported."""
     loaded = _loaded_after_importing(("sluice.dispatcher.runtime",))
     assert "nats" in _offending(loaded) and "sluice.dispatcher.runtime" in _offending(loaded)
+
+
+def test_the_command_line_loads_no_broker_client_until_a_command_needs_one() -> None:
+    """`sluice replay`, `sluice --help` and the other offline commands start without nats.py
+    and aiohttp (a third of a second on this machine): the commands that talk to a broker
+    import them when they run."""
+    loaded = _loaded_after_importing(("sluice.cli.app",))
+    assert "sluice.cli.app" in loaded
+    assert [m for m in loaded if m.split(".")[0] in ("nats", "aiohttp")] == []
