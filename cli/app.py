@@ -717,6 +717,14 @@ def bench_routers_cmd(
     routers_venv: Annotated[
         Path | None, typer.Option(help="Where `make routers` installed the SGLang routers.")
     ] = None,
+    repeat: Annotated[
+        int | None,
+        typer.Option(
+            help="Rounds of every arm at every load, arms reversed every other round; the "
+            "figures are medians, the verdict the median of each round's ratios (1).",
+            min=1,
+        ),
+    ] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the figures here.")] = None,
     progress: Annotated[bool, typer.Option(help="Show progress bars.")] = True,
     simulate: Annotated[
@@ -748,6 +756,7 @@ def bench_routers_cmd(
             "max_output_tokens": max_output_tokens,
             "latency_requests": latency_requests,
             "routers_venv": routers_venv,
+            "repeat": repeat,
         }.items()
         if v is not None
     }
@@ -776,7 +785,9 @@ def bench_routers_cmd(
     err.print(
         f"[dim]{cfg.engines} engines at speed x{cfg.speed:g}, {cfg.requests} requests from "
         f"{cfg.start} after a warm-up of {cfg.warmup} from the {cfg.warmup_requests} before, "
-        f"loads {', '.join(f'{x:g}' for x in cfg.loads)}, arms {', '.join(cfg.arms)}[/dim]"
+        f"loads {', '.join(f'{x:g}' for x in cfg.loads)}, arms {', '.join(cfg.arms)}"
+        + (f", {cfg.repeat} rounds" if cfg.repeat > 1 else "")
+        + "[/dim]"
     )
     try:
         r = b.bench_routers(cfg, err)

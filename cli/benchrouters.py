@@ -41,6 +41,7 @@ import asyncio
 import contextlib
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -48,7 +49,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import httpx
 from rich.console import Console
@@ -97,6 +98,10 @@ MODEL = "sim"
 ARMS = ("round-robin", "sglang-router", "smg", "sluice")
 SGLANG_ARMS = ("sglang-router", "smg")
 LATENCY_REQUESTS = 50
+REPEAT = 1
+"""Rounds of every arm at every load (``--repeat``): more make the verdict the median of paired
+ratios, steadier than one round's (a P99 of 300 requests is their third-worst TTFT, and it moves
+by seconds between runs of the same code)."""
 LATENCY_SPEED = 10_000.0
 LATENCY_PROMPT_TOKENS = 256
 LATENCY_MAX_TOKENS = 8
@@ -319,7 +324,10 @@ class RoutersResult:
     """The slice's hit ceiling with empty caches."""
     runs: dict[str, dict[float, dict[str, Any]]] = field(default_factory=dict)
     """Per arm, per load: the load generator's figures (sluice.sim.loadgen.summarize), plus
-    ``warmup_s`` and ``warmup_failed`` when a warm-up ran."""
+    ``warmup_s`` and ``warmup_failed`` when a warm-up ran; with several rounds, each number is
+    the median of the rounds' (:func:`median_runs`)."""
+    rounds: list[dict[str, dict[float, dict[str, Any]]]] = field(default_factory=list)
+    """Each round's ``runs`` as measured (one round: the same as ``runs``)."""
     latency: dict[str, dict[str, float]] = field(default_factory=dict)
     """Per router arm: P50 ms of the first token (streaming) and of the whole answer (not
     streaming), one request at a time on instant engines, and the same straight to an engine
@@ -327,11 +335,38 @@ class RoutersResult:
     wall_s: float = 0.0
 
     def stronger(self, load: float) -> str | None:
-        """The SGLang router with the higher goodput at ``load`` (the lower P99 on a tie)."""
-        got = [(a, self.runs[a][load]) for a in SGLANG_ARMS if load in self.runs.get(a, {})]
-        if not got:
-            return None
-        return max(got, key=lambda x: (x[1]["goodput_rps"] or 0, -(x[1]["ttft_p99_s"] or 1e9)))[0]
+        """The SGLang router with the higher (median) goodput at ``load`` (the lower P99 on a
+        tie)."""
+        return _stronger(self.runs, load)
+
+    def ratios(self, load: float) -> list[tuple[float, float]]:
+        """Per round that ran Sluice and an SGLang router at ``load``: Sluice's goodput and
+        P99 TTFT over the stronger router's of that round (paired: measured minutes apart)."""
+        out = []
+        for runs in self.rounds:
+            best = _stronger(runs, load)
+            s = runs.get("sluice", {}).get(load)
+            if best is not None and s is not None:
+                out.append(_paired(s, runs[best][load]))
+        return out
+
+
+def _number(v: object) -> TypeGuard[float]:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _stronger(runs: dict[str, dict[float, dict[str, Any]]], load: float) -> str | None:
+    got = [(a, runs[a][load]) for a in SGLANG_ARMS if load in runs.get(a, {})]
+    if not got:
+        return None
+    return max(got, key=lambda x: (x[1]["goodput_rps"] or 0, -(x[1]["ttft_p99_s"] or 1e9)))[0]
+
+
+def _paired(s: dict[str, Any], b: dict[str, Any]) -> tuple[float, float]:
+    """Sluice's goodput and P99 TTFT over another arm's (inf where the other has none)."""
+    g = (s["goodput_rps"] or 0) / b["goodput_rps"] if b["goodput_rps"] else float("inf")
+    p = (s["ttft_p99_s"] or float("inf")) / b["ttft_p99_s"] if b["ttft_p99_s"] else float("inf")
+    return g, p
 
 
 @dataclass(frozen=True)
@@ -350,6 +385,32 @@ class BenchConfig:
     latency_requests: int = LATENCY_REQUESTS
     routers_venv: Path = ROUTERS_VENV
     progress: bool = True
+    repeat: int = REPEAT
+
+
+def round_order(arms: Sequence[str], i: int) -> tuple[str, ...]:
+    """The arms' order in round ``i``: as given, then reversed, alternately, so that a drift of
+    the machine over a run (a neighbour's load, the engines' heat) favours no arm."""
+    return tuple(arms) if i % 2 == 0 else tuple(reversed(arms))
+
+
+def median_runs(
+    rounds: Sequence[dict[str, dict[float, dict[str, Any]]]],
+) -> dict[str, dict[float, dict[str, Any]]]:
+    """Per arm and load, the median of every number over the rounds that ran it (other values
+    from the first; a figure a round could not measure, None, is left out of its median)."""
+    out: dict[str, dict[float, dict[str, Any]]] = {}
+    for arm in dict.fromkeys(a for r in rounds for a in r):
+        loads = dict.fromkeys(load for r in rounds for load in r.get(arm, {}))
+        for load in loads:
+            got = [r[arm][load] for r in rounds if load in r.get(arm, {})]
+            merged: dict[str, Any] = {}
+            for key, first in got[0].items():
+                nums: list[float] = [v for f in got if _number(v := f.get(key))]
+                numeric = first is None or _number(first)
+                merged[key] = statistics.median(nums) if numeric and nums else first
+            out.setdefault(arm, {})[load] = merged
+    return out
 
 
 def _run_arm(
@@ -593,6 +654,8 @@ def _latency_phase(cfg: BenchConfig, log_dir: str) -> dict[str, dict[str, float]
 def bench_routers(cfg: BenchConfig, console: Console) -> RoutersResult:
     """Every arm at every load on one fleet, then the added latencies (module docstring)."""
     unknown = [a for a in cfg.arms if a not in ARMS]
+    if cfg.repeat < 1:
+        raise BenchRoutersError(f"repeat is at least 1, not {cfg.repeat}")
     if unknown:
         raise BenchRoutersError(f"unknown arms {unknown}; known: {', '.join(ARMS)}")
     for arm in cfg.arms:
@@ -616,8 +679,14 @@ def bench_routers(cfg: BenchConfig, console: Console) -> RoutersResult:
         with HttpEngineFleet(
             cfg.engines, model=MODEL, speed=cfg.speed, tcp=True, profile=PROFILE
         ) as fleet:
-            for arm in cfg.arms:
-                result.runs[arm] = _run_arm(arm, cfg, fleet, trace, warm, log_dir, console)
+            for i in range(cfg.repeat):
+                if cfg.repeat > 1:
+                    console.print(f"[dim]round {i + 1} of {cfg.repeat}[/dim]")
+                runs: dict[str, dict[float, dict[str, Any]]] = {}
+                for arm in round_order(cfg.arms, i):
+                    runs[arm] = _run_arm(arm, cfg, fleet, trace, warm, log_dir, console)
+                result.rounds.append({arm: runs[arm] for arm in cfg.arms})
+        result.runs = median_runs(result.rounds)
         if cfg.latency_requests:
             result.latency = _latency_phase(cfg, log_dir)
         ok = True
@@ -732,6 +801,7 @@ def table(r: RoutersResult) -> Table:
         title=f"requests {r.start}-{r.start + r.requests - 1} of {Path(r.trace).name} {warm}, on "
         f"{r.engines} sluice engines at speed x{r.speed:g}; goodput SLO "
         f"{r.slo_ttft_s * 1000:.0f} ms TTFT"
+        + (f"; medians of {len(r.rounds)} rounds" if len(r.rounds) > 1 else "")
     )
     cols = (
         "load", "arm", "goodput", "TTFT p50", "TTFT p99", "at engines p50", "hit rate", "ok",
@@ -791,18 +861,28 @@ def _ratio(a: float | None, b: float | None) -> str:
 
 def verdict(r: RoutersResult) -> list[str]:
     """One line per load of 0.8 and above: Sluice against the stronger SGLang router and
-    the targets (goodput >= 1.2x, P99 TTFT <= 0.7x)."""
+    the targets (goodput >= 1.2x, P99 TTFT <= 0.7x); with several rounds, the medians of the
+    rounds' paired ratios, each round's listed."""
     lines: list[str] = []
     for load in sorted(r.runs.get("sluice", {})):
         best = r.stronger(load)
-        if load < 0.8 or best is None:
+        pairs = r.ratios(load)
+        if load < 0.8 or best is None or not pairs:
             continue
-        s, b = r.runs["sluice"][load], r.runs[best][load]
-        g = (s["goodput_rps"] or 0) / b["goodput_rps"] if b["goodput_rps"] else float("inf")
-        p = (s["ttft_p99_s"] or float("inf")) / b["ttft_p99_s"] if b["ttft_p99_s"] else float("inf")
+        g = statistics.median(x for x, _ in pairs)
+        p = statistics.median(y for _, y in pairs)
         met = g >= TARGET_GOODPUT and p <= TARGET_P99
+        rounds = (
+            f" (median of {len(pairs)} rounds: goodput "
+            + " / ".join(f"x{x:.2f}" for x, _ in pairs)
+            + ", P99 "
+            + " / ".join(f"x{y:.2f}" for _, y in pairs)
+            + ")"
+            if len(pairs) > 1
+            else ""
+        )
         lines.append(
             f"load {load:g}: sluice goodput x{g:.2f} of {best} (target >= x{TARGET_GOODPUT}), "
-            f"P99 TTFT x{p:.2f} (target <= x{TARGET_P99}): {'MET' if met else 'MISSED'}"
+            f"P99 TTFT x{p:.2f} (target <= x{TARGET_P99}): {'MET' if met else 'MISSED'}{rounds}"
         )
     return lines
