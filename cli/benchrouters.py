@@ -804,8 +804,8 @@ def table(r: RoutersResult) -> Table:
         + (f"; medians of {len(r.rounds)} rounds" if len(r.rounds) > 1 else "")
     )
     cols = (
-        "load", "arm", "goodput", "TTFT p50", "TTFT p99", "at engines p50", "hit rate", "ok",
-        "vs stronger",
+        "load", "arm", "goodput", "within SLO", "TTFT p50", "TTFT p99", "at engines p50",
+        "hit rate", "ok", "vs stronger",
     )  # fmt: skip
     for col in cols:
         t.add_column(col, justify="left" if col in ("arm",) else "right")
@@ -828,7 +828,8 @@ def table(r: RoutersResult) -> Table:
                 vs = "stronger"
             hit = f["hit_rate"]
             t.add_row(
-                f"{load:g}", arm, f"{f['goodput_rps']:.2f}/s", _ms(f["ttft_p50_s"]),
+                f"{load:g}", arm, f"{f['goodput_rps']:.2f}/s", _count(f.get("slo_met")),
+                _ms(f["ttft_p50_s"]),
                 _ms(f["ttft_p99_s"]), _ms(f.get("engine_ttft_p50_s")),
                 "-" if hit is None else f"{hit:.1%}",
                 f"{f['completed']}/{f['requests']}", vs,
@@ -853,6 +854,10 @@ def latency_table(r: RoutersResult) -> Table:
             f"{f['plain_p50_ms'] - f['direct_plain_p50_ms']:+.2f} ms",
         )
     return t
+
+
+def _count(v: float | None) -> str:
+    return "-" if v is None else f"{v:g}"
 
 
 def _ratio(a: float | None, b: float | None) -> str:

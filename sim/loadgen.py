@@ -256,6 +256,7 @@ def summarize(
     if cache_hits_tokens is not None and cache_queries_tokens:
         hit = cache_hits_tokens / cache_queries_tokens
     lag = [o.sent_s - o.arrival_s for o in outcomes]
+    met = sum(1 for t in ttft if t <= slo_ttft_s)
     return {
         "requests": len(outcomes),
         "completed": len(ok),
@@ -267,7 +268,9 @@ def summarize(
         "ttft_p99_s": _round(percentile(ttft, 99)),
         "e2e_p50_s": _round(percentile([o.end_s - o.arrival_s for o in ok], 50)),
         "throughput_rps": _round(len(ok) / span),
-        "goodput_rps": _round(sum(1 for t in ttft if t <= slo_ttft_s) / span),
+        "goodput_rps": _round(met / span),
+        "slo_met": met,
+        "slo_attainment": _round(met / len(outcomes)) if outcomes else None,
         "slo_ttft_s": slo_ttft_s,
         "span_s": _round(span),
         "output_tokens": sum(o.output_tokens for o in ok),

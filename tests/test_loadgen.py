@@ -127,6 +127,7 @@ def test_goodput_counts_first_tokens_within_the_slo_over_the_span() -> None:
     assert (f["requests"], f["completed"], f["failed"]) == (4, 3, 1)
     assert f["span_s"] == 6.0
     assert f["goodput_rps"] == pytest.approx(2 / 6)
+    assert (f["slo_met"], f["slo_attainment"]) == (2, 0.5)  # of every request sent
     assert f["throughput_rps"] == pytest.approx(3 / 6)
     assert f["ttft_p50_s"] == pytest.approx(0.5)
     assert f["hit_rate"] == 0.25
