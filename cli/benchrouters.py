@@ -57,6 +57,8 @@ from rich.table import Table
 
 from sluice.cli.console import run
 from sluice.cli.loadgen import LoadgenConfig, run_loadgen
+from sluice.dispatcher.cacheaware import CacheAwareConfig
+from sluice.dispatcher.enginetime import DEFAULT_DECODE_TOKEN_S, DEFAULT_PREFILL_TOKENS_PER_S
 from sluice.dispatcher.stats import percentile
 from sluice.sim.loadgen import PromptBook, scale_arrivals
 from sluice.sim.profiles import get_profile
@@ -227,6 +229,44 @@ def sglang_router(kind: str, venv: Path, urls: Sequence[str], log_dir: str) -> I
         p.stop()
 
 
+SCALED_ROUTING = (
+    "ttft_scale_s", "hard_ttft_s", "sticky_window_s", "hot_tau_s", "explore_window_s",
+    "guess_ttl_s", "decode_step_s",
+)  # fmt: skip
+"""The routing policy's settings that are durations, in engine seconds (its defaults are what
+the simulator measures, on engines that run in real time)."""
+
+
+def routing_env(speed: float) -> dict[str, str]:
+    """The dispatcher's routing settings for engines that run ``speed`` times faster: each
+    duration divided by it and the prior prefill speed multiplied, so that the policy weighs
+    load against cache hits, and holds its stickiness and guesses, as its defaults do on
+    real-time engines (unscaled at x2, a predicted TTFT counted half its weight against a miss
+    and broke stickiness only at twice the engine work)."""
+    base = CacheAwareConfig()
+    env = {
+        f"SLUICE_DISPATCHER_ROUTING_{name.upper()}": repr(getattr(base, name) / speed)
+        for name in SCALED_ROUTING
+    }
+    env["SLUICE_DISPATCHER_ROUTING_PREFILL_TOKENS_PER_S"] = repr(base.prefill_tokens_per_s * speed)
+    return env
+
+
+def dispatcher_env(model: str, speed: float, slots: int) -> dict[str, str]:
+    """The head to head's dispatcher settings, for a fleet of ``slots`` agent slots in all
+    whose engines run ``speed`` times faster: its engine-time model and its routing policy are
+    told (:func:`routing_env`)."""
+    return {
+        "SLUICE_DISPATCHER_MODELS": f'["{model}"]',
+        "SLUICE_DISPATCHER_ENGINE_PREFILL_TOKENS_PER_S": str(DEFAULT_PREFILL_TOKENS_PER_S * speed),
+        "SLUICE_DISPATCHER_ENGINE_DECODE_TOKEN_S": str(DEFAULT_DECODE_TOKEN_S / speed),
+        "SLUICE_DISPATCHER_LEARN_S": "0.5",
+        **routing_env(speed),
+        # Every agent's slots, not the default 64 fleet-wide: the routers cap nothing.
+        "SLUICE_DISPATCHER_GLOBAL_LIMIT": str(slots),
+    }
+
+
 @contextlib.contextmanager
 def sluice_stack(
     fleet: HttpEngineFleet,
@@ -238,8 +278,6 @@ def sluice_stack(
     """nats-server, a dispatcher, one agent per engine of ``fleet`` (following its KV events)
     and a gateway, each a process, while the block runs; the gateway's URL. ``metrics_port``:
     the dispatcher serves its Prometheus metrics there (127.0.0.1)."""
-    from sluice.dispatcher.enginetime import DEFAULT_DECODE_TOKEN_S, DEFAULT_PREFILL_TOKENS_PER_S
-
     procs: list[Proc] = []
     cli = [sys.executable, "-m", "sluice.cli"]
     with EmbeddedNats() as nats, contextlib.ExitStack() as stack:
@@ -250,18 +288,7 @@ def sluice_stack(
 
         stack.callback(stop_all)
         env = {"SLUICE_NATS_URL": nats.url}
-        # The engines run `speed` times faster: the dispatcher's engine-time model is told.
-        d_env = {
-            **env,
-            "SLUICE_DISPATCHER_MODELS": f'["{fleet.model}"]',
-            "SLUICE_DISPATCHER_ENGINE_PREFILL_TOKENS_PER_S": str(
-                DEFAULT_PREFILL_TOKENS_PER_S * speed
-            ),
-            "SLUICE_DISPATCHER_ENGINE_DECODE_TOKEN_S": str(DEFAULT_DECODE_TOKEN_S / speed),
-            "SLUICE_DISPATCHER_LEARN_S": "0.5",
-            # Every agent's slots, not the default 64 fleet-wide: the routers cap nothing.
-            "SLUICE_DISPATCHER_GLOBAL_LIMIT": str(capacity * len(fleet.engines)),
-        }
+        d_env = {**env, **dispatcher_env(fleet.model, speed, capacity * len(fleet.engines))}
         if metrics_port is not None:
             d_env["SLUICE_DISPATCHER_METRICS_PORT"] = str(metrics_port)
         procs.append(Proc("dispatcher", [*cli, "dispatcher"], log_dir, d_env))

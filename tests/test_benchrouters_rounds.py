@@ -1,11 +1,24 @@
-"""``sluice bench-routers --repeat``: the rounds' medians, their order, and a verdict from each
-round's paired ratios (pure: no process starts)."""
+"""``sluice bench-routers``' pure parts: ``--repeat`` (the rounds' medians, their order, a verdict
+from each round's paired ratios) and the routing settings it gives a dispatcher of sped-up
+engines. No process starts."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from sluice.cli.benchrouters import RoutersResult, median_runs, round_order, verdict
+import pytest
+
+from sluice.cli.benchrouters import (
+    SCALED_ROUTING,
+    RoutersResult,
+    dispatcher_env,
+    median_runs,
+    round_order,
+    verdict,
+)
+from sluice.dispatcher.cacheaware import CacheAwareConfig
+from sluice.dispatcher.runtime.settings import DispatcherSettings
 
 
 def _f(goodput: float | None, p99: float | None, **kw: Any) -> dict[str, Any]:
@@ -55,3 +68,23 @@ def test_the_verdict_is_the_median_of_each_rounds_ratio_to_its_stronger_router()
     one = _result(rounds[1:2])
     (line,) = verdict(one)
     assert "goodput x1.00 of smg" in line and "MISSED" in line and "rounds" not in line
+
+
+def test_a_dispatcher_of_engines_at_x2_gets_every_routing_duration_halved(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What the dispatcher of the head to head reads from its environment: the defaults'
+    durations over the speed-up, their prior prefill speed times it, the rest as they are."""
+    for name, value in dispatcher_env("sim", 2.0, 512).items():
+        monkeypatch.setenv(name, value)
+    settings = DispatcherSettings()
+    assert (settings.models, settings.global_limit) == (["sim"], 512)
+    got, base = settings.routing(), CacheAwareConfig()
+    for f in dataclasses.fields(CacheAwareConfig):
+        want = getattr(base, f.name)
+        if f.name in SCALED_ROUTING:
+            want /= 2
+        elif f.name == "prefill_tokens_per_s":
+            want *= 2
+        assert getattr(got, f.name) == pytest.approx(want), f.name
+    assert got.ttft_scale_s == 0.5 and got.hard_ttft_s == 1.5  # what decides load against hits
