@@ -859,7 +859,7 @@ def table(r: RoutersResult) -> Table:
                 _ms(f["ttft_p50_s"]),
                 _ms(f["ttft_p99_s"]), _ms(f.get("engine_ttft_p50_s")),
                 "-" if hit is None else f"{hit:.1%}",
-                f"{f['completed']}/{f['requests']}", vs,
+                f"{f['completed']:g}/{f['requests']:g}", vs,
             )  # fmt: skip
     return t
 
