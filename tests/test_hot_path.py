@@ -217,9 +217,10 @@ def test_a_verdict_is_met_exactly_when_it_is_within_its_target(
 
 async def test_a_takeover_looks_up_redelivered_results_at_once(nats_url: str) -> None:
     """A leader hands six held requests back (a clean stop naks them) and their results
-    exist already: the next leader gets them redelivered in one batch and looks their results
-    up concurrently (all six lookups sent before the first answer; one after the other, each
-    answer would come before the next lookup), then acks all six without running them."""
+    exist already: the next leader gets them redelivered in a batch (or two, on a loaded machine)
+    and looks their results up concurrently (a batch's lookups all sent before its first
+    answer; one after the other, each answer would come before the next lookup), then acks all
+    six without running them."""
     from sluice.dispatcher.runtime import Dispatcher, DispatcherSettings
     from sluice.schemas.codec import encode
     from sluice.schemas.models import Result
@@ -262,7 +263,10 @@ async def test_a_takeover_looks_up_redelivered_results_at_once(nats_url: str) ->
             assert second.held == 0  # acked as done, never queued to run
         finally:
             await second.stop()
-    assert seen[:6] == ["lookup"] * 6, f"lookups and answers interleaved: {seen}"
+    # Concurrent within a pulled batch: one after the other, lookups and answers alternate. A
+    # loaded machine may hand the six back in two pulls (seen: 3 lookups, answers, 3 lookups).
+    runs = "".join("l" if e == "lookup" else "a" for e in seen).split("a")
+    assert seen.count("lookup") == 6 and max(map(len, runs)) >= 2, f"one by one: {seen}"
 
 
 async def _stream_empty(js: JetStreamContext, stream: str) -> bool:
