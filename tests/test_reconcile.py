@@ -85,6 +85,11 @@ async def test_reconciliation_corrects_injected_drift_both_ways(nats_url: str) -
         first = d.scheduler.booking("lost-1")
         assert first is not None
         holder = next(a for a in cluster.agents if a.worker_id == first.worker_id)
+
+        async def on_holder() -> bool:  # booked while its offer is in flight: wait for it
+            return "lost-1" in holder._running
+
+        await eventually(on_holder)
         # The agent loses it without a word (an engine that dropped it): no report, ever.
         holder.engine.cancel("lost-1")
         holder._running.pop("lost-1")
