@@ -370,12 +370,19 @@ class RoutersResult:
         """Per round that ran Sluice and an SGLang router at ``load``: Sluice's goodput and
         P99 TTFT over the stronger router's of that round (paired: measured minutes apart)."""
         out = []
-        for runs in self.rounds:
+        for runs in self.rounds or [self.runs]:
             best = _stronger(runs, load)
             s = runs.get("sluice", {}).get(load)
             if best is not None and s is not None:
                 out.append(_paired(s, runs[best][load]))
         return out
+
+    def paired(self, load: float) -> tuple[float, float] | None:
+        """The medians of :meth:`ratios` (None: no round ran Sluice and an SGLang router)."""
+        pairs = self.ratios(load)
+        if not pairs:
+            return None
+        return statistics.median(g for g, _ in pairs), statistics.median(p for _, p in pairs)
 
 
 def _number(v: object) -> TypeGuard[float]:
@@ -680,9 +687,9 @@ def _latency_phase(cfg: BenchConfig, log_dir: str) -> dict[str, dict[str, float]
 
 def bench_routers(cfg: BenchConfig, console: Console) -> RoutersResult:
     """Every arm at every load on one fleet, then the added latencies (module docstring)."""
-    unknown = [a for a in cfg.arms if a not in ARMS]
     if cfg.repeat < 1:
         raise BenchRoutersError(f"repeat is at least 1, not {cfg.repeat}")
+    unknown = [a for a in cfg.arms if a not in ARMS]
     if unknown:
         raise BenchRoutersError(f"unknown arms {unknown}; known: {', '.join(ARMS)}")
     for arm in cfg.arms:
@@ -844,13 +851,9 @@ def table(r: RoutersResult) -> Table:
             if f is None:
                 continue
             vs = ""
-            if arm == "sluice" and best is not None:
-                b = r.runs[best][load]
-                g, p = (
-                    _ratio(f["goodput_rps"], b["goodput_rps"]),
-                    _ratio(f["ttft_p99_s"], b["ttft_p99_s"]),
-                )
-                vs = f"{g} / {p}"
+            paired = r.paired(load) if arm == "sluice" else None
+            if paired is not None:
+                vs = f"x{paired[0]:.2f} / x{paired[1]:.2f}"
             elif arm == best:
                 vs = "stronger"
             hit = f["hit_rate"]
@@ -897,12 +900,11 @@ def verdict(r: RoutersResult) -> list[str]:
     rounds' paired ratios, each round's listed."""
     lines: list[str] = []
     for load in sorted(r.runs.get("sluice", {})):
-        best = r.stronger(load)
-        pairs = r.ratios(load)
-        if load < 0.8 or best is None or not pairs:
+        best, paired = r.stronger(load), r.paired(load)
+        if load < 0.8 or best is None or paired is None:
             continue
-        g = statistics.median(x for x, _ in pairs)
-        p = statistics.median(y for _, y in pairs)
+        pairs = r.ratios(load)
+        g, p = paired
         met = g >= TARGET_GOODPUT and p <= TARGET_P99
         rounds = (
             f" (median of {len(pairs)} rounds: goodput "

@@ -8,6 +8,7 @@ import dataclasses
 from typing import Any
 
 import pytest
+from rich.console import Console
 
 from sluice.cli.benchrouters import (
     SCALED_ROUTING,
@@ -15,6 +16,7 @@ from sluice.cli.benchrouters import (
     dispatcher_env,
     median_runs,
     round_order,
+    table,
     verdict,
 )
 from sluice.dispatcher.cacheaware import CacheAwareConfig
@@ -22,7 +24,10 @@ from sluice.dispatcher.runtime.settings import DispatcherSettings
 
 
 def _f(goodput: float | None, p99: float | None, **kw: Any) -> dict[str, Any]:
-    return {"goodput_rps": goodput, "ttft_p99_s": p99, "completed": 300, "policy": "x", **kw}
+    return {
+        "goodput_rps": goodput, "ttft_p99_s": p99, "ttft_p50_s": 0.5, "hit_rate": None,
+        "completed": 300, "requests": 300, "policy": "x", **kw,
+    }  # fmt: skip
 
 
 def _result(rounds: list[dict[str, dict[float, dict[str, Any]]]]) -> RoutersResult:
@@ -65,6 +70,9 @@ def test_the_verdict_is_the_median_of_each_rounds_ratio_to_its_stronger_router()
     (line,) = verdict(r)
     assert "goodput x1.30" in line and "P99 TTFT x0.60" in line and line.count("MET") == 1
     assert "median of 3 rounds: goodput x1.50 / x1.00 / x1.30, P99 x0.50 / x1.00 / x0.60" in line
+    console = Console(width=200, record=True)
+    console.print(table(r))
+    assert "x1.30 / x0.60" in console.export_text()  # the table's cell is the verdict's
     one = _result(rounds[1:2])
     (line,) = verdict(one)
     assert "goodput x1.00 of smg" in line and "MISSED" in line and "rounds" not in line
