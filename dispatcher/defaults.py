@@ -26,7 +26,7 @@ and traffic shares (:mod:`~sluice.dispatcher.affinity`), and by the flap meter."
 CANCELLED_MAX_IDS = 100_000
 """Cancelled request ids a dispatcher remembers at most (within the duplicate window)."""
 KEPT_ADVISORIES_MAX = 100_000
-"""Max-deliveries advisories a standby keeps at most for when it leads."""
+"""Max-deliveries advisories kept at most (in the broker) for the leader to serve."""
 REMOVED_WORKERS_MAX = 10_000
 """Workers whose lease expired that the lease table remembers at most, so that their late
 heartbeats are told apart from a fresh registration (oldest forgotten first)."""

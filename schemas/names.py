@@ -114,6 +114,13 @@ def max_deliveries_advisory(band: str) -> str:
     )
 
 
+ADVISORY_STREAM = "SLUICE_ADVISORIES"
+"""The work-queue stream that keeps max-deliveries advisories until the leader has answered
+their requests (the broker sends each once, whether or not a dispatcher is listening)."""
+ADVISORY_CONSUMER = "sluice-advisories"
+"""The durable pull consumer the leading dispatcher reads :data:`ADVISORY_STREAM` with."""
+
+
 # --- results (JetStream, kept for pickup) ----------------------------------------------------
 
 RESULT_STREAM = "SLUICE_RESULTS"

@@ -8,14 +8,22 @@ import time
 from pathlib import Path
 
 import pytest
+from nats.aio.msg import Msg
+from nats.js import api
 from nats.js.client import JetStreamContext
 
 from sluice.client import Client, Rejected, RejectReason
 from sluice.dispatcher.runtime import Dispatcher
-from sluice.dispatcher.runtime.streams import ensure_streams
+from sluice.dispatcher.runtime.streams import ensure_streams, result_stream
 from sluice.schemas import names
 from sluice.schemas.codec import decode, encode
-from sluice.schemas.models import Assignment, AssignmentReply, SubmitRequest
+from sluice.schemas.models import (
+    Assignment,
+    AssignmentReply,
+    Rejection,
+    Result,
+    SubmitRequest,
+)
 from sluice.testing.cluster import LocalCluster
 from sluice.testing.natsserver import EmbeddedNats
 
@@ -177,10 +185,136 @@ async def test_request_delivered_max_deliver_times_is_dead_lettered(nats_url: st
             await handle.result(timeout_s=15)
         assert info.value.reason is RejectReason.UNDELIVERABLE
         js = c.nc.jetstream()
+        await eventually(lambda: _advisories_served(js))  # the producer is told first
         letters = await js.stream_info(names.DEAD_LETTER_STREAM)
         queue = await js.stream_info(names.request_stream("standard"))
     assert letters.state.messages == 1
     assert queue.state.messages == 0  # removed from the work queue: it no longer takes room
+
+
+async def _advisories_served(js: JetStreamContext) -> bool:
+    """Whether every stored max-deliveries advisory was served (acked once its request was
+    answered, dead-lettered and removed from its queue)."""
+    info = await js.stream_info(names.ADVISORY_STREAM)
+    return info.state.messages == 0
+
+
+async def test_an_undeliverable_request_stays_queued_until_its_answer_is_stored(
+    nats_url: str,
+) -> None:
+    """The broker sends a max-deliveries advisory once. Here the result stream refuses the
+    leader's answer at first (full). Fails if the advisory is not kept until its request was
+    answered, or if the request leaves its queue first: then no answer is ever stored and
+    nothing would try again."""
+    kw = cluster_kwargs(workers=0, dispatcher={"max_deliver": 2, "ack_wait_s": 2.0})
+    async with LocalCluster(nats_url, **kw) as cluster, Client(nats_url) as c:
+        js = c.nc.jetstream()
+        heard: list[bytes] = []
+
+        async def on_advisory(msg: Msg) -> None:
+            heard.append(msg.data)
+
+        await c.nc.subscribe(names.max_deliveries_advisory("standard"), cb=on_advisory)
+        await _submit_unwatched(js, "refused", max_tokens=5)
+        for attempt in range(2):
+
+            async def taken() -> bool:
+                return cluster.dispatcher.held == 1
+
+            await eventually(taken)
+            await cluster.dispatcher.kill()
+            cluster.dispatcher = Dispatcher(cluster.dispatcher_settings)
+            await cluster.dispatcher.start()
+            if attempt == 1:  # it fills the result stream before the advisory goes out
+                full = result_stream(cluster.dispatcher_settings)
+                full.max_bytes, full.discard = 1, api.DiscardPolicy.NEW
+                await js.update_stream(full)
+
+        async def advised() -> bool:
+            return len(heard) == 1
+
+        await eventually(advised)
+        await asyncio.sleep(1.0)  # the leader's answer is refused (three attempts)
+        assert await c.fetch_result("refused") is None
+        await js.update_stream(result_stream(cluster.dispatcher_settings))
+
+        async def answered() -> bool:
+            return await c.fetch_result("refused") is not None
+
+        await eventually(answered)
+        result = await c.fetch_result("refused")
+        assert result is not None and result.rejection is not None
+        assert result.rejection.reason is RejectReason.UNDELIVERABLE
+        await eventually(lambda: _advisories_served(js))
+        letters = await js.stream_info(names.DEAD_LETTER_STREAM)
+        queue = await js.stream_info(names.request_stream("standard"))
+    assert letters.state.messages == 1
+    assert queue.state.messages == 0
+
+
+_RAN = Result(request_id="ran", ok=True, model="sim", band="standard", output_tokens=[7])
+_TOLD = Result(
+    request_id="ran",
+    ok=False,
+    model="sim",
+    band="standard",
+    rejection=Rejection(reason=RejectReason.UNDELIVERABLE, message="delivered 2 times"),
+)
+
+
+@pytest.mark.parametrize(
+    ("stored", "letters_kept"),
+    [(_RAN, 0), (_TOLD, 1)],
+    ids=["its-worker-finished-it", "a-leader-died-after-answering"],
+)
+async def test_an_exhausted_request_with_a_stored_result_is_not_answered_twice(
+    nats_url: str, stored: Result, letters_kept: int
+) -> None:
+    """A result was stored while no dispatcher acked the request, then its last delivery
+    timed out. Its worker's result must stay (fails if the advisory is served with a
+    rejection anyway: stored after the duplicate window, it would replace the result), and
+    the request only leaves its queue. A leader's ``undeliverable`` answer, stored before it
+    died, must not stop the dead letter (fails if any stored result counts as served)."""
+    kw = cluster_kwargs(
+        workers=0, dispatcher={"max_deliver": 2, "ack_wait_s": 2.0, "duplicate_window_s": 0.5}
+    )
+    async with LocalCluster(nats_url, **kw) as cluster, Client(nats_url) as c:
+        js = c.nc.jetstream()
+        heard: list[bytes] = []
+
+        async def on_advisory(msg: Msg) -> None:
+            heard.append(msg.data)
+
+        await c.nc.subscribe(names.max_deliveries_advisory("standard"), cb=on_advisory)
+        await _submit_unwatched(js, "ran", max_tokens=5)
+        for _ in range(2):
+
+            async def taken() -> bool:
+                return cluster.dispatcher.held == 1
+
+            await eventually(taken)
+            await cluster.dispatcher.kill()
+            cluster.dispatcher = Dispatcher(cluster.dispatcher_settings)
+            await cluster.dispatcher.start()
+        await js.publish(  # as its worker's agent, or a leader, stores it
+            names.result_subject("default", "ran"),
+            encode(stored),
+            headers={names.MSG_ID_HEADER: "ran"},
+        )
+
+        async def advised() -> bool:
+            return len(heard) == 1
+
+        await eventually(advised)
+        await eventually(lambda: _advisories_served(js))
+        result = await c.fetch_result("ran")
+        results = await js.stream_info(names.RESULT_STREAM)
+        letters = await js.stream_info(names.DEAD_LETTER_STREAM)
+        queue = await js.stream_info(names.request_stream("standard"))
+    assert result == stored
+    assert results.state.messages == 1  # not answered twice
+    assert letters.state.messages == letters_kept
+    assert queue.state.messages == 0
 
 
 async def test_reoffered_request_that_already_finished_is_not_run_again(nats_url: str) -> None:

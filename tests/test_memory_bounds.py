@@ -22,9 +22,9 @@ from sluice.agent.runtime.httpengine import HttpEngine
 from sluice.cli.benchmemory import _Dispatcher
 from sluice.dispatcher.leases import LeaseTable
 from sluice.dispatcher.routing import RouteRequest
-from sluice.dispatcher.runtime.answers import Answers
 from sluice.dispatcher.runtime.settings import DispatcherSettings
 from sluice.dispatcher.runtime.state import State
+from sluice.dispatcher.runtime.streams import advisory_stream
 from sluice.schemas.hashing import block_hashes
 from sluice.schemas.models import Completion
 from sluice.testing.engines import build_engine
@@ -128,7 +128,7 @@ def test_the_dispatchers_bounds_come_from_its_settings_and_hold_when_filled_past
     assert len(st_.scheduler.flaps._served) == 3
     assert [st_.cancelled.has(f"c{i}", 9.0) for i in (5, 6, 9)] == [False, True, True]
     assert [st_.leases.removed(f"w{i}") for i in (7, 8, 9)] == [None, 1, 1]
-    assert Answers(st_)._unserved_advisories.maxlen == 5
+    assert advisory_stream(s).max_msgs == 5
 
 
 def test_the_lease_table_remembers_the_newest_removals() -> None:

@@ -126,6 +126,7 @@ async def test_every_sluice_store_is_replicated_on_the_cluster(
         expected = [names.request_stream(b) for b in names.DEFAULT_BANDS] + [
             names.RESULT_STREAM,
             names.DEAD_LETTER_STREAM,
+            names.ADVISORY_STREAM,
             f"KV_{names.CONFIG_BUCKET}",
             f"KV_{names.BATCH_BUCKET}",
             f"OBJ_{names.FILE_STORE}",

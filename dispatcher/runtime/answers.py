@@ -2,7 +2,7 @@
 its result subject, and input that cannot be answered there is kept as a dead letter. A
 request message is acked only after its answer or its dead letter was stored; if neither can
 be stored it stays un-acked, is delivered again, and after ``max_deliver`` deliveries reaches
-:meth:`Answers.on_max_deliveries`."""
+:meth:`Answers.on_max_deliveries` (through the stored advisory, :meth:`Answers.advisory_loop`)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,12 @@ import asyncio
 import json
 import logging
 import time
-from collections import deque
 from typing import Protocol
 
+import nats.errors
 from nats.aio.msg import Msg
+from nats.js.client import JetStreamContext
+from nats.js.errors import NotFoundError
 
 from sluice.common.errors import internal_error
 from sluice.dispatcher.runtime import metrics
@@ -31,6 +33,8 @@ _PUBLISH_ATTEMPTS = 3
 _PUBLISH_TIMEOUT_S = 1.0
 """An answer not stored within this is retried; a request whose answer is not stored stays
 un-acked and is delivered again (bounded: at most ~4 s on the intake path)."""
+_ADVISORY_BATCH = 16
+"""Most max-deliveries advisories one pull takes."""
 
 
 async def ack(msg: Msg) -> None:
@@ -70,10 +74,6 @@ class Answers:
 
     def __init__(self, state: State) -> None:
         self.state = state
-        self._unserved_advisories: deque[tuple[str, int, int]] = deque(
-            maxlen=state.settings.max_kept_advisories
-        )
-        """Max-deliveries advisories a standby received, for when it leads (bounded)."""
 
     async def publish_result(self, result: Result) -> bool:
         """Store a result (deduplicated by request id); False if the broker did not take it."""
@@ -118,11 +118,14 @@ class Answers:
             )
         )
 
-    async def dead_letter(self, letter: DeadLetter) -> bool:
+    async def dead_letter(self, letter: DeadLetter, msg_id: str | None = None) -> bool:
+        """Store a dead letter (once per ``msg_id`` within the duplicate window, if given);
+        False if the broker did not take it."""
         try:
             await self.state.js.publish(
                 names.dead_letter_subject(letter.reason.value),
                 encode(letter),
+                headers=None if msg_id is None else {names.MSG_ID_HEADER: msg_id},
                 timeout=_PUBLISH_TIMEOUT_S,
             )
         except BROKER_ERRORS:
@@ -169,42 +172,96 @@ class Answers:
             await ack(held.msg)
         # Not stored: un-acked, it comes back after ack_wait and is rejected again.
 
-    async def on_max_deliveries(self, msg: Msg) -> None:
+    async def result_exists(self, tenant: str, request_id: str) -> bool:
+        """Whether a result of ``request_id`` is stored (unsure counts as no: running it again
+        is safe, the client deduplicates results)."""
+        return await self._stored_result(tenant, request_id) is not None
+
+    async def _stored_result(self, tenant: str, request_id: str) -> bytes | None:
+        """The stored result of ``request_id``, encoded; None if there is none or the lookup
+        failed."""
+        try:
+            raw = await self.state.js.get_last_msg(
+                names.RESULT_STREAM, names.result_subject(tenant, request_id), direct=True
+            )
+        except NotFoundError:
+            return None
+        except BROKER_ERRORS:
+            log.debug("could not look up the result of %s", request_id)
+            return None
+        return raw.data or b""
+
+    async def advisory_loop(self, psub: JetStreamContext.PullSubscription, term: int) -> None:
+        """Serve the stored max-deliveries advisories for one leadership term (see
+        :func:`~sluice.dispatcher.runtime.streams.advisory_stream`): what exhausted its
+        deliveries while no dispatcher led comes first. An advisory is acked once its
+        request is answered; one not served (the broker failed, or this leader died) comes
+        back after ``ack_wait``, to whoever leads then."""
+        st = self.state
+        while st.running and st.term == term:
+            try:
+                msgs = await psub.fetch(batch=_ADVISORY_BATCH, timeout=st.settings.fetch_timeout_s)
+            except (TimeoutError, nats.errors.TimeoutError):
+                continue
+            except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError):
+                await asyncio.sleep(0.2)
+                continue
+            except BROKER_ERRORS:
+                log.warning("fetching max-deliveries advisories failed; retrying", exc_info=True)
+                await asyncio.sleep(0.5)
+                continue
+            for msg in msgs:
+                if st.term != term or not st.leading():
+                    return  # deposed: the next leader gets it redelivered
+                try:
+                    served = await self.on_max_deliveries(msg)
+                except Exception:  # one advisory must never stop the others; it comes back
+                    internal_error(log, "dispatcher.advisory", "serving an advisory failed")
+                    continue
+                if served:
+                    await ack(msg)
+
+    async def on_max_deliveries(self, msg: Msg) -> bool:
         """A request exhausted ``max_deliver``: the broker will not deliver it again, but it
-        still sits in its work-queue stream. Keep a dead letter, remove it from the queue,
-        then answer its producer. The leader does; a standby keeps it for when it leads (the
-        broker sends an advisory once: one that reaches no leader, during a takeover, would
-        leave its request unanswered)."""
+        still sits in its work-queue stream. Answer its producer, keep a dead letter, then
+        remove it from the queue. Each step is idempotent (the result and the dead letter
+        are deduplicated by id, and a request gone from its queue was served), so that a
+        leader dying midway leaves the advisory to the next one. True once served: the
+        advisory may be acked (a malformed one too: it can never be served)."""
         try:
             advisory = json.loads(msg.data)
             stream, seq = str(advisory["stream"]), int(advisory["stream_seq"])
             deliveries = int(advisory.get("deliveries", 0))
         except (ValueError, KeyError, TypeError):
             internal_error(log, "dispatcher.advisory", "malformed max-deliveries advisory")
-            return
-        if not self.state.leading():
-            self._unserved_advisories.append((stream, seq, deliveries))
-            return
-        await self._dead_letter_undeliverable(stream, seq, deliveries)
+            return True
+        return await self._dead_letter_undeliverable(stream, seq, deliveries)
 
-    async def serve_kept_advisories(self) -> None:
-        """Dead-letter what exhausted ``max_deliver`` while this dispatcher stood by (it leads
-        now)."""
-        while self._unserved_advisories:
-            await self._dead_letter_undeliverable(*self._unserved_advisories.popleft())
-
-    async def _dead_letter_undeliverable(self, stream: str, seq: int, deliveries: int) -> None:
+    async def _dead_letter_undeliverable(self, stream: str, seq: int, deliveries: int) -> bool:
         try:
             raw = await self.state.js.get_msg(stream, seq=seq)
+        except NotFoundError:
+            return True  # removed already: answered, by this leader or one before it
         except BROKER_ERRORS:
-            log.warning(
-                "request at %s #%d is gone or unreachable; nothing to dead-letter", stream, seq
-            )
-            return
-        message = f"delivered {deliveries} times without finishing; moved to the dead-letter stream"
+            log.warning("request at %s #%d is unreachable; retried later", stream, seq)
+            return False
         data = raw.data or b""
-        if self.state.held.get(_request_id_of(data)) is not None:
-            return  # we hold it now (a delivery raced the advisory): it is being served
+        try:
+            req: SubmitRequest | None = decode(data, SubmitRequest)
+        except DecodeError:
+            req = None  # no producer to answer: the dead letter keeps the bytes
+        if req is not None and self.state.held.get(req.request_id) is not None:
+            return True  # we hold it now (a delivery raced the advisory): it is being served
+        stored = None if req is None else await self._stored_result(req.tenant, req.request_id)
+        if stored is not None and not _undeliverable(stored):
+            # It ran, or ended otherwise (its result was stored while no dispatcher acked it):
+            # a rejection now would replace that result, so it only leaves its queue.
+            return await self._remove(stream, seq, "already answered; removed from its queue")
+        message = f"delivered {deliveries} times without finishing; moved to the dead-letter stream"
+        if req is not None and stored is None:  # else answered so by a leader that died since
+            rejection = Rejection(reason=RejectReason.UNDELIVERABLE, message=message)
+            if not await self.publish_rejection(req, rejection):
+                return False
         letter = DeadLetter(
             reason=RejectReason.UNDELIVERABLE,
             message=message,
@@ -212,25 +269,27 @@ class Answers:
             payload=data,
             received_unix_ms=int(time.time() * 1000),
         )
-        if not await self.dead_letter(letter):
-            return
+        if not await self.dead_letter(letter, msg_id=f"{stream}:{seq}"):
+            return False
+        return await self._remove(stream, seq, "undeliverable; dead-lettered")
+
+    async def _remove(self, stream: str, seq: int, why: str) -> bool:
+        """Delete an exhausted request from its queue (gone already counts as done)."""
         try:
             await self.state.js.delete_msg(stream, seq)
+        except NotFoundError:
+            pass
         except BROKER_ERRORS:
-            log.error("dead-lettered %s #%d but could not remove it from its queue", stream, seq)
-            return
-        log.warning("request at %s #%d was undeliverable; dead-lettered", stream, seq)
-        try:
-            req = decode(data, SubmitRequest)
-        except DecodeError:
-            return  # no producer to answer: the dead letter keeps the bytes
-        await self.publish_rejection(
-            req, Rejection(reason=RejectReason.UNDELIVERABLE, message=message)
-        )
+            log.error("could not remove request %s #%d from its queue (%s)", stream, seq, why)
+            return False
+        log.warning("request at %s #%d was %s", stream, seq, why)
+        return True
 
 
-def _request_id_of(data: bytes) -> str:
+def _undeliverable(result: bytes) -> bool:
+    """Whether a stored result is an ``undeliverable`` rejection (an advisory's answer)."""
     try:
-        return decode(data, SubmitRequest).request_id
+        rejection = decode(result, Result).rejection
     except DecodeError:
-        return ""
+        return False
+    return rejection is not None and rejection.reason is RejectReason.UNDELIVERABLE

@@ -29,11 +29,15 @@ and skips requests whose result already exists.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
+from nats.js.client import JetStreamContext
 
 from sluice.common.aio import finish_tasks, wait_event
 from sluice.common.errors import TransportError
@@ -58,6 +62,9 @@ from sluice.dispatcher.runtime.streams import ensure_streams
 from sluice.dispatcher.runtime.workers import WorkerTraffic
 from sluice.dispatcher.scheduler import Scheduler
 from sluice.schemas import names
+
+PullLoop = Callable[[JetStreamContext.PullSubscription, int], Coroutine[Any, Any, None]]
+"""A pull loop for one leadership term: ``loop(subscription, term)``."""
 
 log = logging.getLogger("sluice.dispatcher")
 
@@ -176,12 +183,6 @@ class Dispatcher:
             await nc.subscribe(names.CANCEL_SUBJECTS, cb=self._cancels.on_cancel),
             await nc.subscribe(names.RECONCILE_SUBJECT, cb=self.reconciler.on_request),
         ]
-        for band in s.bands:
-            self._subs.append(
-                await nc.subscribe(
-                    names.max_deliveries_advisory(band), cb=self._answers.on_max_deliveries
-                )
-            )
         await self._config.start()
         await self._election.start()
         self._task(self._election.loop(), "election")
@@ -204,19 +205,32 @@ class Dispatcher:
         st.term += 1
         term = st.term
         self._pulls = [t for t in self._pulls if not t.done()]
-        for band in s.bands:
-            stream, durable = names.request_stream(band), names.dispatcher_consumer(band)
+        pulls: list[tuple[str, str, str, PullLoop]] = [
+            (
+                f"pull-{band}",
+                names.request_stream(band),
+                names.dispatcher_consumer(band),
+                functools.partial(self._intake.pull_loop, band),
+            )
+            for band in s.bands
+        ]
+        pulls.append(
+            (
+                "advisories",
+                names.ADVISORY_STREAM,
+                names.ADVISORY_CONSUMER,
+                self._answers.advisory_loop,
+            )
+        )
+        for name, stream, durable, loop in pulls:
             try:
                 psub = await st.js.pull_subscribe_bind(durable=durable, stream=stream)
             except BROKER_ERRORS:
-                log.warning("pulling band %s failed; stepping down", band, exc_info=True)
+                log.warning("pulling %s failed; stepping down", stream, exc_info=True)
                 await self._election.resign()
                 await self._deposed()
                 return
-            self._pulls.append(
-                asyncio.create_task(self._intake.pull_loop(band, psub, term), name=f"pull-{band}")
-            )
-        await self._answers.serve_kept_advisories()
+            self._pulls.append(asyncio.create_task(loop(psub, term), name=name))
         st.kick.set()
 
     async def _deposed(self) -> None:

@@ -12,7 +12,6 @@ from collections.abc import Sequence
 import nats.errors
 from nats.aio.msg import Msg
 from nats.js.client import JetStreamContext
-from nats.js.errors import NotFoundError
 
 from sluice.common.errors import internal_error
 from sluice.dispatcher.runtime import metrics
@@ -177,18 +176,8 @@ class Intake:
         return False
 
     async def result_exists(self, tenant: str, request_id: str) -> bool:
-        """Whether a result of ``request_id`` is stored (unsure counts as no: running it again
-        is safe, the client deduplicates results)."""
-        try:
-            await self.state.js.get_last_msg(
-                names.RESULT_STREAM, names.result_subject(tenant, request_id), direct=True
-            )
-        except NotFoundError:
-            return False
-        except BROKER_ERRORS:
-            log.debug("could not look up the result of %s; running it", request_id)
-            return False
-        return True
+        """Whether a result of ``request_id`` is stored (:meth:`Answers.result_exists`)."""
+        return await self.answers.result_exists(tenant, request_id)
 
 
 PULL_BATCH = 128

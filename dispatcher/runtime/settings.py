@@ -237,7 +237,10 @@ class DispatcherSettings(BrokerSettings):
     max_kept_advisories: int = Field(
         default=KEPT_ADVISORIES_MAX,
         ge=1,
-        description="Max-deliveries advisories a standby keeps for when it leads, at most.",
+        description=(
+            "Max-deliveries advisories the broker keeps for the leader, at most (oldest "
+            "dropped first)."
+        ),
     )
     lease_max_removed: int = Field(
         default=REMOVED_WORKERS_MAX,

@@ -1,6 +1,6 @@
 """The JetStream layout: one bounded work-queue stream per band, the result stream, dead
-letters, and the dispatcher's durable pull consumers. Created or updated at start (idempotent).
-"""
+letters, the max-deliveries advisories, and the dispatcher's durable pull consumers. Created
+or updated at start (idempotent)."""
 
 from __future__ import annotations
 
@@ -52,12 +52,38 @@ def result_stream(s: DispatcherSettings) -> api.StreamConfig:
     )
 
 
+_KEEP_S = 7 * 24 * 3600.0
+"""How long dead letters and unserved advisories are kept."""
+
+
 def dead_letter_stream(s: DispatcherSettings) -> api.StreamConfig:
+    """Dead letters, deduplicated by ``Nats-Msg-Id`` (a leader that dies while it moves a
+    request there leaves the move to the next one, which must not store it twice)."""
     return api.StreamConfig(
         name=names.DEAD_LETTER_STREAM,
         subjects=[names.DEAD_LETTER_SUBJECTS],
         retention=api.RetentionPolicy.LIMITS,
-        max_age=7 * 24 * 3600.0,
+        max_age=_KEEP_S,
+        storage=api.StorageType.FILE,
+        num_replicas=s.stream_replicas,
+        duplicate_window=s.duplicate_window_s,
+    )
+
+
+def advisory_stream(s: DispatcherSettings) -> api.StreamConfig:
+    """The max-deliveries advisories of every band, kept until the leader has answered their
+    requests. The broker sends one when a request's ``ack_wait`` ends after its last
+    delivery, once, whether a dispatcher listens or not: a crashed leader's last requests
+    time out while no dispatcher may run, and a standby that heard one may die before it
+    leads. Kept here, each waits for a leader (at most ``max_kept_advisories``, oldest
+    dropped first)."""
+    return api.StreamConfig(
+        name=names.ADVISORY_STREAM,
+        subjects=[names.max_deliveries_advisory(b) for b in s.bands],
+        retention=api.RetentionPolicy.WORK_QUEUE,
+        discard=api.DiscardPolicy.OLD,
+        max_msgs=s.max_kept_advisories,
+        max_age=_KEEP_S,
         storage=api.StorageType.FILE,
         num_replicas=s.stream_replicas,
     )
@@ -74,9 +100,25 @@ def band_consumer(s: DispatcherSettings, band: str) -> api.ConsumerConfig:
     )
 
 
+def advisory_consumer(s: DispatcherSettings) -> api.ConsumerConfig:
+    """The leader's consumer of the advisories: one is acked once its request is answered,
+    and comes back after ``ack_wait`` to the next leader if the one serving it died (never
+    dropped: serving an advisory again is idempotent)."""
+    return api.ConsumerConfig(
+        durable_name=names.ADVISORY_CONSUMER,
+        ack_policy=api.AckPolicy.EXPLICIT,
+        ack_wait=s.effective_ack_wait_s,
+        max_deliver=-1,
+    )
+
+
 async def ensure_streams(js: JetStreamContext, s: DispatcherSettings) -> None:
     """Create every stream and consumer, or update them to the current settings."""
-    configs = [band_stream(s, b) for b in s.bands] + [result_stream(s), dead_letter_stream(s)]
+    configs = [band_stream(s, b) for b in s.bands] + [
+        result_stream(s),
+        dead_letter_stream(s),
+        advisory_stream(s),
+    ]
     for cfg in configs:
         try:
             try:
@@ -87,10 +129,11 @@ async def ensure_streams(js: JetStreamContext, s: DispatcherSettings) -> None:
                 await js.update_stream(cfg)
         except (nats.errors.Error, OSError, TimeoutError) as exc:
             raise StreamSetupError(f"cannot set up stream {cfg.name}: {exc}") from exc
-    for b in s.bands:
-        cfg_c = band_consumer(s, b)
+    consumers = [(names.request_stream(b), band_consumer(s, b)) for b in s.bands]
+    consumers.append((names.ADVISORY_STREAM, advisory_consumer(s)))
+    for stream, cfg_c in consumers:
         try:
-            await js.add_consumer(names.request_stream(b), cfg_c)
+            await js.add_consumer(stream, cfg_c)
         except (nats.errors.Error, OSError, TimeoutError) as exc:
             raise StreamSetupError(f"cannot set up consumer {cfg_c.durable_name}: {exc}") from exc
 
