@@ -20,8 +20,9 @@ process identity, all in one account (JetStream streams are per account):
 - **gateway**: a producer for every tenant (its API keys map callers to tenants), with the
   batch stores and any consumer on the results stream; it acks no request.
 - **operator** (``sluice`` commands: stats, workers, drain, reconcile, quota, cancel, batch):
-  everything except what only the dispatcher or a worker may do: it acks no request, assigns
-  no work, and heartbeats, completes or publishes results as no worker.
+  everything except what only the dispatcher or a worker may do: it acks no request (nor a
+  stored max-deliveries advisory), assigns no work, and heartbeats, completes or publishes
+  results as no worker.
 
 Each user also gets its own reply-inbox prefix (:func:`inbox_prefix`) and may subscribe under
 no other, so no user reads another's replies (published acks, looked-up results, answers).
@@ -246,6 +247,8 @@ def operator(bands: Sequence[str] = names.DEFAULT_BANDS, name: str = "operator")
             subscribe=(ALL,),
             publish_deny=(
                 *(ack_subjects(names.request_stream(b)) for b in bands),
+                # An advisory acked by hand would leave its request's producer unanswered.
+                ack_subjects(names.ADVISORY_STREAM),
                 names.HEARTBEAT_SUBJECTS,
                 names.COMPLETION_SUBJECTS,
                 names.RESULT_SUBJECTS,

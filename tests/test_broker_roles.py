@@ -322,8 +322,11 @@ async def test_no_one_but_the_dispatcher_acks_a_request(
             assert await p.publish_refused(ack), (user, band)
         d: Probe = await probe("dispatcher")
         assert not await d.publish_refused(ack)
-    # The operator may not pose as a worker or assign work either; it may run its commands.
+    # The operator may not pose as a worker or assign work either, nor ack an advisory the
+    # leader has yet to answer; it may run its commands.
     op: Probe = await probe("operator")
+    advisory_ack = f"$JS.ACK.{names.ADVISORY_STREAM}.{names.ADVISORY_CONSUMER}.1.9.9.1.0"
+    assert await op.publish_refused(advisory_ack)
     assert await op.publish_refused(names.heartbeat_subject("worker-0"))
     assert await op.publish_refused(names.work_subject("worker-0"))
     assert await op.publish_refused(names.result_subject("acme", "forged"))
