@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,7 @@ from .conftest import cluster_kwargs, eventually
 pytestmark = [pytest.mark.e2e, pytest.mark.fault]
 
 PROMPT = list(range(5000, 5128))
+Predicate = Callable[[], Awaitable[bool]]
 
 
 async def _submit_unwatched(
@@ -199,6 +201,33 @@ async def _advisories_served(js: JetStreamContext) -> bool:
     return info.state.messages == 0
 
 
+async def _exhaust(cluster: LocalCluster, c: Client, request_id: str) -> Predicate:
+    """Submit a request that two dispatchers in turn take and crash with (``max_deliver``
+    2), a third one leading afterwards; returns whether the broker's max-deliveries advisory
+    went out (it does once the second delivery's ``ack_wait`` ends)."""
+    heard: list[bytes] = []
+
+    async def on_advisory(msg: Msg) -> None:
+        heard.append(msg.data)
+
+    await c.nc.subscribe(names.max_deliveries_advisory("standard"), cb=on_advisory)
+    await _submit_unwatched(c.nc.jetstream(), request_id, max_tokens=5)
+    for _ in range(2):
+
+        async def taken() -> bool:
+            return cluster.dispatcher.held == 1
+
+        await eventually(taken)
+        await cluster.dispatcher.kill()
+        cluster.dispatcher = Dispatcher(cluster.dispatcher_settings)
+        await cluster.dispatcher.start()
+
+    async def advised() -> bool:
+        return len(heard) == 1
+
+    return advised
+
+
 async def test_an_undeliverable_request_stays_queued_until_its_answer_is_stored(
     nats_url: str,
 ) -> None:
@@ -209,30 +238,11 @@ async def test_an_undeliverable_request_stays_queued_until_its_answer_is_stored(
     kw = cluster_kwargs(workers=0, dispatcher={"max_deliver": 2, "ack_wait_s": 2.0})
     async with LocalCluster(nats_url, **kw) as cluster, Client(nats_url) as c:
         js = c.nc.jetstream()
-        heard: list[bytes] = []
-
-        async def on_advisory(msg: Msg) -> None:
-            heard.append(msg.data)
-
-        await c.nc.subscribe(names.max_deliveries_advisory("standard"), cb=on_advisory)
-        await _submit_unwatched(js, "refused", max_tokens=5)
-        for attempt in range(2):
-
-            async def taken() -> bool:
-                return cluster.dispatcher.held == 1
-
-            await eventually(taken)
-            await cluster.dispatcher.kill()
-            cluster.dispatcher = Dispatcher(cluster.dispatcher_settings)
-            await cluster.dispatcher.start()
-            if attempt == 1:  # it fills the result stream before the advisory goes out
-                full = result_stream(cluster.dispatcher_settings)
-                full.max_bytes, full.discard = 1, api.DiscardPolicy.NEW
-                await js.update_stream(full)
-
-        async def advised() -> bool:
-            return len(heard) == 1
-
+        advised = await _exhaust(cluster, c, "refused")
+        # It fills the result stream before the advisory goes out.
+        full = result_stream(cluster.dispatcher_settings)
+        full.max_bytes, full.discard = 1, api.DiscardPolicy.NEW
+        await js.update_stream(full)
         await eventually(advised)
         await asyncio.sleep(1.0)  # the leader's answer is refused (three attempts)
         assert await c.fetch_result("refused") is None
@@ -280,31 +290,12 @@ async def test_an_exhausted_request_with_a_stored_result_is_not_answered_twice(
     )
     async with LocalCluster(nats_url, **kw) as cluster, Client(nats_url) as c:
         js = c.nc.jetstream()
-        heard: list[bytes] = []
-
-        async def on_advisory(msg: Msg) -> None:
-            heard.append(msg.data)
-
-        await c.nc.subscribe(names.max_deliveries_advisory("standard"), cb=on_advisory)
-        await _submit_unwatched(js, "ran", max_tokens=5)
-        for _ in range(2):
-
-            async def taken() -> bool:
-                return cluster.dispatcher.held == 1
-
-            await eventually(taken)
-            await cluster.dispatcher.kill()
-            cluster.dispatcher = Dispatcher(cluster.dispatcher_settings)
-            await cluster.dispatcher.start()
+        advised = await _exhaust(cluster, c, "ran")
         await js.publish(  # as its worker's agent, or a leader, stores it
             names.result_subject("default", "ran"),
             encode(stored),
             headers={names.MSG_ID_HEADER: "ran"},
         )
-
-        async def advised() -> bool:
-            return len(heard) == 1
-
         await eventually(advised)
         await eventually(lambda: _advisories_served(js))
         result = await c.fetch_result("ran")
