@@ -536,6 +536,7 @@ def _warm_up(
 
 _WAITS = {
     "sluice_dispatcher_queue_wait_seconds": "dispatcher_queue_wait_mean_s",
+    "sluice_dispatcher_intake_seconds": "dispatcher_intake_mean_s",
     "sluice_dispatcher_handoff_seconds": "dispatcher_handoff_mean_s",
     "sluice_gateway_first_token_seconds": "gateway_first_token_mean_s",
 }
@@ -603,7 +604,8 @@ def _brief(f: dict[str, Any]) -> str:
             else ""
         )
         + (
-            f"; dispatcher queue wait {_ms(f['dispatcher_queue_wait_mean_s'])}, hand-off "
+            f"; dispatcher queue wait {_ms(f['dispatcher_queue_wait_mean_s'])} (intake "
+            f"{_ms(f.get('dispatcher_intake_mean_s'))}), hand-off "
             f"{_ms(f['dispatcher_handoff_mean_s'])}, gateway to first token "
             f"{_ms(f.get('gateway_first_token_mean_s'))} (means)"
             if "dispatcher_queue_wait_mean_s" in f

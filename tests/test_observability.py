@@ -306,6 +306,7 @@ REQUIRED = [
     "sluice_dispatcher_worker_lease_age_seconds",
     "sluice_dispatcher_queue_depth",  # per model and band
     "sluice_dispatcher_queue_wait_seconds_bucket",
+    "sluice_dispatcher_intake_seconds_bucket",  # its first part (issue 14)
     "sluice_dispatcher_admitted_total",
     "sluice_dispatcher_rejected_total",
     "sluice_dispatcher_quota_usage_ratio",

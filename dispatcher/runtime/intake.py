@@ -132,7 +132,10 @@ class Intake:
             return
         rid = req.request_id
         ids = st.tokenizers.prompt_ids(req.model, req.prompt_tokens, req.prompt_text)
-        outcome = st.scheduler.enqueue(_request(req, msg, now, ids), now)
+        request = _request(req, msg, now, ids)
+        if meta.num_delivered <= 1:  # a redelivery's store time says nothing of the intake
+            metrics.INTAKE.labels(band).observe(max(0.0, time.monotonic() - request.arrived_s))
+        outcome = st.scheduler.enqueue(request, now)
         if outcome.status in ("queued", "adopted"):
             st.hold(Held.of(msg, req, meta.sequence.stream))
             if outcome.status == "queued":

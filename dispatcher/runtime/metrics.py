@@ -44,6 +44,12 @@ QUEUE_WAIT = Histogram(
     ["model", "band"],
     buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
 )
+INTAKE = Histogram(
+    "sluice_dispatcher_intake_seconds",
+    "From the broker storing a request to its intake (pull, decode): part of the queue wait",
+    ["band"],
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5),
+)
 HANDOFF = Histogram(
     "sluice_dispatcher_handoff_seconds",
     "Assignment request/reply round trip",
