@@ -116,7 +116,7 @@ def max_deliveries_advisory(band: str) -> str:
 
 ADVISORY_STREAM = "SLUICE_ADVISORIES"
 """The work-queue stream that keeps max-deliveries advisories until the leader has answered
-their requests (the broker sends each once, whether or not a dispatcher is listening)."""
+their requests (the broker sends each once, over core NATS, whoever is listening then)."""
 ADVISORY_CONSUMER = "sluice-advisories"
 """The durable pull consumer the leading dispatcher reads :data:`ADVISORY_STREAM` with."""
 

@@ -215,7 +215,9 @@ class Answers:
                     return  # deposed: the next leader gets it redelivered
                 try:
                     served = await self.on_max_deliveries(msg)
-                except Exception:  # one advisory must never stop the others; it comes back
+                except Exception:
+                    # A bug here must not stop the other advisories: logged and counted, and
+                    # not acked, so it comes back after ack_wait (its request unanswered yet).
                     internal_error(log, "dispatcher.advisory", "serving an advisory failed")
                     continue
                 if served:

@@ -72,10 +72,10 @@ def dead_letter_stream(s: DispatcherSettings) -> api.StreamConfig:
 
 def advisory_stream(s: DispatcherSettings) -> api.StreamConfig:
     """The max-deliveries advisories of every band, kept until the leader has answered their
-    requests. The broker sends one when a request's ``ack_wait`` ends after its last
-    delivery, once, whether a dispatcher listens or not: a crashed leader's last requests
-    time out while no dispatcher may run, and a standby that heard one may die before it
-    leads. Kept here, each waits for a leader (at most ``max_kept_advisories``, oldest
+    requests. The broker sends one once, over core NATS, when a pull finds a request past
+    its last delivery's ``ack_wait``: a leader that dies or is deposed while it serves one,
+    or whose answer the broker refuses, would leave the request unanswered for good. Kept
+    here, each waits for a leader that serves it (at most ``max_kept_advisories``, oldest
     dropped first)."""
     return api.StreamConfig(
         name=names.ADVISORY_STREAM,
