@@ -22,6 +22,9 @@ MSG_ID_HEADER = "Nats-Msg-Id"
 JS_ERR_MAX_MSGS = 10077
 #: JetStream API error: a stream by that name exists already (with another configuration).
 JS_ERR_STREAM_NAME_IN_USE = 10058
+#: JetStream API error: no peers to place a replicated stream on (a new cluster's meta leader
+#: that does not know every peer yet, or a peer offline).
+JS_ERR_NO_SUITABLE_PEERS = 10005
 
 #: The default priority bands, most urgent first.
 DEFAULT_BANDS: tuple[str, ...] = ("interactive", "standard", "batch")

@@ -20,11 +20,18 @@ Mutations each test was seen to fail under (once, by hand):
   ``test_a_cluster_that_cannot_start_leaves_no_process_behind`` finds the two other nodes alive.
 - ``_wait_ready`` dropped from ``NatsCluster.restart``: the restarted node reports no meta
   group in ``test_a_restarted_node_rejoins_and_catches_up``.
+- ``setting_up`` retrying nothing (dispatcher/runtime/streams.py): the start fails with
+  ``StreamSetupError: … nats: timeout`` in
+  ``test_a_dispatcher_started_while_the_meta_leader_is_elected_waits_for_it``.
+- the ``_halt`` of ``Dispatcher.start``'s failure path dropped: the broker still lists the
+  dispatcher's connection in ``test_more_replicas_than_nodes_fails_the_start_at_once``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import os
 import re
 import signal
@@ -32,6 +39,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -40,7 +48,8 @@ from nats.js.client import JetStreamContext
 
 from sluice.client import Batches, Client, RequestHandle, SluiceError
 from sluice.common.transport import TransportError, connect, servers_of
-from sluice.dispatcher.runtime import DispatcherSettings
+from sluice.dispatcher.errors import StreamSetupError
+from sluice.dispatcher.runtime import Dispatcher, DispatcherSettings
 from sluice.dispatcher.runtime.streams import ensure_streams
 from sluice.schemas import names
 from sluice.testing.cluster import LocalCluster
@@ -66,6 +75,18 @@ async def client3(nats3: NatsCluster) -> AsyncIterator[Client]:
     # A short per-attempt timeout: a publish lost with the killed leader is sent again soon.
     async with Client(nats3.url, publish_timeout_s=1.0, publish_retry_s=20.0) as c:
         yield c
+
+
+def _connections_named(cluster: NatsCluster, name: str) -> int:
+    """Client connections named ``name`` on the running nodes (their ``/connz``)."""
+    count = 0
+    for node in cluster.nodes:
+        if node.running:
+            url = f"http://127.0.0.1:{node.monitor_port}/connz"
+            with urllib.request.urlopen(url, timeout=2.0) as resp:
+                conns = json.loads(resp.read()).get("connections") or []
+            count += sum(1 for c in conns if c.get("name") == name)
+    return count
 
 
 async def _leader_of(js: JetStreamContext, stream: str) -> str:
@@ -206,6 +227,39 @@ async def test_killing_the_stream_leader_under_load_loses_no_accepted_request(
     assert sorted(r.request_id for r in results) == accepted
     assert all(r.ok and len(r.output_tokens) == 8 for r in results)
     assert runs == len(accepted), f"{runs} runs for {len(accepted)} accepted requests"
+
+
+@pytest.mark.fault
+async def test_a_dispatcher_started_while_the_meta_leader_is_elected_waits_for_it(
+    nats3: NatsCluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    leader = nats3.index_of(nats3.meta_leader())
+    others = ",".join(u for i, u in enumerate(nats3.urls) if i != leader)
+    nats3.kill(leader)  # the stream API answers nothing until a new meta leader is elected
+    s = DispatcherSettings(nats_url=others, stream_replicas=3, stream_setup_timeout_s=60)
+    with caplog.at_level(logging.WARNING, logger="sluice.dispatcher"):
+        async with Dispatcher(s):
+            nc = await connect(others, "probe")
+            try:
+                info = await nc.jetstream().stream_info(BAND_STREAM)
+            finally:
+                await nc.close()
+    assert info.config.num_replicas == 3
+    assert any("yet" in r.getMessage() for r in caplog.records), "nothing was retried"
+
+
+async def test_more_replicas_than_nodes_fails_the_start_at_once(
+    nats3: NatsCluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    s = DispatcherSettings(nats_url=nats3.url, stream_replicas=5, stream_setup_timeout_s=60)
+    name = f"sluice-{s.dispatcher_id}"
+    with (
+        caplog.at_level(logging.WARNING, logger="sluice.dispatcher"),
+        pytest.raises(StreamSetupError, match="no suitable peers"),
+    ):
+        await Dispatcher(s).start()
+    assert not [r for r in caplog.records if "yet" in r.getMessage()]  # not retried
+    assert not await asyncio.to_thread(_connections_named, nats3, name), "its connection is open"
 
 
 @pytest.mark.fault

@@ -170,9 +170,20 @@ class Dispatcher:
                 )
             except TransportError as exc:
                 raise BrokerUnreachable(str(exc)) from exc
-        await ensure_streams(st.js, s)
-        st.started_s = time.monotonic()
         st.running = True
+        try:
+            await self._start_parts()
+        except BaseException:  # a start that fails leaves nothing behind, its connection too
+            await self._halt(hand_back=False)
+            raise
+        role = "leads" if self.leading else "stands by"
+        log.info("dispatcher %s started on %s; it %s", s.dispatcher_id, s.nats_url, role)
+        return self
+
+    async def _start_parts(self) -> None:
+        st = self._state
+        await ensure_streams(st.js, self.settings)
+        st.started_s = time.monotonic()
         nc = st.nc
         self._subs = [
             await nc.subscribe(names.HEARTBEAT_SUBJECTS, cb=self._workers.on_heartbeat),
@@ -190,9 +201,6 @@ class Dispatcher:
         self._task(self._handoff.loop(), "schedule")
         self._task(self._keepalive_loop(), "keepalive")
         self._task(self.reconciler.loop(), "reconcile")
-        role = "leads" if self.leading else "stands by"
-        log.info("dispatcher %s started on %s; it %s", s.dispatcher_id, s.nats_url, role)
-        return self
 
     # ------------------------------------------------------------------ leadership
 

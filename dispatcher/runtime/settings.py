@@ -247,6 +247,14 @@ class DispatcherSettings(BrokerSettings):
         ge=1,
         description="Workers whose lease expired remembered at most (their late heartbeats).",
     )
+    stream_setup_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description=(
+            "How long the start retries setting up the streams while the broker cannot yet "
+            "(a cluster still electing, or not yet knowing every peer), before it fails."
+        ),
+    )
     fetch_timeout_s: float = Field(default=1.0, gt=0, description="Long-poll of each band task.")
     tick_s: float = Field(default=0.1, gt=0, description="Scheduling loop tick (deadlines).")
     gauges_every_s: float = Field(

@@ -4,15 +4,26 @@ or updated at start (idempotent)."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
 import nats.errors
 from nats.js import api
 from nats.js.client import JetStreamContext
-from nats.js.errors import BadRequestError, BucketNotFoundError
+from nats.js.errors import APIError, BadRequestError, BucketNotFoundError, ServiceUnavailableError
 from nats.js.kv import KeyValue
 
 from sluice.dispatcher.errors import StreamSetupError
 from sluice.dispatcher.runtime.settings import DispatcherSettings
 from sluice.schemas import names
+
+log = logging.getLogger("sluice.dispatcher")
+
+T = TypeVar("T")
 
 
 def band_stream(
@@ -113,41 +124,77 @@ def advisory_consumer(s: DispatcherSettings) -> api.ConsumerConfig:
 
 
 async def ensure_streams(js: JetStreamContext, s: DispatcherSettings) -> None:
-    """Create every stream and consumer, or update them to the current settings."""
+    """Create every stream and consumer, or update them to the current settings. What the
+    broker cannot do yet (see :func:`setting_up`) is retried for ``stream_setup_timeout_s``."""
     configs = [band_stream(s, b) for b in s.bands] + [
         result_stream(s),
         dead_letter_stream(s),
         advisory_stream(s),
     ]
     for cfg in configs:
-        try:
-            try:
-                await js.add_stream(cfg)
-            except BadRequestError as exc:
-                if exc.err_code != names.JS_ERR_STREAM_NAME_IN_USE:
-                    raise
-                await js.update_stream(cfg)
-        except (nats.errors.Error, OSError, TimeoutError) as exc:
-            raise StreamSetupError(f"cannot set up stream {cfg.name}: {exc}") from exc
+        await setting_up(f"stream {cfg.name}", functools.partial(_put_stream, js, cfg), s)
     consumers = [(names.request_stream(b), band_consumer(s, b)) for b in s.bands]
     consumers.append((names.ADVISORY_STREAM, advisory_consumer(s)))
     for stream, cfg_c in consumers:
-        try:
-            await js.add_consumer(stream, cfg_c)
-        except (nats.errors.Error, OSError, TimeoutError) as exc:
-            raise StreamSetupError(f"cannot set up consumer {cfg_c.durable_name}: {exc}") from exc
+        await setting_up(
+            f"consumer {cfg_c.durable_name}", functools.partial(js.add_consumer, stream, cfg_c), s
+        )
+
+
+async def _put_stream(js: JetStreamContext, cfg: api.StreamConfig) -> None:
+    try:
+        await js.add_stream(cfg)
+    except BadRequestError as exc:
+        if exc.err_code != names.JS_ERR_STREAM_NAME_IN_USE:
+            raise
+        await js.update_stream(cfg)
 
 
 async def config_bucket(js: JetStreamContext, s: DispatcherSettings) -> KeyValue:
     """The run-time configuration bucket (created if missing; it keeps 10 revisions)."""
-    try:
-        return await js.key_value(names.CONFIG_BUCKET)
-    except BucketNotFoundError:
-        return await js.create_key_value(
-            api.KeyValueConfig(
-                bucket=names.CONFIG_BUCKET,
-                history=10,
-                storage=api.StorageType.FILE,
-                replicas=s.stream_replicas,
+
+    async def open_or_create() -> KeyValue:
+        try:
+            return await js.key_value(names.CONFIG_BUCKET)
+        except BucketNotFoundError:
+            return await js.create_key_value(
+                api.KeyValueConfig(
+                    bucket=names.CONFIG_BUCKET,
+                    history=10,
+                    storage=api.StorageType.FILE,
+                    replicas=s.stream_replicas,
+                )
             )
-        )
+
+    return await setting_up(f"bucket {names.CONFIG_BUCKET}", open_or_create, s)
+
+
+async def setting_up(what: str, op: Callable[[], Awaitable[T]], s: DispatcherSettings) -> T:
+    """Run one setup step, retried with a growing pause while the broker answers that it
+    cannot yet (:func:`not_ready_yet`), for at most ``stream_setup_timeout_s``: a dispatcher
+    started beside a new cluster waits for it rather than failing. Any other failure, or one
+    that lasts, raises :class:`StreamSetupError`."""
+    deadline = time.monotonic() + s.stream_setup_timeout_s
+    pause_s = 0.1
+    while True:
+        try:
+            return await op()
+        except (nats.errors.Error, OSError, TimeoutError) as exc:
+            if not not_ready_yet(exc) or time.monotonic() + pause_s > deadline:
+                raise StreamSetupError(f"cannot set up {what}: {exc}") from exc
+            log.warning("cannot set up %s yet (%s); retrying in %.1f s", what, exc, pause_s)
+        await asyncio.sleep(pause_s)
+        pause_s = min(2 * pause_s, 2.0)
+
+
+def not_ready_yet(exc: BaseException) -> bool:
+    """Whether a broker's answer to a setup step says "not yet": JetStream unavailable (no
+    meta leader yet), a peer to place replicas on offline (a node down, or one a new
+    cluster's meta leader has not heard from yet), or no answer in time. Too few peers for
+    ``stream_replicas`` at all is a configuration error, not retried."""
+    if isinstance(exc, ServiceUnavailableError | nats.errors.NoRespondersError):
+        return True
+    if isinstance(exc, APIError):
+        offline = "offline" in (exc.description or "")
+        return exc.err_code == names.JS_ERR_NO_SUITABLE_PEERS and offline
+    return isinstance(exc, nats.errors.TimeoutError | TimeoutError)
