@@ -23,6 +23,9 @@ Mutations each test was seen to fail under (once, by hand):
 - ``setting_up`` retrying nothing (dispatcher/runtime/streams.py): the start fails with
   ``StreamSetupError: … nats: timeout`` in
   ``test_a_dispatcher_started_while_the_meta_leader_is_elected_waits_for_it``.
+- ``leader_bucket`` opened without ``setting_up`` (as before): ``StreamSetupError: cannot
+  open the leader bucket: nats: timeout`` in
+  ``test_the_leader_bucket_opened_while_the_meta_leader_is_elected_waits_for_it``.
 - the ``_halt`` of ``Dispatcher.start``'s failure path dropped: the broker still lists the
   dispatcher's connection in ``test_more_replicas_than_nodes_fails_the_start_at_once``.
 """
@@ -50,6 +53,8 @@ from sluice.client import Batches, Client, RequestHandle, SluiceError
 from sluice.common.transport import TransportError, connect, servers_of
 from sluice.dispatcher.errors import StreamSetupError
 from sluice.dispatcher.runtime import Dispatcher, DispatcherSettings
+from sluice.dispatcher.runtime.election import leader_bucket
+from sluice.dispatcher.runtime.state import State
 from sluice.dispatcher.runtime.streams import ensure_streams
 from sluice.schemas import names
 from sluice.testing.cluster import LocalCluster
@@ -246,6 +251,24 @@ async def test_a_dispatcher_started_while_the_meta_leader_is_elected_waits_for_i
                 await nc.close()
     assert info.config.num_replicas == 3
     assert any("yet" in r.getMessage() for r in caplog.records), "nothing was retried"
+
+
+@pytest.mark.fault
+async def test_the_leader_bucket_opened_while_the_meta_leader_is_elected_waits_for_it(
+    nats3: NatsCluster,
+) -> None:
+    leader = nats3.index_of(nats3.meta_leader())
+    others = ",".join(u for i, u in enumerate(nats3.urls) if i != leader)
+    nats3.kill(leader)
+    s = DispatcherSettings(nats_url=others, stream_replicas=3, stream_setup_timeout_s=60)
+    state = State(s, None, time.monotonic())
+    state.nc_or_none = await connect(others, "probe")
+    try:
+        kv = await leader_bucket(state)
+        status = await kv.status()
+    finally:
+        await state.nc.close()
+    assert status.bucket == names.LEADER_BUCKET
 
 
 async def test_more_replicas_than_nodes_fails_the_start_at_once(

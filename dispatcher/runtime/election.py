@@ -21,9 +21,9 @@ from nats.js.errors import (
 from nats.js.kv import KeyValue
 
 from sluice.common.aio import wait_event
-from sluice.dispatcher.errors import StreamSetupError
 from sluice.dispatcher.runtime import metrics
 from sluice.dispatcher.runtime.state import BROKER_ERRORS, State
+from sluice.dispatcher.runtime.streams import setting_up
 from sluice.schemas import names
 from sluice.schemas.codec import encode
 from sluice.schemas.models import LeaderLease
@@ -44,17 +44,19 @@ async def leader_bucket(state: State) -> KeyValue:
         storage=api.StorageType.FILE,
         replicas=s.stream_replicas,
     )
-    for _ in range(3):
+
+    async def open_or_create() -> KeyValue:
         try:
             return await js.key_value(names.LEADER_BUCKET)
         except BucketNotFoundError:
             try:
                 return await js.create_key_value(config)
-            except BadRequestError:
-                continue  # another dispatcher created it meanwhile
-        except BROKER_ERRORS as exc:
-            raise StreamSetupError(f"cannot open the leader bucket: {exc}") from exc
-    raise StreamSetupError("cannot open or create the leader bucket")
+            except BadRequestError as exc:
+                if exc.err_code != names.JS_ERR_STREAM_NAME_IN_USE:
+                    raise
+                return await js.key_value(names.LEADER_BUCKET)  # another dispatcher made it
+
+    return await setting_up(f"bucket {names.LEADER_BUCKET}", open_or_create, s)
 
 
 class Election:
