@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
 from nats.aio.msg import Msg
 from nats.js import api
 from nats.js.client import JetStreamContext
+from prometheus_client import REGISTRY
 
 from sluice.client import Client, Rejected, RejectReason
-from sluice.dispatcher.runtime import Dispatcher
+from sluice.dispatcher.runtime import Dispatcher, DispatcherSettings
 from sluice.dispatcher.runtime.streams import ensure_streams, result_stream
 from sluice.schemas import names
 from sluice.schemas.codec import decode, encode
@@ -341,3 +344,103 @@ async def test_reoffered_request_that_already_finished_is_not_run_again(nats_url
         await eventually(stored)
         result = await c.fetch_result("twice")
     assert result is not None and result.ok
+
+
+def _results_auth(path: Path, *, lookups: bool) -> None:
+    """A broker config with two users: ``all`` may do anything; ``disp`` too, except look up
+    stored results while ``lookups`` is off (``$JS.API.DIRECT.GET`` on the result stream)."""
+    deny = "" if lookups else f', deny: ["$JS.API.DIRECT.GET.{names.RESULT_STREAM}.>"]'
+    path.write_text(
+        "accounts: { A: { jetstream: enabled, users: [\n"
+        "  {user: all, password: all},\n"
+        f'  {{user: disp, password: disp, permissions: {{publish: {{allow: [">"]{deny}}}, '
+        'subscribe: {allow: [">"]}}}\n'
+        "] } }\n"
+    )
+
+
+@contextlib.asynccontextmanager
+async def _ran_and_lost_its_ack(
+    tmp_path: Path, max_deliver: int
+) -> AsyncIterator[tuple[EmbeddedNats, Path, Client, LocalCluster]]:
+    """A request that a dispatcher took (delivery 1), ran (its result is stored) and died
+    before acking; then a cluster whose dispatcher may not look up stored results (the user
+    ``disp`` of :func:`_results_auth`), with ``ack_wait_s`` of 1 s."""
+    conf = tmp_path / "auth.conf"
+    _results_auth(conf, lookups=False)
+    with EmbeddedNats(config_file=conf) as server:
+        url = server.url.replace("nats://", "nats://all:all@")
+        kw = cluster_kwargs(
+            workers=1,
+            dispatcher={
+                "nats_user": "disp",
+                "nats_password": "disp",
+                "ack_wait_s": 1.0,
+                "max_deliver": max_deliver,
+            },
+        )
+        async with Client(url) as c:
+            js = c.nc.jetstream()
+            await ensure_streams(js, DispatcherSettings(nats_url=url, **kw["dispatcher"]))
+            request = await _submit_unwatched(js, "ran-once", max_tokens=4)
+            dead = await js.pull_subscribe_bind(
+                durable=names.dispatcher_consumer("standard"),
+                stream=names.request_stream("standard"),
+            )
+            assert len(await dead.fetch(1, timeout=5)) == 1  # taken, run, never acked
+            ran = Result(request_id=request.request_id, ok=True, model="sim", output_tokens=[1])
+            await js.publish(
+                names.result_subject("default", request.request_id),
+                encode(ran),
+                headers={names.MSG_ID_HEADER: request.request_id},
+            )
+            async with LocalCluster(url, **kw) as cluster:
+                yield server, conf, c, cluster
+
+
+async def _queue_empty(js: JetStreamContext) -> bool:
+    return (await js.stream_info(names.request_stream("standard"))).state.messages == 0
+
+
+async def test_a_redelivered_request_whose_result_cannot_be_looked_up_is_not_run_again(
+    tmp_path: Path,
+) -> None:
+    """The dispatcher that gets the request redelivered cannot look up its result. It sends
+    it back rather than run it again, until the lookup works; then it sees the result and
+    acks. Fails when an unsure lookup counts as "no result" (the request then runs again)."""
+    async with _ran_and_lost_its_ack(tmp_path, max_deliver=10) as (server, conf, c, cluster):
+        agent = cluster.agents[0]
+        before = _deferred()
+
+        async def sent_back_or_run() -> bool:
+            return _deferred() >= before + 2 or agent.completed > 0
+
+        await eventually(sent_back_or_run, timeout_s=15)
+        assert agent.completed == 0, "run again while its result could not be seen"
+        _results_auth(conf, lookups=True)
+        os.kill(server.pid or 0, signal.SIGHUP)  # the broker reloads: lookups work
+        await eventually(lambda: _queue_empty(c.nc.jetstream()), timeout_s=15)
+        assert agent.completed == 0
+
+
+async def test_a_request_whose_result_is_never_seen_runs_on_its_last_delivery(
+    tmp_path: Path,
+) -> None:
+    """Sent back while its result cannot be looked up, but not for ever: on its last
+    delivery it runs (a duplicate run is safe; a request never answered is not). Fails when
+    the last delivery is sent back too (it is then dead-lettered without running)."""
+    async with _ran_and_lost_its_ack(tmp_path, max_deliver=3) as (_, _conf, c, cluster):
+        agent = cluster.agents[0]
+
+        async def ran() -> bool:
+            return agent.completed == 1
+
+        await eventually(ran, timeout_s=20)
+        await eventually(lambda: _queue_empty(c.nc.jetstream()), timeout_s=15)
+        dlq = await c.nc.jetstream().stream_info(names.DEAD_LETTER_STREAM)
+    assert dlq.state.messages == 0
+
+
+def _deferred() -> float:
+    value = REGISTRY.get_sample_value("sluice_dispatcher_lookups_deferred_total")
+    return value or 0.0

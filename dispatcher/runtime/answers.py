@@ -175,7 +175,21 @@ class Answers:
     async def result_exists(self, tenant: str, request_id: str) -> bool:
         """Whether a result of ``request_id`` is stored (unsure counts as no: running it again
         is safe, the client deduplicates results)."""
-        return await self._stored_result(tenant, request_id) is not None
+        return bool(await self.result_known(tenant, request_id))
+
+    async def result_known(self, tenant: str, request_id: str) -> bool | None:
+        """Whether a result of ``request_id`` is stored; None if the lookup failed (the
+        broker away, or the result stream electing a leader)."""
+        try:
+            await self.state.js.get_last_msg(
+                names.RESULT_STREAM, names.result_subject(tenant, request_id), direct=True
+            )
+        except NotFoundError:
+            return False
+        except BROKER_ERRORS:
+            log.debug("could not look up the result of %s", request_id)
+            return None
+        return True
 
     async def _stored_result(self, tenant: str, request_id: str) -> bytes | None:
         """The stored result of ``request_id``, encoded; None if there is none or the lookup

@@ -73,7 +73,7 @@ class Intake:
                     internal_error(log, "dispatcher.intake", "a request of band %s failed", band)
             st.kick.set()
 
-    async def _results_of_redeliveries(self, msgs: list[Msg]) -> dict[tuple[str, str], bool]:
+    async def _results_of_redeliveries(self, msgs: list[Msg]) -> dict[tuple[str, str], bool | None]:
         """Whether the results of a batch's redelivered requests exist, by (tenant, request
         id), looked up concurrently: after a takeover every message comes back redelivered,
         and one lookup after the other would cost a round trip per request. Keyed by the
@@ -92,14 +92,14 @@ class Intake:
         if not keys:
             return {}
         try:
-            found = await asyncio.gather(*(self.result_exists(t, rid) for t, rid in keys))
+            found = await asyncio.gather(*(self.answers.result_known(t, rid) for t, rid in keys))
         except Exception:  # a bug here must not stop the band: each request looks up itself
             internal_error(log, "dispatcher.intake", "looking up redelivered results failed")
             return {}
         return dict(zip(keys, found, strict=True))
 
     async def on_request(
-        self, band: str, msg: Msg, known: dict[tuple[str, str], bool] | None = None
+        self, band: str, msg: Msg, known: dict[tuple[str, str], bool | None] | None = None
     ) -> None:
         """One pulled request message. ``known``: whether results exist, looked up already
         for the batch (:meth:`_results_of_redeliveries`)."""
@@ -149,7 +149,11 @@ class Intake:
                 await ack(msg)
 
     async def _seen(
-        self, req: SubmitRequest, msg: Msg, now: float, known: dict[tuple[str, str], bool]
+        self,
+        req: SubmitRequest,
+        msg: Msg,
+        now: float,
+        known: dict[tuple[str, str], bool | None],
     ) -> bool:
         """Handle a request this dispatcher has seen before (held, cancelled, or finished):
         True if it was, and is now dealt with."""
@@ -169,12 +173,22 @@ class Intake:
             return True
         if msg.metadata.num_delivered <= 1:
             return False
-        exists = known.get((req.tenant, rid))
-        if exists is None:
-            exists = await self.result_exists(req.tenant, rid)
+        key = (req.tenant, rid)
+        exists = known[key] if key in known else await self.answers.result_known(*key)
         if exists:
             metrics.DUPLICATES.inc()
             await ack(msg)
+            return True
+        if exists is None and msg.metadata.num_delivered < st.settings.max_deliver:
+            # It may have run (its ack lost with a broker node): running it again would
+            # duplicate the work, so it comes back for another look. On its last delivery
+            # it runs: a duplicate is safe, an undelivered request is not.
+            log.info("the result of redelivered %s could not be looked up; it comes back", rid)
+            metrics.LOOKUPS_DEFERRED.inc()
+            try:
+                await msg.nak(delay=UNSURE_RETRY_S)
+            except BROKER_ERRORS:
+                log.debug("nak of %s not sent; it comes back after ack_wait", rid)
             return True
         return False
 
@@ -182,6 +196,9 @@ class Intake:
         """Whether a result of ``request_id`` is stored (:meth:`Answers.result_exists`)."""
         return await self.answers.result_exists(tenant, request_id)
 
+
+UNSURE_RETRY_S = 1.0
+"""How long a redelivered request whose result could not be looked up waits to come back."""
 
 PULL_BATCH = 128
 """Most request messages one pull asks for while a band has a backlog."""
