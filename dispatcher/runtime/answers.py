@@ -180,30 +180,26 @@ class Answers:
     async def result_known(self, tenant: str, request_id: str) -> bool | None:
         """Whether a result of ``request_id`` is stored; None if the lookup failed (the
         broker away, or the result stream electing a leader)."""
-        try:
-            await self.state.js.get_last_msg(
-                names.RESULT_STREAM, names.result_subject(tenant, request_id), direct=True
-            )
-        except NotFoundError:
-            return False
-        except BROKER_ERRORS:
-            log.debug("could not look up the result of %s", request_id)
-            return None
-        return True
+        looked, raw = await self._lookup(tenant, request_id)
+        return raw is not None if looked else None
 
     async def _stored_result(self, tenant: str, request_id: str) -> bytes | None:
         """The stored result of ``request_id``, encoded; None if there is none or the lookup
         failed."""
+        return (await self._lookup(tenant, request_id))[1]
+
+    async def _lookup(self, tenant: str, request_id: str) -> tuple[bool, bytes | None]:
+        """Whether the lookup of ``request_id``'s result worked, and the result (encoded)."""
         try:
             raw = await self.state.js.get_last_msg(
                 names.RESULT_STREAM, names.result_subject(tenant, request_id), direct=True
             )
         except NotFoundError:
-            return None
+            return True, None
         except BROKER_ERRORS:
             log.debug("could not look up the result of %s", request_id)
-            return None
-        return raw.data or b""
+            return False, None
+        return True, raw.data or b""
 
     async def advisory_loop(self, psub: JetStreamContext.PullSubscription, term: int) -> None:
         """Serve the stored max-deliveries advisories for one leadership term (see
