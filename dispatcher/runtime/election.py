@@ -12,8 +12,6 @@ from collections.abc import Awaitable, Callable
 
 from nats.js import api
 from nats.js.errors import (
-    BadRequestError,
-    BucketNotFoundError,
     KeyDeletedError,
     KeyNotFoundError,
     KeyWrongLastSequenceError,
@@ -23,7 +21,7 @@ from nats.js.kv import KeyValue
 from sluice.common.aio import wait_event
 from sluice.dispatcher.runtime import metrics
 from sluice.dispatcher.runtime.state import BROKER_ERRORS, State
-from sluice.dispatcher.runtime.streams import setting_up
+from sluice.dispatcher.runtime.streams import kv_bucket
 from sluice.schemas import names
 from sluice.schemas.codec import encode
 from sluice.schemas.models import LeaderLease
@@ -44,19 +42,7 @@ async def leader_bucket(state: State) -> KeyValue:
         storage=api.StorageType.FILE,
         replicas=s.stream_replicas,
     )
-
-    async def open_or_create() -> KeyValue:
-        try:
-            return await js.key_value(names.LEADER_BUCKET)
-        except BucketNotFoundError:
-            try:
-                return await js.create_key_value(config)
-            except BadRequestError as exc:
-                if exc.err_code != names.JS_ERR_STREAM_NAME_IN_USE:
-                    raise
-                return await js.key_value(names.LEADER_BUCKET)  # another dispatcher made it
-
-    return await setting_up(f"bucket {names.LEADER_BUCKET}", open_or_create, s)
+    return await kv_bucket(js, config, s)
 
 
 class Election:

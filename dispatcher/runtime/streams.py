@@ -19,6 +19,7 @@ from nats.js.kv import KeyValue
 
 from sluice.dispatcher.errors import StreamSetupError
 from sluice.dispatcher.runtime.settings import DispatcherSettings
+from sluice.dispatcher.runtime.state import BROKER_ERRORS
 from sluice.schemas import names
 
 log = logging.getLogger("sluice.dispatcher")
@@ -152,21 +153,34 @@ async def _put_stream(js: JetStreamContext, cfg: api.StreamConfig) -> None:
 
 async def config_bucket(js: JetStreamContext, s: DispatcherSettings) -> KeyValue:
     """The run-time configuration bucket (created if missing; it keeps 10 revisions)."""
+    config = api.KeyValueConfig(
+        bucket=names.CONFIG_BUCKET,
+        history=10,
+        storage=api.StorageType.FILE,
+        replicas=s.stream_replicas,
+    )
+    return await kv_bucket(js, config, s)
+
+
+async def kv_bucket(
+    js: JetStreamContext, config: api.KeyValueConfig, s: DispatcherSettings
+) -> KeyValue:
+    """The bucket of ``config``: opened, or created if missing (if another dispatcher
+    creates it meanwhile, opened), through :func:`setting_up`."""
+    bucket = config.bucket or ""
 
     async def open_or_create() -> KeyValue:
         try:
-            return await js.key_value(names.CONFIG_BUCKET)
+            return await js.key_value(bucket)
         except BucketNotFoundError:
-            return await js.create_key_value(
-                api.KeyValueConfig(
-                    bucket=names.CONFIG_BUCKET,
-                    history=10,
-                    storage=api.StorageType.FILE,
-                    replicas=s.stream_replicas,
-                )
-            )
+            try:
+                return await js.create_key_value(config)
+            except BadRequestError as exc:
+                if exc.err_code != names.JS_ERR_STREAM_NAME_IN_USE:
+                    raise
+                return await js.key_value(bucket)  # another dispatcher made it
 
-    return await setting_up(f"bucket {names.CONFIG_BUCKET}", open_or_create, s)
+    return await setting_up(f"bucket {bucket}", open_or_create, s)
 
 
 async def setting_up(what: str, op: Callable[[], Awaitable[T]], s: DispatcherSettings) -> T:
@@ -179,7 +193,7 @@ async def setting_up(what: str, op: Callable[[], Awaitable[T]], s: DispatcherSet
     while True:
         try:
             return await op()
-        except (nats.errors.Error, OSError, TimeoutError) as exc:
+        except BROKER_ERRORS as exc:
             if not not_ready_yet(exc) or time.monotonic() + pause_s > deadline:
                 raise StreamSetupError(f"cannot set up {what}: {exc}") from exc
             log.warning("cannot set up %s yet (%s); retrying in %.1f s", what, exc, pause_s)
