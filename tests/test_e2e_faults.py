@@ -83,6 +83,48 @@ async def test_worker_death_reruns_request_elsewhere_with_one_result(nats_url: s
     assert streamed == result.output_tokens  # the client stitched both attempts seamlessly
 
 
+async def test_a_lost_worker_whose_result_is_stored_is_not_run_again(nats_url: str) -> None:
+    """The worker stored its result and died before its completion reached the dispatcher:
+    when its lease expires, the dispatcher finds the stored result, takes the request out of
+    the queue and acks it rather than run it again on the survivor. Fails when worker loss
+    requeues without looking the result up (the survivor then runs it)."""
+    async with (
+        LocalCluster(nats_url, **cluster_kwargs(workers=2)) as cluster,
+        Client(nats_url) as c,
+    ):
+        js = c.nc.jetstream()
+        await _submit_unwatched(js, "stored-then-lost", max_tokens=60_000)
+
+        async def running() -> bool:
+            return any(a.in_flight for a in cluster.agents)
+
+        await eventually(running)
+        victim = next(a for a in cluster.agents if a.in_flight)
+        survivor = next(a for a in cluster.agents if a is not victim)
+        ran = Result(
+            request_id="stored-then-lost",
+            ok=True,
+            model="sim",
+            worker_id=victim.worker_id,
+            attempt=1,
+            output_tokens=[1],
+        )
+        await js.publish(
+            names.result_subject("default", "stored-then-lost"),
+            encode(ran),
+            headers={names.MSG_ID_HEADER: "stored-then-lost"},
+        )
+        await victim.kill()  # its completion is never sent: only the lease tells
+
+        await eventually(lambda: _queue_empty(js), timeout_s=15)
+        await asyncio.sleep(0.5)  # a requeued copy would have been handed out by now
+        assert survivor.in_flight == 0 and survivor.completed == 0, "run again"
+        assert cluster.dispatcher.scheduler.running == 0
+        assert cluster.dispatcher.scheduler.queued == 0
+        stored = await c.fetch_result("stored-then-lost")
+        assert stored is not None and stored.worker_id == victim.worker_id
+
+
 async def test_dispatcher_restart_loses_nothing(nats_url: str) -> None:
     kw = cluster_kwargs(workers=2, dispatcher={"global_limit": 4})
     async with LocalCluster(nats_url, **kw) as cluster, Client(nats_url) as c:
