@@ -5,6 +5,7 @@ worker while another runs it (the booking follows the report)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -14,6 +15,9 @@ from hypothesis import strategies as st
 from sluice.client import Client
 from sluice.dispatcher.reconcile import find_drift
 from sluice.dispatcher.scheduler import Booking, Dispatch, Request, WorkerInfo
+from sluice.schemas import names
+from sluice.schemas.codec import encode
+from sluice.schemas.models import Result
 from sluice.testing.cluster import LocalCluster
 
 from .conftest import cluster_kwargs, eventually
@@ -120,3 +124,39 @@ async def test_reconciliation_corrects_injected_drift_both_ways(nats_url: str) -
         assert done.ok and done.attempt == 1 and done.worker_id == b.worker_id  # ran once
         report = await c.reconcile()
         assert report.orphaned == [] and report.moved == []
+
+
+async def test_an_orphan_whose_result_is_stored_is_not_run_again(nats_url: str) -> None:
+    """The agent stored the result, then lost the request without a report (its completion
+    went astray): reconciliation finds it orphaned, sees the stored result, and acks it
+    rather than run it again. Fails when reconciliation requeues without looking the result
+    up (an agent then runs it a second time)."""
+    kw = cluster_kwargs(workers=2, dispatcher={"reconcile_every_s": 0.5, "reconcile_grace_s": 0.5})
+    async with LocalCluster(nats_url, **kw) as cluster, Client(nats_url) as c:
+        d = cluster.dispatcher
+        handle = await c.submit("sim", list(range(3000, 3064)), max_tokens=60_000)
+        rid = handle.request_id
+
+        async def on_an_agent() -> bool:
+            return any(rid in a._running for a in cluster.agents)
+
+        await eventually(on_an_agent)
+        holder = next(a for a in cluster.agents if rid in a._running)
+        stored = Result(request_id=rid, ok=True, model="sim", worker_id=holder.worker_id, attempt=1)
+        await c.nc.jetstream().publish(
+            names.result_subject("default", rid),
+            encode(stored),
+            headers={names.MSG_ID_HEADER: rid},
+        )
+        holder.engine.cancel(rid)  # then lost without a word: no completion, ever
+        holder._running.pop(rid)
+        result = await handle.result(timeout_s=20)
+        assert result.worker_id == holder.worker_id and result.attempt == 1
+
+        async def settled() -> bool:
+            return d.scheduler.booking(rid) is None and not d.scheduler.is_queued(rid)
+
+        await eventually(settled, timeout_s=10)
+        await asyncio.sleep(1.0)  # two reconciliations: a requeued copy would run by now
+        assert all(a.in_flight == 0 and a.completed == 0 for a in cluster.agents), "run again"
+        assert d.scheduler.running == 0 and not any(d.scheduler.usage().values())
