@@ -16,8 +16,12 @@ from typing import Any
 
 import nats
 import pytest
+from nats.js.client import JetStreamContext
 
 from sluice.client import Client
+from sluice.schemas import names
+from sluice.schemas.codec import encode
+from sluice.schemas.models import Result
 from sluice.testing.cluster import LocalCluster
 from sluice.testing.natsserver import EmbeddedNats
 from sluice.testing.processes import stop_processes
@@ -117,6 +121,16 @@ async def eventually(
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"condition not met within {timeout_s}s")
         await asyncio.sleep(every_s)
+
+
+async def store_result(js: JetStreamContext, result: Result, tenant: str = "default") -> None:
+    """Store ``result`` in the result stream as a worker's agent does (deduplicated by its
+    request id): a run that finished, whatever happens to its completion report."""
+    await js.publish(
+        names.result_subject(tenant, result.request_id),
+        encode(result),
+        headers={names.MSG_ID_HEADER: result.request_id},
+    )
 
 
 def cluster_kwargs(

@@ -31,7 +31,7 @@ from sluice.schemas.models import (
 from sluice.testing.cluster import LocalCluster
 from sluice.testing.natsserver import EmbeddedNats
 
-from .conftest import cluster_kwargs, eventually
+from .conftest import cluster_kwargs, eventually, store_result
 
 pytestmark = [pytest.mark.e2e, pytest.mark.fault]
 
@@ -109,11 +109,7 @@ async def test_a_lost_worker_whose_result_is_stored_is_not_run_again(nats_url: s
             attempt=1,
             output_tokens=[1],
         )
-        await js.publish(
-            names.result_subject("default", "stored-then-lost"),
-            encode(ran),
-            headers={names.MSG_ID_HEADER: "stored-then-lost"},
-        )
+        await store_result(js, ran)
         await victim.kill()  # its completion is never sent: only the lease tells
 
         await eventually(lambda: _queue_empty(js), timeout_s=15)
@@ -336,11 +332,7 @@ async def test_an_exhausted_request_with_a_stored_result_is_not_answered_twice(
     async with LocalCluster(nats_url, **kw) as cluster, Client(nats_url) as c:
         js = c.nc.jetstream()
         advised = await _exhaust(cluster, c, "ran")
-        await js.publish(  # as its worker's agent, or a leader, stores it
-            names.result_subject("default", "ran"),
-            encode(stored),
-            headers={names.MSG_ID_HEADER: "ran"},
-        )
+        await store_result(js, stored)  # as its worker's agent, or a leader, stores it
         await eventually(advised)
         await eventually(lambda: _advisories_served(js))
         result = await c.fetch_result("ran")
@@ -431,11 +423,7 @@ async def _ran_and_lost_its_ack(
             )
             assert len(await dead.fetch(1, timeout=5)) == 1  # taken, run, never acked
             ran = Result(request_id=request.request_id, ok=True, model="sim", output_tokens=[1])
-            await js.publish(
-                names.result_subject("default", request.request_id),
-                encode(ran),
-                headers={names.MSG_ID_HEADER: request.request_id},
-            )
+            await store_result(js, ran)
             async with LocalCluster(url, **kw) as cluster:
                 yield server, conf, c, cluster
 

@@ -15,12 +15,10 @@ from hypothesis import strategies as st
 from sluice.client import Client
 from sluice.dispatcher.reconcile import find_drift
 from sluice.dispatcher.scheduler import Booking, Dispatch, Request, WorkerInfo
-from sluice.schemas import names
-from sluice.schemas.codec import encode
 from sluice.schemas.models import Result
 from sluice.testing.cluster import LocalCluster
 
-from .conftest import cluster_kwargs, eventually
+from .conftest import cluster_kwargs, eventually, store_result
 
 RIDS = [f"r{i}" for i in range(12)]
 WORKERS = ["w0", "w1", "w2"]
@@ -143,11 +141,7 @@ async def test_an_orphan_whose_result_is_stored_is_not_run_again(nats_url: str) 
         await eventually(on_an_agent)
         holder = next(a for a in cluster.agents if rid in a._running)
         stored = Result(request_id=rid, ok=True, model="sim", worker_id=holder.worker_id, attempt=1)
-        await c.nc.jetstream().publish(
-            names.result_subject("default", rid),
-            encode(stored),
-            headers={names.MSG_ID_HEADER: rid},
-        )
+        await store_result(c.nc.jetstream(), stored)
         holder.engine.cancel(rid)  # then lost without a word: no completion, ever
         holder._running.pop(rid)
         result = await handle.result(timeout_s=20)

@@ -14,7 +14,7 @@ from sluice.schemas.codec import encode
 from sluice.schemas.models import Completion, Result
 from sluice.testing.cluster import LocalCluster
 
-from .conftest import cluster_kwargs, eventually
+from .conftest import cluster_kwargs, eventually, store_result
 
 pytestmark = pytest.mark.e2e
 
@@ -39,11 +39,7 @@ async def test_a_late_first_copy_wins_and_the_second_is_stopped(nats_url: str) -
         first = Result(
             request_id="r-1", ok=True, model="sim", worker_id="stalled-0", attempt=0, text="hi"
         )
-        await js.publish(
-            names.result_subject("default", "r-1"),
-            encode(first),
-            headers={names.MSG_ID_HEADER: "r-1"},
-        )
+        await store_result(js, first)
         late = Completion(
             request_id="r-1",
             worker_id="stalled-0",
