@@ -16,6 +16,7 @@ from nats.js import api
 from nats.js.client import JetStreamContext
 from prometheus_client import REGISTRY
 
+from sluice.agent.runtime import Agent
 from sluice.client import Client, Rejected, RejectReason
 from sluice.dispatcher.runtime import Dispatcher, DispatcherSettings
 from sluice.dispatcher.runtime.streams import ensure_streams, result_stream
@@ -451,6 +452,104 @@ async def test_a_redelivered_request_whose_result_cannot_be_looked_up_is_not_run
         os.kill(server.pid or 0, signal.SIGHUP)  # the broker reloads: lookups work
         await eventually(lambda: _queue_empty(c.nc.jetstream()), timeout_s=15)
         assert agent.completed == 0
+
+
+@contextlib.asynccontextmanager
+async def _stored_then_lost_unseen(
+    tmp_path: Path, max_deliver: int, taken_before: bool = False
+) -> AsyncIterator[tuple[EmbeddedNats, Path, Client, LocalCluster, Agent]]:
+    """A request that ran on a worker which stored its result and died before its completion
+    reached the dispatcher, in a cluster of two whose dispatcher may not look up stored
+    results (the user ``disp`` of :func:`_results_auth`), with ``ack_wait_s`` of 1 s;
+    yields once the victim is killed, with the survivor. ``taken_before``: a dispatcher
+    that died before had taken it (its delivery 1), so this one runs its delivery 2."""
+    conf = tmp_path / "auth.conf"
+    _results_auth(conf, lookups=False)
+    with EmbeddedNats(config_file=conf) as server:
+        url = server.url.replace("nats://", "nats://all:all@")
+        disp = {
+            "nats_user": "disp",
+            "nats_password": "disp",
+            "max_deliver": max_deliver,
+            "ack_wait_s": 1.0,
+        }
+        kw = cluster_kwargs(workers=2, dispatcher=disp)
+        async with Client(url) as c:
+            js = c.nc.jetstream()
+            await ensure_streams(js, DispatcherSettings(nats_url=url, **kw["dispatcher"]))
+            await _submit_unwatched(js, "stored-lost-unseen", max_tokens=60_000)
+            if taken_before:
+                dead = await js.pull_subscribe_bind(
+                    durable=names.dispatcher_consumer("standard"),
+                    stream=names.request_stream("standard"),
+                )
+                assert len(await dead.fetch(1, timeout=5)) == 1  # taken, never acked
+            async with LocalCluster(url, **kw) as cluster:
+
+                async def running() -> bool:
+                    return any(a.in_flight for a in cluster.agents)
+
+                await eventually(running)
+                victim = next(a for a in cluster.agents if a.in_flight)
+                ran = Result(
+                    request_id="stored-lost-unseen",
+                    ok=True,
+                    model="sim",
+                    worker_id=victim.worker_id,
+                    attempt=1,
+                    output_tokens=[1],
+                )
+                await store_result(js, ran)
+                await victim.kill()  # its completion is never sent: only the lease tells
+                survivor = next(a for a in cluster.agents if a is not victim)
+                yield server, conf, c, cluster, survivor
+
+
+async def test_a_lost_workers_request_whose_result_cannot_be_looked_up_is_not_run_again(
+    tmp_path: Path,
+) -> None:
+    """When the lost worker's lease expires the dispatcher cannot look up the stored result:
+    the request is sent back, not run on the survivor, until the lookup works; then it is
+    seen done and acked. Fails when worker loss counts an unsure lookup as "no result" (the
+    survivor then runs it)."""
+    before = _deferred()
+    async with _stored_then_lost_unseen(tmp_path, max_deliver=50) as (server, conf, c, cl, w):
+        survivor = w
+
+        async def sent_back_or_run() -> bool:
+            return _deferred() >= before + 2 or survivor.in_flight + survivor.completed > 0
+
+        await eventually(sent_back_or_run, timeout_s=20)
+        assert survivor.in_flight + survivor.completed == 0, "run while unsure"
+        _results_auth(conf, lookups=True)
+        os.kill(server.pid or 0, signal.SIGHUP)  # the broker reloads: lookups work
+        await eventually(lambda: _queue_empty(c.nc.jetstream()), timeout_s=15)
+        assert survivor.in_flight + survivor.completed == 0, "run again"
+        assert cl.dispatcher.scheduler.queued == 0
+        stored = await c.fetch_result("stored-lost-unseen")
+        assert stored is not None and stored.worker_id != survivor.worker_id
+
+
+async def test_a_lost_workers_request_on_its_last_delivery_runs_though_unseen(
+    tmp_path: Path,
+) -> None:
+    """With ``max_deliver=2`` the request ran on its delivery 2, its last: sent back when its
+    worker is lost, it would be dead-lettered without an answer, so it runs on the survivor.
+    Fails when the last delivery is sent back too."""
+    async with _stored_then_lost_unseen(tmp_path, max_deliver=2, taken_before=True) as (
+        _,
+        _conf,
+        c,
+        _cl,
+        survivor,
+    ):
+
+        async def runs() -> bool:
+            return survivor.in_flight + survivor.completed > 0
+
+        await eventually(runs, timeout_s=20)
+        dlq = await c.nc.jetstream().stream_info(names.DEAD_LETTER_STREAM)
+    assert dlq.state.messages == 0
 
 
 async def test_a_request_whose_result_is_never_seen_runs_on_its_last_delivery(

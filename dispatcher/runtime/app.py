@@ -91,7 +91,7 @@ class Dispatcher:
         self._gauges = Gauges(st)
         self._handoff = HandOff(st, self._answers, self._workers, self._gauges)
         self._config = ConfigWatch(st)
-        self._cancels = Cancels(st, self._answers, self._intake)
+        self._cancels = Cancels(st, self._answers)
         self.reconciler = Reconciler(st, self._answers, self._intake)
         self._election = Election(st, self._promoted, self._deposed)
         self._tasks: list[asyncio.Task[None]] = []

@@ -24,7 +24,6 @@ from nats.aio.msg import Msg
 
 from sluice.dispatcher.runtime import metrics
 from sluice.dispatcher.runtime.answers import Answers, ack, respond
-from sluice.dispatcher.runtime.intake import Intake
 from sluice.dispatcher.runtime.state import BROKER_ERRORS, State
 from sluice.schemas import names
 from sluice.schemas.codec import decode, encode
@@ -48,10 +47,9 @@ STOP_TIMEOUT_S = 4.0
 class Cancels:
     """Answers ``sluice.cancel.<tenant>``."""
 
-    def __init__(self, state: State, answers: Answers, intake: Intake) -> None:
+    def __init__(self, state: State, answers: Answers) -> None:
         self.state = state
         self.answers = answers
-        self.intake = intake
 
     async def on_cancel(self, msg: Msg) -> None:
         if not self.state.leading():
@@ -112,7 +110,7 @@ class Cancels:
                 status="cancelled",
                 message=f"stopped on {booking.worker_id} after {answer.output_tokens} tokens",
             )
-        if await self.intake.result_exists(q.tenant, rid):
+        if await self.answers.result_exists(q.tenant, rid):
             released = st.release_held(rid)  # it finished before the stop reached it
             if released is not None:
                 await ack(released.msg)
@@ -135,7 +133,7 @@ class Cancels:
         return True
 
     async def _not_held(self, q: CancelRequest) -> CancelReply:
-        if await self.intake.result_exists(q.tenant, q.request_id):
+        if await self.answers.result_exists(q.tenant, q.request_id):
             return CancelReply(
                 request_id=q.request_id, status="finished", message="its result is stored"
             )

@@ -183,18 +183,48 @@ class Intake:
             # It may have run (its ack lost with a broker node): running it again would
             # duplicate the work, so it comes back for another look. On its last delivery
             # it runs: a duplicate is safe, an undelivered request is not.
-            log.info("the result of redelivered %s could not be looked up; it comes back", rid)
-            metrics.LOOKUPS_DEFERRED.inc()
-            try:
-                await msg.nak(delay=UNSURE_RETRY_S)
-            except BROKER_ERRORS:
-                log.debug("nak of %s not sent; it comes back after ack_wait", rid)
+            await self._look_again(msg, rid)
             return True
         return False
 
-    async def result_exists(self, tenant: str, request_id: str) -> bool:
-        """Whether a result of ``request_id`` is stored (:meth:`Answers.result_exists`)."""
-        return await self.answers.result_exists(tenant, request_id)
+    async def settle_requeued(self, requeued: Sequence[Request]) -> None:
+        """Requests queued again because their worker was lost (or reconciliation found
+        them orphaned), their results looked up concurrently. One whose result is stored
+        finished (its completion was lost with the worker): it leaves the queue and is
+        acked. One whose result could not be looked up may have finished too: it leaves the
+        queue and is sent back, so that its redelivery looks again (as :meth:`_seen` does),
+        but on its last delivery it stays and runs. One that left the queue meanwhile (handed
+        out again) is its new worker's."""
+        st = self.state
+        mine = [r for r in requeued if r.request_id in st.held]
+        metrics.REQUEUED.inc(len(requeued))
+        if not mine:
+            return
+        found = await asyncio.gather(
+            *(self.answers.result_known(r.tenant, r.request_id) for r in mine)
+        )
+        for r, exists in zip(mine, found, strict=True):
+            held = st.held.get(r.request_id)
+            if exists is False or held is None:
+                continue
+            if exists is None and held.msg.metadata.num_delivered >= st.settings.max_deliver:
+                continue  # its last delivery: a duplicate run is safe, no answer is not
+            if st.scheduler.cancel(r.request_id) is None:
+                continue
+            st.release_held(r.request_id)
+            if exists:
+                await ack(held.msg)
+            else:
+                await self._look_again(held.msg, r.request_id)
+
+    async def _look_again(self, msg: Msg, rid: str) -> None:
+        """Send back a request whose result could not be looked up, for another look."""
+        log.info("the result of %s could not be looked up; it comes back", rid)
+        metrics.LOOKUPS_DEFERRED.inc()
+        try:
+            await msg.nak(delay=UNSURE_RETRY_S)
+        except BROKER_ERRORS:
+            log.debug("nak of %s not sent; it comes back after ack_wait", rid)
 
 
 UNSURE_RETRY_S = 1.0

@@ -19,7 +19,7 @@ DUPLICATES = Counter("sluice_dispatcher_duplicates_total", "Duplicate submission
 REQUEUED = Counter("sluice_dispatcher_requeued_total", "Requests re-run after a worker was lost")
 LOOKUPS_DEFERRED = Counter(
     "sluice_dispatcher_lookups_deferred_total",
-    "Redelivered requests sent back because their result could not be looked up",
+    "Requests sent back because their result could not be looked up (redelivered or requeued)",
 )
 HANDOFF_REFUSED = Counter(
     "sluice_dispatcher_handoff_refused_total", "Assignments a worker refused or did not confirm"

@@ -14,7 +14,7 @@ from nats.aio.msg import Msg
 from sluice.common.aio import wait_event
 from sluice.dispatcher.reconcile import Reconciliation
 from sluice.dispatcher.runtime import metrics
-from sluice.dispatcher.runtime.answers import Answers, ack, respond
+from sluice.dispatcher.runtime.answers import Answers, respond
 from sluice.dispatcher.runtime.intake import Intake
 from sluice.dispatcher.runtime.state import State
 from sluice.schemas.codec import encode
@@ -78,16 +78,9 @@ class Reconciler:
         return report
 
     async def _settle(self, done: Reconciliation) -> None:
-        st = self.state
         for e in done.ended:
             await self.answers.end(e)
-        for r in done.requeued:
-            metrics.REQUEUED.inc()
-            held = st.held.get(r.request_id)
-            if held is not None and await self.intake.result_exists(r.tenant, r.request_id):
-                st.scheduler.cancel(r.request_id)  # it finished; its completion was lost
-                st.release_held(r.request_id)
-                await ack(held.msg)
+        await self.intake.settle_requeued(done.requeued)
 
     async def on_request(self, msg: Msg) -> None:
         if not self.state.leading():

@@ -189,14 +189,7 @@ class WorkerTraffic:
         self._forget_counts(worker_id)
         for e in ended:
             await self.answers.end(e)
-        for r in requeued:
-            metrics.REQUEUED.inc()
-            held = st.held.get(r.request_id)
-            if held is not None and await self.intake.result_exists(r.tenant, r.request_id):
-                # It finished but its completion was lost with the worker.
-                st.scheduler.cancel(r.request_id)
-                st.release_held(r.request_id)
-                await ack(held.msg)
+        await self.intake.settle_requeued(requeued)
         st.kick.set()
 
     async def on_reconnected(self) -> None:
