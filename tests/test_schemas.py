@@ -110,6 +110,23 @@ def test_request_needs_exactly_one_prompt() -> None:
         _req(prompt_tokens=None)  # neither set
 
 
+@pytest.mark.parametrize(
+    "tokens", [[1, -1], [2**32], [7, 1.5], ["a"], [None], [[1]], "1 2 3", {"1": 2}, 12]
+)
+def test_token_ids_out_of_range_or_not_integers_are_a_decode_error(tokens: object) -> None:
+    raw = msgpack.packb({**_req().model_dump(), "prompt_tokens": tokens})
+    with pytest.raises(DecodeError, match="prompt_tokens"):
+        decode(raw, SubmitRequest)
+
+
+@given(st.lists(st.integers(0, 2**32 - 1), max_size=300))
+def test_token_ids_in_range_decode_as_sent(tokens: list[int]) -> None:
+    raw = encode(_req(prompt_tokens=tokens))
+    decoded = decode(raw, SubmitRequest)
+    assert decoded.prompt_tokens == tokens
+    assert all(type(t) is int for t in decoded.prompt_tokens or [])
+
+
 def test_models_are_frozen() -> None:
     r = Result(request_id="a", ok=True)
     with pytest.raises(ValueError):
