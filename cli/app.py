@@ -123,6 +123,10 @@ def bench(
         int | None,
         typer.Option(help="Concurrent submitters and raw publishers.", min=1),
     ] = None,
+    prompt_tokens: Annotated[
+        int | None,
+        typer.Option(help="Tokens of each live request's prompt (default 256).", min=1),
+    ] = None,
     skip_live: Annotated[bool, typer.Option(help="Only the pure-core benchmarks.")] = False,
     live_only: Annotated[
         bool, typer.Option(help="Only the live figures (no core benchmarks, no decision_us).")
@@ -145,6 +149,7 @@ def bench(
             "latency_requests": live_requests,
             "throughput_requests": throughput_requests,
             "submitters": submitters,
+            "prompt_tokens": prompt_tokens,
         }
         sizes = HotSizes(**{k: v for k, v in given.items() if v is not None})
         try:
@@ -219,7 +224,8 @@ def _print_hot(hot: Any) -> None:
 
     console.print(
         f"live dispatch latency ({hot.latency_requests} sequential requests, idle fleet of 1 "
-        f"dispatcher and {hot.agents} agents as processes; submit -> worker accepted): p50 "
+        f"dispatcher and {hot.agents} agents as processes, {hot.prompt_tokens:,}-token prompts; "
+        f"submit -> worker accepted): p50 "
         f"{hot.dispatch_p50_ms:.2f} ms, p99 {hot.dispatch_p99_ms:.2f} ms (of which submit "
         f"returning p50 {hot.submit_p50_ms:.2f} ms); same-run baselines: "
         f"JetStream publish ack p50 {hot.publish_ack_p50_ms:.2f} ms back to back, "

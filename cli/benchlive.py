@@ -52,7 +52,6 @@ class BenchError(Exception):
 
 
 _MODEL = "sim"
-_PROMPT = list(range(256))
 _SLUICE = [sys.executable, "-m", "sluice.cli"]
 _READY_TIMEOUT_S = 60.0
 _INSTANT_SPEED = 1e6
@@ -67,6 +66,9 @@ class HotSizes:
     throughput_requests: int = 3000
     submitters: int = 64
     agents: int = 4
+    prompt_tokens: int = 256
+    """Tokens of every request's prompt (the same prompt each time, so cached after the
+    first): what the dispatcher decodes and hashes, and the baselines publish, per request."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,7 @@ class HotFigures:
     throughput_requests: int
     submitters: int
     agents: int
+    prompt_tokens: int
     throughput_rps: float
     dispatcher_cpu_ms_per_request: float
     """The dispatcher process's CPU time over the throughput run, per request (-1: unknown)."""
@@ -157,10 +160,12 @@ def verdicts(f: HotFigures) -> list[Verdict]:
 async def bench_hot(sizes: HotSizes | None = None) -> HotFigures:
     """Start the fleet, measure every live figure, stop every process it started."""
     z = sizes or HotSizes()
+    prompt = list(range(z.prompt_tokens))
+    payload = _request_bytes(prompt)
     with EmbeddedNats() as server, TemporaryDirectory(prefix="sluice-bench-") as tmp:
-        pub_ms, rr_ms = await _broker_rtts(server.url, z.latency_requests)
+        pub_ms, rr_ms = await _broker_rtts(server.url, z.latency_requests, payload)
         raw_rps, raw_concurrent_rps = await _raw_jetstream(
-            server.url, z.throughput_requests, z.submitters
+            server.url, z.throughput_requests, z.submitters, payload
         )
         procs: list[subprocess.Popen[bytes]] = []
         try:
@@ -168,12 +173,12 @@ async def bench_hot(sizes: HotSizes | None = None) -> HotFigures:
             for i in range(z.agents):
                 procs.append(_spawn(["agent"], _agent_env(server.url, i), Path(tmp), f"a{i}"))
             async with Client(server.url) as client:
-                await _ready(client, z.agents, procs)
+                await _ready(client, z.agents, procs, prompt)
                 dispatch_ms, submit_ms, between_ms = await _dispatch_latency(
-                    client, z.latency_requests
+                    client, z.latency_requests, prompt, payload
                 )
                 cpu0 = [_cpu_s(p.pid) for p in procs]
-                rps = await _throughput(client, z.throughput_requests, z.submitters)
+                rps = await _throughput(client, z.throughput_requests, z.submitters, prompt)
                 cpu = [b - a for a, b in zip(cpu0, [_cpu_s(p.pid) for p in procs], strict=True)]
         finally:
             stop_processes(procs)
@@ -188,6 +193,7 @@ async def bench_hot(sizes: HotSizes | None = None) -> HotFigures:
         throughput_requests=z.throughput_requests,
         submitters=z.submitters,
         agents=z.agents,
+        prompt_tokens=z.prompt_tokens,
         throughput_rps=rps,
         dispatcher_cpu_ms_per_request=_per_request_ms(cpu[:1], z.throughput_requests),
         agent_cpu_ms_per_request=_per_request_ms(cpu[1:], z.throughput_requests),
@@ -199,21 +205,21 @@ async def bench_hot(sizes: HotSizes | None = None) -> HotFigures:
 # ---------------------------------------------------------------------- the baselines
 
 
-def _request_bytes() -> bytes:
+def _request_bytes(prompt: list[int]) -> bytes:
     """A submitted request as the client encodes it: the baselines move the same bytes."""
     r = SubmitRequest(
         request_id="0" * 32,
         model=_MODEL,
         tenant="default",
         band="interactive",
-        prompt_tokens=_PROMPT,
+        prompt_tokens=prompt,
         max_tokens=1,
         submitted_unix_ms=int(time.time() * 1000),
     )
     return encode(r)
 
 
-async def _broker_rtts(url: str, n: int) -> tuple[list[float], list[float]]:
+async def _broker_rtts(url: str, n: int, payload: bytes) -> tuple[list[float], list[float]]:
     """JetStream publish acks and core request/replies, sequential, in ms."""
     nc = await nats.connect(url)
     try:
@@ -224,7 +230,6 @@ async def _broker_rtts(url: str, n: int) -> tuple[list[float], list[float]]:
             await msg.respond(b"")
 
         await nc.subscribe("bench.echo", cb=echo)
-        payload = _request_bytes()
         pub_ms, rr_ms = [], []
         for i in range(n):
             t = time.perf_counter()
@@ -239,7 +244,7 @@ async def _broker_rtts(url: str, n: int) -> tuple[list[float], list[float]]:
     return pub_ms, rr_ms
 
 
-async def _raw_jetstream(url: str, n: int, publishers: int) -> tuple[float, float]:
+async def _raw_jetstream(url: str, n: int, publishers: int, payload: bytes) -> tuple[float, float]:
     """The broker's own pace on a work-queue stream like a band's, messages/s: the raw loop
     (publish one message and await its ack, fetch it, ack it, again), and the same with
     ``publishers`` concurrent publishers and one consumer fetching batches."""
@@ -256,7 +261,6 @@ async def _raw_jetstream(url: str, n: int, publishers: int) -> tuple[float, floa
             "BENCH_RAW", durable_name="raw", ack_policy=api.AckPolicy.EXPLICIT, max_ack_pending=-1
         )
         psub = await sjs.pull_subscribe_bind(durable="raw", stream="BENCH_RAW")
-        payload = _request_bytes()
 
         async def publish(p: int, count: int) -> None:
             for i in range(count):
@@ -339,7 +343,9 @@ def _per_request_ms(cpu_s: list[float], requests: int) -> float:
     return sum(cpu_s) / requests * 1000
 
 
-async def _ready(client: Client, agents: int, procs: list[subprocess.Popen[bytes]]) -> None:
+async def _ready(
+    client: Client, agents: int, procs: list[subprocess.Popen[bytes]], prompt: list[int]
+) -> None:
     """Until the dispatcher leads with every agent registered and a request has run."""
     deadline = time.monotonic() + _READY_TIMEOUT_S
     while True:
@@ -355,11 +361,13 @@ async def _ready(client: Client, agents: int, procs: list[subprocess.Popen[bytes
             pass
         await asyncio.sleep(0.1)
     for _ in range(20):  # warm every agent's and the dispatcher's first-use paths
-        h = await client.submit(_MODEL, _PROMPT, max_tokens=1, band="interactive")
+        h = await client.submit(_MODEL, prompt, max_tokens=1, band="interactive")
         await h.result(timeout_s=_READY_TIMEOUT_S)
 
 
-async def _dispatch_latency(client: Client, n: int) -> tuple[list[float], list[float], list[float]]:
+async def _dispatch_latency(
+    client: Client, n: int, prompt: list[int], payload: bytes
+) -> tuple[list[float], list[float], list[float]]:
     """Sequential requests on the idle fleet, in ms: submit until a worker accepted it, and
     until ``submit`` returned (its publish acknowledged); and after each, one JetStream publish
     ack on a stream of its own (the baseline as the dispatches meet the broker). The agent's
@@ -368,12 +376,11 @@ async def _dispatch_latency(client: Client, n: int) -> tuple[list[float], list[f
     await js.add_stream(
         name="BENCH_BETWEEN", subjects=["bench.between"], storage=api.StorageType.FILE
     )
-    payload = _request_bytes()
     out, submits, between = [], [], []
     try:
         for i in range(n):
             t0 = time.time()
-            h = await client.submit(_MODEL, _PROMPT, max_tokens=1, band="interactive")
+            h = await client.submit(_MODEL, prompt, max_tokens=1, band="interactive")
             submits.append((time.time() - t0) * 1000)
             r = await h.result(timeout_s=30)
             if r.timings is None:
@@ -388,7 +395,7 @@ async def _dispatch_latency(client: Client, n: int) -> tuple[list[float], list[f
     return out, submits, between
 
 
-async def _throughput(client: Client, n: int, submitters: int) -> float:
+async def _throughput(client: Client, n: int, submitters: int, prompt: list[int]) -> float:
     """``submitters`` concurrent loops of submit and wait for the result: requests/s."""
     per = [n // submitters + (i < n % submitters) for i in range(submitters)]
     failed = 0
@@ -396,7 +403,7 @@ async def _throughput(client: Client, n: int, submitters: int) -> float:
     async def submitter(count: int) -> None:
         nonlocal failed
         for _ in range(count):
-            h = await client.submit(_MODEL, _PROMPT, max_tokens=1, band="interactive")
+            h = await client.submit(_MODEL, prompt, max_tokens=1, band="interactive")
             failed += not (await h.result(timeout_s=60)).ok
 
     t0 = time.perf_counter()

@@ -11,7 +11,7 @@ from array import array
 from enum import StrEnum
 from typing import Annotated, Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PlainValidator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, model_validator
 
 SCHEMA_VERSION: Final = 1
 
@@ -33,7 +33,12 @@ def _token_ids(value: Any) -> list[int]:
     return value if isinstance(value, list) else list(value)
 
 
-TokenIds = Annotated[list[int], PlainValidator(_token_ids, json_schema_input_type=list[int])]
+TokenIds = Annotated[
+    list[int],
+    PlainValidator(_token_ids, json_schema_input_type=list[int]),
+    # Validated already: serialised as it is, not copied id by id.
+    PlainSerializer(lambda ids: ids, return_type=list[int]),
+]
 """Token ids: integers in ``[0, 2**32)``, what engines and Sluice's block hashing (uint32)
 take."""
 

@@ -193,9 +193,11 @@ def test_bench_json_prints_the_contract() -> None:
 
 
 def test_bench_live_only_prints_the_live_contract_alone() -> None:
-    """``sluice bench --live-only --json``: the live contract keys and targets, positive, and
-    none of the pure-core figures (it skipped them)."""
-    figures = _bench_json("--live-only")
+    """``sluice bench --live-only --json --prompt-tokens 3000``: the live contract keys and
+    targets, positive, none of the pure-core figures (it skipped them), and every live
+    request of the prompt's size."""
+    figures = _bench_json("--live-only", "--prompt-tokens", "3000")
+    assert figures["prompt_tokens"] == 3000
     live = [k for k in _CONTRACT if k not in ("decision_us", "baseline_decision_us")]
     assert set(live) <= set(figures)
     assert all(isinstance(figures[k], int | float) and figures[k] > 0 for k in live), figures

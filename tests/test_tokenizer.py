@@ -74,3 +74,11 @@ def test_the_command_line_answers_a_bad_tokenizer_with_exit_code_2(tmp_path: Pat
             timeout=60,
         )
         assert done.returncode == 2 and b"does not exist" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("tokens", [[1, -1], [2**32], [3, 1.5], ["7"], [None]])
+def test_token_ids_out_of_range_or_not_integers_are_refused_by_the_client(
+    tokens: list[object],
+) -> None:
+    with pytest.raises(InvalidRequest, match=r"token ids are integers in \[0, 2\*\*32\)"):
+        Client()._build("m", tokens, 8, None, None, None, None)  # type: ignore[arg-type]
