@@ -461,13 +461,14 @@ async def test_a_redelivered_request_whose_result_cannot_be_looked_up_is_not_run
 
 @contextlib.asynccontextmanager
 async def _stored_then_lost_unseen(
-    tmp_path: Path, max_deliver: int, taken_before: bool = False
+    tmp_path: Path, max_deliver: int, taken_before: bool = False, stored: bool = True
 ) -> AsyncIterator[tuple[EmbeddedNats, Path, Client, LocalCluster, Agent]]:
     """A request that ran on a worker which stored its result and died before its completion
     reached the dispatcher, in a cluster of two whose dispatcher may not look up stored
     results (the user ``disp`` of :func:`_results_auth`), with ``ack_wait_s`` of 1 s;
     yields once the victim is killed, with the survivor. ``taken_before``: a dispatcher
-    that died before had taken it (its delivery 1), so this one runs its delivery 2."""
+    that died before had taken it (its delivery 1), so this one runs its delivery 2.
+    ``stored=False``: the victim died before it stored a result."""
     conf = tmp_path / "auth.conf"
     _results_auth(conf, lookups=False)
     with EmbeddedNats(config_file=conf) as server:
@@ -504,7 +505,8 @@ async def _stored_then_lost_unseen(
                     attempt=1,
                     output_tokens=[1],
                 )
-                await store_result(js, ran)
+                if stored:
+                    await store_result(js, ran)
                 await victim.kill()  # its completion is never sent: only the lease tells
                 survivor = next(a for a in cluster.agents if a is not victim)
                 yield server, conf, c, cluster, survivor
@@ -533,6 +535,35 @@ async def test_a_lost_workers_request_whose_result_cannot_be_looked_up_is_not_ru
         assert cl.dispatcher.scheduler.queued == 0
         stored = await c.fetch_result("stored-lost-unseen")
         assert stored is not None and stored.worker_id != survivor.worker_id
+
+
+async def test_a_lost_workers_request_sent_back_unseen_runs_once_the_lookup_says_no_result(
+    tmp_path: Path,
+) -> None:
+    """The victim died before storing a result: sent back while the lookup fails, the request
+    is taken in again once it works, and runs on the survivor (sending it back loses
+    nothing). Fails when a request sent back is not queued again on its redelivery."""
+    before = _deferred()
+    async with _stored_then_lost_unseen(tmp_path, max_deliver=50, stored=False) as (
+        server,
+        conf,
+        _c,
+        _cl,
+        survivor,
+    ):
+
+        async def sent_back_twice() -> bool:
+            return _deferred() >= before + 2
+
+        await eventually(sent_back_twice, timeout_s=20)
+        assert survivor.in_flight + survivor.completed == 0, "run while unsure"
+        _results_auth(conf, lookups=True)
+        os.kill(server.pid or 0, signal.SIGHUP)  # the broker reloads: lookups work
+
+        async def runs() -> bool:
+            return survivor.in_flight + survivor.completed > 0
+
+        await eventually(runs, timeout_s=20)
 
 
 async def test_a_lost_workers_request_on_its_last_delivery_runs_though_unseen(
