@@ -271,7 +271,10 @@ class SimServer:
                             self._observe("time_to_first_token_seconds", s.ttft_s)
                         elif isinstance(ev, Finished) and s.ttft_s is not None:
                             # Its prefill ran on the engine's clock, `speed` times the wall's.
-                            prefill = ev.prefill_s / self.speed
+                            # The stepping loop may catch up on a lag (it sleeps less than a
+                            # step lasts), so the wall can see less than that: a prefill never
+                            # outlasts the time to the first token, and queue + prefill = TTFT.
+                            prefill = min(ev.prefill_s / self.speed, s.ttft_s)
                             self._observe("request_prefill_time_seconds", prefill)
                             self._observe("request_queue_time_seconds", s.ttft_s - prefill)
                         s.queue.put_nowait(ev)
