@@ -142,16 +142,21 @@ class CacheIndex:
             holders = blocks.get(h)
             if not holders:
                 here: set[str] = set()
-            elif alive is None:
-                here = {w for w, until in holders.items() if until > now_s}
             else:
-                here = {w for w in alive if holders.get(w, _NO_GUESS) > now_s}
-            for w in (alive or set()) - here:
-                result[w] = i
+                # Set operations and min() run in C, a comprehension per holder does not:
+                # a shared prefix has tens of holders at every one of its blocks. A hold
+                # past its time (a guess waiting for expire()) is rare: only then is each
+                # holder checked.
+                here = set(holders) if alive is None else alive & holders.keys()
+                if here and min(holders.values()) <= now_s:
+                    here = {w for w in here if holders[w] > now_s}
+            if alive is not None and len(here) < len(alive):
+                for w in alive - here:
+                    result[w] = i
             alive = here
             if not alive:
                 break
-        for w in alive or set():
+        for w in alive or ():
             result[w] = len(hashes)
         return result
 
