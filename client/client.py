@@ -42,7 +42,6 @@ from sluice.common.transport import BrokerAuth, TransportError, connect
 from sluice.schemas import names
 from sluice.schemas.codec import decode, encode
 from sluice.schemas.errors import DecodeError
-from sluice.schemas.hashing import pack_tokens
 from sluice.schemas.models import (
     CancelReply,
     CancelRequest,
@@ -56,6 +55,7 @@ from sluice.schemas.models import (
     WaitQuery,
     WorkerList,
 )
+from sluice.schemas.tokens import TokenIds
 
 _RESULT_POLL_S = 2.0
 _NATS_ERRORS = (nats.errors.Error, OSError)
@@ -451,7 +451,7 @@ class Client:
     ) -> SubmitRequest:
         if deadline_s is not None and deadline_s <= 0:
             raise InvalidRequest(f"deadline_s must be > 0, got {deadline_s}")
-        tokens: list[int] | None
+        tokens: Sequence[int] | None
         text: str | None
         if isinstance(prompt, str):
             if not prompt:
@@ -462,13 +462,12 @@ class Client:
                 if not tokens:
                     raise InvalidRequest("the prompt has no tokens for the configured tokenizer")
         else:
-            tokens, text = list(prompt), None
-            if not tokens:
-                raise InvalidRequest("prompt has no tokens")
-            try:  # in C: a Python check per id cost more than the rest of a submit
-                pack_tokens(tokens)
+            try:  # checked in C: a Python check per id cost more than the rest of a submit
+                tokens, text = TokenIds(prompt), None
             except ValueError as exc:
                 raise InvalidRequest(str(exc)) from None
+            if not tokens:
+                raise InvalidRequest("prompt has no tokens")
         now_ms = int(time.time() * 1000)
         try:
             return SubmitRequest(

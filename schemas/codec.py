@@ -8,13 +8,16 @@ import msgpack
 from pydantic import BaseModel, ValidationError
 
 from sluice.schemas.errors import DecodeError
+from sluice.schemas.models import WIRE_CONTEXT
 
 M = TypeVar("M", bound=BaseModel)
 
 
 def encode(message: BaseModel) -> bytes:
     """Serialise a wire model to msgpack bytes."""
-    data: bytes = msgpack.packb(message.model_dump(mode="python"), use_bin_type=True)
+    data: bytes = msgpack.packb(
+        message.model_dump(mode="python", context=WIRE_CONTEXT), use_bin_type=True
+    )
     return data
 
 
@@ -23,7 +26,7 @@ def encode_nested(head: BaseModel, name: str, body: bytes) -> bytes:
     is ``body``: msgpack bytes already (a message as its producer encoded it, validated by
     :func:`decode` since). The body is not decoded and encoded again, so a holder of a message
     need keep only its bytes, a few per token id, not the decoded ids (some 40 bytes each)."""
-    fields = head.model_dump(mode="python")
+    fields = head.model_dump(mode="python", context=WIRE_CONTEXT)
     if name in fields:
         raise ValueError(f"{type(head).__name__} has a field {name!r} already")
     packer = msgpack.Packer(use_bin_type=True)

@@ -21,6 +21,9 @@ from collections.abc import Iterable, Sequence
 
 import xxhash
 
+from sluice.schemas.tokens import U32 as _U32
+from sluice.schemas.tokens import TokenIds
+
 DEFAULT_BLOCK_TOKENS = 16
 DEFAULT_INDEX_TOKENS = 128
 """The dispatcher's cache index, and the agents' cache digests, keep one block hash per 128
@@ -32,8 +35,6 @@ _TOKEN_SEED = 0x5A1C_E000
 _TEXT_SEED = 0x5A1C_E001
 _SESSION_SEED = 0x5A1C_E002
 _PREV = struct.Struct("<Q")
-# The array type of 4-byte unsigned items (``I`` on every platform CPython supports).
-_U32 = next(code for code in "IL" if array(code).itemsize == 4)
 
 
 def index_stride(block_tokens: int, index_tokens: int = DEFAULT_INDEX_TOKENS) -> int:
@@ -48,6 +49,8 @@ def index_stride(block_tokens: int, index_tokens: int = DEFAULT_INDEX_TOKENS) ->
 def pack_tokens(tokens: Iterable[int]) -> bytes:
     """Token ids as the little-endian uint32s that :func:`packed_block_hashes` hashes. A token
     id that is not an integer in ``[0, 2**32)`` is a ``ValueError``."""
+    if isinstance(tokens, TokenIds):
+        return tokens.packed
     try:
         packed = array(_U32, tokens)
     except (TypeError, OverflowError) as exc:
@@ -72,6 +75,8 @@ def block_hashes(
     hash of the block before them (0: they start the prompt)."""
     if block_tokens < 1:
         raise ValueError("block_tokens must be >= 1")
+    if isinstance(tokens, TokenIds):  # packed already (a trailing partial block is not hashed)
+        return packed_block_hashes(tokens.packed, block_tokens, parent)
     n_full = len(tokens) // block_tokens
     return packed_block_hashes(pack_tokens(tokens[: n_full * block_tokens]), block_tokens, parent)
 

@@ -7,40 +7,49 @@ with a typed error instead of guessing. Times on the wire are Unix epoch millise
 
 from __future__ import annotations
 
-from array import array
 from enum import StrEnum
 from typing import Annotated, Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    PlainValidator,
+    SerializationInfo,
+    WithJsonSchema,
+    model_validator,
+)
+
+from sluice.schemas.tokens import TokenIds, token_ids
 
 SCHEMA_VERSION: Final = 1
 
 Name = Annotated[str, Field(min_length=1, max_length=128)]
 RequestId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")]
-_U32 = next(code for code in "IL" if array(code).itemsize == 4)
+WIRE_CONTEXT: Final = {"wire": True}
+"""The serialisation context of the msgpack codec: token ids go out packed (one ``bin``)."""
 
 
-def _token_ids(value: Any) -> list[int]:
-    # A prompt is thousands of ids: array checks them in one C pass (an integer in
-    # [0, 2**32), or an error), several times faster than a constrained int per item. As
-    # with pydantic's lax int, True and False pass (as 1 and 0: bool is an int).
-    if not isinstance(value, list | tuple):
-        raise ValueError(f"token ids are a list of integers, not {type(value).__name__}")
-    try:
-        array(_U32, value)
-    except (TypeError, OverflowError) as exc:
-        raise ValueError(f"token ids are integers in [0, 2**32): {exc}") from None
-    return value if isinstance(value, list) else list(value)
+def _serialise_ids(ids: TokenIds, info: SerializationInfo) -> list[int] | bytes:
+    # Packed on the wire (the codec's context); a list anywhere else, as before the ids
+    # were held packed, so that a model_dump() is still plain data.
+    if info.context is not None and info.context.get("wire"):
+        return ids.packed
+    return ids.tolist()
 
 
-TokenIds = Annotated[
-    list[int],
-    PlainValidator(_token_ids, json_schema_input_type=list[int]),
-    # Validated already: serialised as it is, not copied id by id.
-    PlainSerializer(lambda ids: ids, return_type=list[int]),
+TokenIdsField = Annotated[
+    TokenIds,
+    PlainValidator(token_ids, json_schema_input_type=list[int]),
+    PlainSerializer(_serialise_ids, return_type=Any),
+    WithJsonSchema(
+        {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 2**32 - 1}}
+    ),
 ]
-"""Token ids: integers in ``[0, 2**32)``, what engines and Sluice's block hashing (uint32)
-take."""
+"""Token ids (:class:`~sluice.schemas.tokens.TokenIds`): integers in ``[0, 2**32)``, what
+engines and Sluice's block hashing (uint32) take. Given as a list or tuple of ids, or as
+their packed bytes (how the codec sends them); a list in JSON."""
 
 
 class _Wire(BaseModel):
@@ -84,7 +93,7 @@ class SubmitRequest(_Wire):
     model: Name
     tenant: Name = "default"
     band: Name = "standard"
-    prompt_tokens: TokenIds | None = None
+    prompt_tokens: TokenIdsField | None = None
     prompt_text: str | None = None
     max_tokens: int = Field(default=256, ge=1, le=1_000_000)
     submitted_unix_ms: int = Field(ge=0)

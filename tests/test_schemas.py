@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import pickle
+import struct
+
 import msgpack
 import pytest
 from hypothesis import given
@@ -26,6 +30,7 @@ from sluice.schemas.hashing import (
     text_block_hashes,
 )
 from sluice.schemas.models import AssignmentHead
+from sluice.schemas.tokens import TokenIds
 
 
 def _req(**kw: object) -> SubmitRequest:
@@ -125,6 +130,51 @@ def test_token_ids_in_range_decode_as_sent(tokens: list[int]) -> None:
     decoded = decode(raw, SubmitRequest)
     assert decoded.prompt_tokens == tokens
     assert all(type(t) is int for t in decoded.prompt_tokens or [])
+
+
+def test_token_ids_travel_as_one_bin_of_little_endian_uint32s() -> None:
+    ids = [0, 1, 70_000, 2**32 - 1]
+    raw = msgpack.unpackb(encode(_req(prompt_tokens=ids)))
+    assert raw["prompt_tokens"] == struct.pack("<4I", *ids)
+    # The assignment that nests a request carries the same bytes.
+    body = encode(_req(prompt_tokens=ids))
+    head = AssignmentHead(attempt=1, dispatcher_id="d", queued_s=0.0)
+    nested = msgpack.unpackb(encode_nested(head, "request", body))
+    assert nested["request"]["prompt_tokens"] == struct.pack("<4I", *ids)
+
+
+def test_token_ids_sent_as_a_list_by_an_older_producer_still_decode() -> None:
+    raw = msgpack.packb({**_req().model_dump(), "prompt_tokens": [5, 6, 7]})
+    assert decode(raw, SubmitRequest).prompt_tokens == [5, 6, 7]
+
+
+def test_packed_token_ids_of_a_length_not_a_multiple_of_four_are_a_decode_error() -> None:
+    raw = msgpack.packb({**_req().model_dump(), "prompt_tokens": b"\x01\x00\x00"})
+    with pytest.raises(DecodeError, match=r"prompt_tokens.*4 bytes"):
+        decode(raw, SubmitRequest)
+
+
+def test_token_ids_are_a_list_in_a_dump_and_in_json() -> None:
+    r = _req(prompt_tokens=(4, 5))
+    assert r.model_dump()["prompt_tokens"] == [4, 5]
+    assert json.loads(r.model_dump_json())["prompt_tokens"] == [4, 5]
+    schema = SubmitRequest.model_json_schema()["properties"]["prompt_tokens"]["anyOf"][0]
+    assert schema["type"] == "array" and schema["items"]["maximum"] == 2**32 - 1
+
+
+@given(st.lists(st.integers(0, 2**32 - 1), max_size=200), st.integers(-5, 205), st.integers(0, 3))
+def test_packed_token_ids_behave_as_the_list_of_them(ids: list[int], i: int, step: int) -> None:
+    t = TokenIds(ids)
+    assert len(t) == len(ids) and list(t) == ids and t.tolist() == ids and t == ids
+    assert t == tuple(ids) and TokenIds.from_packed(t.packed) == t
+    assert t[i : i + 7 : step or None] == ids[i : i + 7 : step or None]
+    if -len(ids) <= i < len(ids):
+        assert t[i] == ids[i]
+    assert t != [*ids, 1] and (t == "x") is False
+    assert pickle.loads(pickle.dumps(t)) == ids
+    assert block_hashes(t, 4) == block_hashes(ids, 4) and block_hashes(t[1:], 4) == block_hashes(
+        ids[1:], 4
+    )
 
 
 def test_models_are_frozen() -> None:

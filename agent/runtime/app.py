@@ -333,7 +333,7 @@ class Agent:
         # Into the engine before the reply's await: a stop arriving meanwhile finds it there.
         error: str | None = None
         try:
-            prompt = list(ids) if ids is not None else req.prompt_text
+            prompt = ids if ids is not None else req.prompt_text
             self.engine.add(rid, n_prompt, req.max_tokens, hashes, time.monotonic(), prompt)
             self._wake.set()
         except EngineError as exc:

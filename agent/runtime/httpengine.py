@@ -58,6 +58,7 @@ from sluice.agent.kvevents import (
     replay_endpoint,
 )
 from sluice.agent.runtime.scrape import EngineMetricsError, ScrapedLoad, parse_load
+from sluice.schemas.tokens import token_list
 
 log = logging.getLogger(__name__)
 
@@ -333,7 +334,7 @@ class HttpEngine:
         run = self._runs[request_id] = _Run(prompt_tokens)
         body: dict[str, Any] = {
             "model": self.config.model,
-            "prompt": prompt if isinstance(prompt, str) else list(prompt),
+            "prompt": prompt if isinstance(prompt, str) else token_list(prompt),
             "max_tokens": output_tokens,
             "stream": True,
             "stream_options": {"include_usage": True},
