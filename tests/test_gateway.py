@@ -20,6 +20,7 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from sluice.client import Client, RejectReason, Result
 from sluice.common.chat import render_chat
@@ -122,6 +123,13 @@ async def test_the_openai_client_chats_streams_completes_and_lists_models(nats_u
         ]
         assert len(pieces) >= 2 and pieces[-1] == ""  # text chunks, then the finish
         assert (await c.fetch_result(_rid(done.id))) is not None
+
+
+async def test_the_gateway_parses_http_with_httptools(nats_url: str) -> None:
+    """uvicorn's C parser, not the pure-Python h11 (0.1-0.5 ms more per request here)."""
+    async with serving(nats_url) as (gw, _):
+        assert gw._server is not None
+        assert gw._server.config.http_protocol_class is HttpToolsProtocol
 
 
 async def test_errors_are_openai_shaped_with_their_status(
