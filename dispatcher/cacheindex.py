@@ -17,7 +17,6 @@ Lookups cost O(prefix blocks x holders per block), independent of the fleet size
 
 from __future__ import annotations
 
-import itertools
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
@@ -50,6 +49,9 @@ class CacheIndex:
         self._stale: set[str] = set()
         self._reported: dict[str, set[int]] = {}
         """Per worker, the blocks its reports say it holds (a snapshot diffs against it)."""
+        self._sweep: list[int] = []
+        """The blocks a bounded :meth:`expire` goes through, from ``_sweep_at`` on."""
+        self._sweep_at = 0
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -183,15 +185,25 @@ class CacheIndex:
         self._reported.pop(worker_id, None)
 
     def expire(self, now_s: float, max_blocks: int | None = None) -> int:
-        """Drop guesses past their TTL (lookups ignore them anyway), looking at the
-        ``max_blocks`` least recently used blocks (all by default: a live caller bounds each
-        call); returns blocks freed."""
-        freed = 0
+        """Drop guesses past their TTL (lookups ignore them anyway); returns blocks freed.
+        Without ``max_blocks``, one pass over every block. With it (a live caller bounds each
+        call), a sweep: each call looks at the next ``max_blocks`` blocks of a list of the
+        index's blocks taken when the previous sweep ended, so that successive calls reach
+        every block (a block that keeps a live hold stays where it is in the recency order:
+        looking only at the least recently used would meet the same ones every time)."""
         blocks = self._blocks
-        for h in list(itertools.islice(blocks, max_blocks)):
-            holders = blocks[h]
-            if min(holders.values(), default=_NO_GUESS) > now_s:
-                continue  # nothing expired (most holds: reported, or guessed recently)
+        if max_blocks is None:
+            keys = list(blocks)
+        else:
+            if self._sweep_at >= len(self._sweep):
+                self._sweep, self._sweep_at = list(blocks), 0
+            keys = self._sweep[self._sweep_at : self._sweep_at + max_blocks]
+            self._sweep_at += len(keys)
+        freed = 0
+        for h in keys:
+            holders = blocks.get(h)
+            if holders is None or min(holders.values(), default=_NO_GUESS) > now_s:
+                continue  # gone since the sweep began, or nothing expired (most blocks)
             for w in [w for w, until in holders.items() if until <= now_s]:
                 del holders[w]
             if not holders:

@@ -215,3 +215,18 @@ def test_a_hold_as_one_float_keeps_reports_and_guesses_apart(
                 assert idx.holders(h, t) == ref.holders(h, t), (op, h, t)
         for x in "ab":
             assert idx.reported_blocks(x) == len(ref.reported.get(x, ()))
+
+
+def test_a_bounded_expiry_sweeps_every_block_over_successive_calls() -> None:
+    """Blocks that keep a live hold stay the least recently used: a bounded pass that looked
+    only at those would never reach the expired guesses behind them. Mutation: each call
+    looks at the least recently used ``max_blocks`` again (the index stays at 10 blocks)."""
+    idx = CacheIndex(guess_ttl_s=10.0)
+    idx.apply_snapshot("b", 0, [1, 2, 3], 0.0)  # reported: alive for good
+    idx.guess("a", list(range(1, 11)), 0.0)  # blocks 1-10, in that order; 4-10 guesses only
+    assert len(idx) == 10
+    freed = [idx.expire(100.0, max_blocks=3) for _ in range(4)]
+    assert freed == [0, 3, 3, 1] and len(idx) == 3
+    assert idx.match([1, 2, 3], 100.0) == {"b": 3}
+    idx.guess("a", [20, 21], 100.0)  # a sweep that ended starts again over what is there now
+    assert idx.expire(200.0, max_blocks=5) == 2 and len(idx) == 3

@@ -34,7 +34,8 @@ log = logging.getLogger("sluice.dispatcher")
 
 _EXPIRE_EVERY_S = 10.0
 _EXPIRE_MAX_BLOCKS = 20_000
-"""One expiry pass drops at most this many index blocks: the event loop must not stall."""
+"""One expiry pass looks at this many index blocks, on from where the last one stopped (a
+sweep): the event loop must not stall."""
 
 
 _WORKER_GAUGES = (
