@@ -51,6 +51,8 @@ def pack_tokens(tokens: Iterable[int]) -> bytes:
     id that is not an integer in ``[0, 2**32)`` is a ``ValueError``."""
     if isinstance(tokens, TokenIds):
         return tokens.packed
+    # Not through a TokenIds: a KV event packs its blocks 16 ids at a time, where making one
+    # took 0.79 against 0.36 µs a block.
     try:
         packed = array(_U32, tokens)
     except (TypeError, OverflowError) as exc:

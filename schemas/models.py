@@ -27,14 +27,15 @@ SCHEMA_VERSION: Final = 1
 
 Name = Annotated[str, Field(min_length=1, max_length=128)]
 RequestId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")]
-WIRE_CONTEXT: Final = {"wire": True}
+_WIRE = "wire"
+WIRE_CONTEXT: Final = {_WIRE: True}
 """The serialisation context of the msgpack codec: token ids go out packed (one ``bin``)."""
 
 
 def _serialise_ids(ids: TokenIds, info: SerializationInfo) -> list[int] | bytes:
     # Packed on the wire (the codec's context); a list anywhere else, as before the ids
     # were held packed, so that a model_dump() is still plain data.
-    if info.context is not None and info.context.get("wire"):
+    if info.context is not None and info.context.get(_WIRE):
         return ids.packed
     return ids.tolist()
 

@@ -5,7 +5,8 @@ the wire a request carries them as one msgpack ``bin`` of little-endian uint32s,
 id; :class:`TokenIds` keeps them so. Decoding a request then makes no Python int per id (a
 list of 8,000 ids cost the dispatcher about 0.2 ms to decode and check, and as much again for
 every hop that re-packed it to hash it), the block hashes are computed from those bytes as
-they are, and a queued or running prompt takes 4 bytes an id, not a list's 36 or so.
+they are, and a queued or running prompt takes 4 bytes an id, not a pointer and an int
+object each.
 
 A :class:`TokenIds` is an immutable sequence of ints: ``len``, indexing, slicing, iterating,
 and ``==`` with another one or with a list or tuple of the same ids. :meth:`TokenIds.tolist`
