@@ -23,6 +23,7 @@ from typing import Any
 
 from sluice.dispatcher.admission import AdmissionConfig
 from sluice.dispatcher.cacheaware import CacheAwareConfig
+from sluice.dispatcher.cacheindex import PureCacheIndex
 from sluice.dispatcher.policies import build_policy
 from sluice.dispatcher.routing import Digest
 from sluice.dispatcher.scheduler import Request, Scheduler, WorkerInfo
@@ -216,13 +217,16 @@ class DecisionCosts:
     """CPU µs per decision of each part of the cycle (:data:`PHASES`), at 256 workers (or the
     largest count under it), measured in a run of its own."""
     idle_decision_us: dict[int, float] = field(default_factory=dict)
+    """Worker count -> CPU µs per decision on an idle fleet (every request done before the
+    next arrivals): its workers all tie, which must not make a decision look at them all."""
     phase_workers: int = 0
     """The fleet size of :attr:`phase_us`."""
     burst_decision_us: dict[int, float] = field(default_factory=dict)
     """Worker count -> CPU µs per decision of one plan placing four requests per worker at
     once onto the idle fleet (a burst: every decision moves a worker in the load order)."""
-    """Worker count -> CPU µs per decision on an idle fleet (every request done before the
-    next arrivals): its workers all tie, which must not make a decision look at them all."""
+    native_index: bool = False
+    """Whether the measured policy's cache index was the native one (else the pure Python
+    reference: an install without a C compiler)."""
 
     def ratio(self, workers: int) -> float:
         """A decision at ``workers`` against the minimal dispatcher's."""
@@ -269,7 +273,8 @@ def decision_costs(
     _fresh_heap()
     _drive(sched, stream, running, random.Random(seed + 1), 0.0, phases)
     base = _baseline_us(stream, 16, capacity, seed)
-    return DecisionCosts(out, base, filled, counts, phases, idle, at, burst)
+    native = not isinstance(getattr(sched.policy, "index", None), PureCacheIndex)
+    return DecisionCosts(out, base, filled, counts, phases, idle, at, burst, native)
 
 
 def _burst(sched: Scheduler, n: int, seed: int) -> float:
@@ -391,6 +396,7 @@ def print_costs(costs: DecisionCosts, echo: Callable[[str], object] = print) -> 
     """Print :func:`cost_table` as aligned text through ``echo``."""
     rows = [("figure", "CPU", "vs minimal", "vs target"), *cost_table(costs)]
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    echo(f"cache index before the measured decisions: {costs.indexed_blocks:,} blocks")
+    kind = "native" if costs.native_index else "pure Python (the native index was not built)"
+    echo(f"cache index before the measured decisions: {costs.indexed_blocks:,} blocks ({kind})")
     for r in rows:
         echo("  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip())

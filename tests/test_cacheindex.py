@@ -1,15 +1,23 @@
-"""The cluster cache index (pure)."""
+"""The cluster cache index: the pure reference and the native index, each on every test,
+and the two against each other on random operations."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sluice.dispatcher.cacheindex import CacheIndex
+from sluice.dispatcher.cacheindex import NATIVE, CacheIndex, PureCacheIndex
+
+_IMPLS = [PureCacheIndex, CacheIndex] if NATIVE else [PureCacheIndex]
+each = pytest.mark.parametrize("make", _IMPLS, ids=["pure", "native"][: len(_IMPLS)])
 
 
-def test_longest_match_per_worker() -> None:
-    idx = CacheIndex()
+@each
+def test_longest_match_per_worker(make: Any) -> None:
+    idx = make()
     idx.apply_snapshot("a", 0, [1, 2, 3], 0.0)
     idx.apply_snapshot("b", 0, [1, 2], 0.0)
     idx.apply_snapshot("c", 0, [9], 0.0)
@@ -19,8 +27,9 @@ def test_longest_match_per_worker() -> None:
     assert idx.match([], 0.0) == {}
 
 
-def test_deltas_apply_in_order_and_a_gap_asks_for_a_snapshot() -> None:
-    idx = CacheIndex()
+@each
+def test_deltas_apply_in_order_and_a_gap_asks_for_a_snapshot(make: Any) -> None:
+    idx = make()
     idx.apply_snapshot("a", 10, [1], 0.0)
     assert idx.apply_delta("a", 11, stored=[2, 3], evicted=[], now_s=0.0)
     assert idx.match([1, 2, 3], 0.0) == {"a": 3}
@@ -37,8 +46,9 @@ def test_deltas_apply_in_order_and_a_gap_asks_for_a_snapshot() -> None:
     assert idx.apply_delta("a", 16, stored=[9], evicted=[], now_s=0.0)
 
 
-def test_guesses_expire_after_their_ttl_reports_do_not() -> None:
-    idx = CacheIndex(guess_ttl_s=10.0)
+@each
+def test_guesses_expire_after_their_ttl_reports_do_not(make: Any) -> None:
+    idx = make(guess_ttl_s=10.0)
     idx.guess("a", [1, 2], now_s=0.0)
     idx.apply_snapshot("b", 0, [1], 0.0)
     assert idx.match([1, 2], 5.0) == {"a": 2, "b": 1}
@@ -47,15 +57,17 @@ def test_guesses_expire_after_their_ttl_reports_do_not() -> None:
     assert len(idx) == 1
 
 
-def test_completion_refreshes_the_whole_prefix() -> None:
-    idx = CacheIndex(guess_ttl_s=10.0)
+@each
+def test_completion_refreshes_the_whole_prefix(make: Any) -> None:
+    idx = make(guess_ttl_s=10.0)
     idx.guess("a", [1, 2, 3], now_s=0.0)
     idx.completed("a", [1, 2, 3, 4], now_s=8.0)
     assert idx.match([1, 2, 3, 4], 15.0) == {"a": 4}
 
 
-def test_lru_bound_drops_least_recently_used_blocks() -> None:
-    idx = CacheIndex(max_blocks=3)
+@each
+def test_lru_bound_drops_least_recently_used_blocks(make: Any) -> None:
+    idx = make(max_blocks=3)
     idx.apply_snapshot("a", 0, [1, 2, 3], 0.0)
     idx.guess("c", [1], 0.0)  # routed again: block 2 is now the least recently used
     assert idx.match([1, 2, 3], 0.0) == {"a": 3, "c": 1}  # a lookup changes nothing
@@ -64,8 +76,9 @@ def test_lru_bound_drops_least_recently_used_blocks() -> None:
     assert idx.holders(2, 0.0) == set() and idx.holders(1, 0.0) == {"a", "c"}
 
 
-def test_worker_removal_forgets_it_everywhere() -> None:
-    idx = CacheIndex()
+@each
+def test_worker_removal_forgets_it_everywhere(make: Any) -> None:
+    idx = make()
     idx.apply_snapshot("a", 0, [1, 2], 0.0)
     idx.guess("b", [1], 0.0)
     idx.remove_worker("a")
@@ -86,10 +99,11 @@ def test_worker_removal_forgets_it_everywhere() -> None:
     ),
     max_blocks=st.integers(1, 8),
 )
+@each
 def test_match_agrees_with_a_brute_force_model_and_memory_stays_bounded(
-    ops: list[tuple[str, str, list[int]]], max_blocks: int
+    make: Any, ops: list[tuple[str, str, list[int]]], max_blocks: int
 ) -> None:
-    idx = CacheIndex(max_blocks=max_blocks, guess_ttl_s=1e9)
+    idx = make(max_blocks=max_blocks, guess_ttl_s=1e9)
     for op, worker, hashes in ops:
         if op == "snap":
             idx.apply_snapshot(worker, 0, hashes, 0.0)
@@ -111,8 +125,9 @@ def test_match_agrees_with_a_brute_force_model_and_memory_stays_bounded(
         assert len(idx) <= max_blocks
 
 
-def test_a_reported_eviction_also_ends_a_guess() -> None:
-    idx = CacheIndex(guess_ttl_s=100.0)
+@each
+def test_a_reported_eviction_also_ends_a_guess(make: Any) -> None:
+    idx = make(guess_ttl_s=100.0)
     idx.apply_snapshot("a", 0, [], 0.0)
     idx.guess("a", [1, 2, 3], 0.0)
     assert idx.match([1, 2, 3], 1.0) == {"a": 3}
@@ -185,10 +200,12 @@ class _RefIndex:
         max_size=40,
     )
 )
+@each
 def test_a_hold_as_one_float_keeps_reports_and_guesses_apart(
+    make: Any,
     ops: list[tuple[str, str, list[int], list[int]]],
 ) -> None:
-    idx, ref = CacheIndex(guess_ttl_s=5.0), _RefIndex(5.0)
+    idx, ref = make(guess_ttl_s=5.0), _RefIndex(5.0)
     seq: dict[str, int] = {}
     for step, (op, w, hashes, other) in enumerate(ops):
         now = float(step)
@@ -217,11 +234,12 @@ def test_a_hold_as_one_float_keeps_reports_and_guesses_apart(
             assert idx.reported_blocks(x) == len(ref.reported.get(x, ()))
 
 
-def test_a_bounded_expiry_sweeps_every_block_over_successive_calls() -> None:
+@each
+def test_a_bounded_expiry_sweeps_every_block_over_successive_calls(make: Any) -> None:
     """Blocks that keep a live hold stay the least recently used: a bounded pass that looked
     only at those would never reach the expired guesses behind them. Mutation: each call
     looks at the least recently used ``max_blocks`` again (the index stays at 10 blocks)."""
-    idx = CacheIndex(guess_ttl_s=10.0)
+    idx = make(guess_ttl_s=10.0)
     idx.apply_snapshot("b", 0, [1, 2, 3], 0.0)  # reported: alive for good
     idx.guess("a", list(range(1, 11)), 0.0)  # blocks 1-10, in that order; 4-10 guesses only
     assert len(idx) == 10
@@ -230,3 +248,124 @@ def test_a_bounded_expiry_sweeps_every_block_over_successive_calls() -> None:
     assert idx.match([1, 2, 3], 100.0) == {"b": 3}
     idx.guess("a", [20, 21], 100.0)  # a sweep that ended starts again over what is there now
     assert idx.expire(200.0, max_blocks=5) == 2 and len(idx) == 3
+
+
+def test_the_native_index_is_built() -> None:
+    """What the dispatcher and the simulator run is the native index: ``pip install`` compiles
+    it (it is optional only so that an install without a C compiler still works)."""
+    assert NATIVE, "sluice.dispatcher._cacheindex was not built: install with a C compiler"
+
+
+_WORKERS = ["a", "b", "c"]
+_OP = st.one_of(
+    st.tuples(st.just("snap"), st.sampled_from(_WORKERS), st.lists(st.integers(0, 9), max_size=6)),
+    st.tuples(
+        st.just("delta"),
+        st.sampled_from(_WORKERS),
+        st.lists(st.integers(0, 9), max_size=4),
+        st.lists(st.integers(0, 9), max_size=3),
+        st.integers(-1, 2),  # the digest number's step: 1 in order, else a gap or a repeat
+    ),
+    st.tuples(st.just("guess"), st.sampled_from(_WORKERS), st.lists(st.integers(0, 9), max_size=6)),
+    st.tuples(st.just("done"), st.sampled_from(_WORKERS), st.lists(st.integers(0, 9), max_size=6)),
+    st.tuples(st.just("expire"), st.one_of(st.none(), st.integers(0, 4))),
+    st.tuples(st.just("remove"), st.sampled_from(_WORKERS)),
+    # Steps that land exactly on a guess's end: a hold ends at its time, not after it.
+    st.tuples(st.just("tick"), st.sampled_from([0.5, 1.0, 2.0, 2.5])),
+)
+
+
+@pytest.mark.skipif(not NATIVE, reason="the native index was not built")
+@settings(max_examples=400, deadline=None)
+@given(
+    ops=st.lists(_OP, max_size=60),
+    max_blocks=st.integers(1, 12),
+    ttl=st.sampled_from([0.5, 2.0, 5.0]),
+)
+def test_the_native_index_answers_as_the_reference(
+    ops: list[tuple[Any, ...]], max_blocks: int, ttl: float
+) -> None:
+    """The same operations on both, every answer compared after each: lookups, holders at
+    several times, reports, staleness, what each expiry freed and what the bound kept (the
+    recency order decides which blocks a full index drops, so it is compared through them)."""
+    ref = PureCacheIndex(max_blocks=max_blocks, guess_ttl_s=ttl)
+    nat = CacheIndex(max_blocks=max_blocks, guess_ttl_s=ttl)
+    seq: dict[str, int] = {}
+    now = 0.0
+    for op in ops:
+        now = _apply_both(op, ref, nat, seq, now)
+        assert len(ref) == len(nat)
+        for h in range(10):
+            for t in (now, now + ttl / 2, now + ttl):
+                assert ref.holders(h, t) == nat.holders(h, t), (op, h, t)
+        for prefix in ([0, 1, 2, 3], [1, 2, 3], [4, 5, 6, 7, 8, 9], [9, 0]):
+            assert ref.match(prefix, now) == nat.match(prefix, now), (op, prefix)
+        for w in _WORKERS:
+            assert ref.reported_blocks(w) == nat.reported_blocks(w)
+            assert ref.needs_snapshot(w) == nat.needs_snapshot(w)
+            assert ref.blocks_of(w) == nat.blocks_of(w)
+
+
+def _apply_both(
+    op: tuple[Any, ...], ref: PureCacheIndex, nat: Any, seq: dict[str, int], now: float
+) -> float:
+    """One operation on both indexes (their answers compared); returns the time after it."""
+    kind = op[0]
+    if kind == "snap":
+        seq[op[1]] = seq.get(op[1], 0) + 5
+        for idx in (ref, nat):
+            idx.apply_snapshot(op[1], seq[op[1]], op[2], now)
+    elif kind == "delta":
+        n = seq.get(op[1], 0) + op[4]
+        seq[op[1]] = max(seq.get(op[1], 0), n)
+        assert ref.apply_delta(op[1], n, op[2], op[3], now) == nat.apply_delta(
+            op[1], n, op[2], op[3], now
+        )
+    elif kind in ("guess", "done"):
+        for idx in (ref, nat):
+            (idx.guess if kind == "guess" else idx.completed)(op[1], op[2], now)
+    elif kind == "expire":
+        assert ref.expire(now, op[1]) == nat.expire(now, op[1])
+    elif kind == "remove":
+        for idx in (ref, nat):
+            idx.remove_worker(op[1])
+    else:
+        now += op[1]
+    return now
+
+
+@pytest.mark.skipif(not NATIVE, reason="the native index was not built")
+def test_the_native_index_rejects_what_is_not_a_block_hash() -> None:
+    idx = CacheIndex()
+    with pytest.raises(ValueError, match="2\\*\\*64"):
+        idx.guess("a", [2**64], 0.0)
+    with pytest.raises(ValueError, match="2\\*\\*64"):
+        idx.match([-1], 0.0)
+    with pytest.raises(TypeError, match="int"):
+        idx.guess("a", ["x"], 0.0)  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="str"):
+        idx.guess(1, [1], 0.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_blocks"):
+        CacheIndex(max_blocks=0)
+    with pytest.raises(ValueError, match="max_blocks"):
+        idx.expire(0.0, -1)
+    idx.guess("a", [2**64 - 1, 0], 0.0)
+    assert idx.match([2**64 - 1, 0], 0.0) == {"a": 2}
+
+
+@pytest.mark.skipif(not NATIVE, reason="the native index was not built")
+def test_the_native_index_grows_and_shrinks_its_table() -> None:
+    """Many blocks in and out again (the table grows, deletions shift entries back), with
+    the reference on the same operations."""
+    ref, nat = PureCacheIndex(max_blocks=5_000), CacheIndex(max_blocks=5_000)
+    for idx in (ref, nat):
+        for i in range(0, 20_000, 50):
+            idx.guess(
+                f"w{i % 7}", list(range(i * 2654435761 % 2**40, i * 2654435761 % 2**40 + 50)), i
+            )
+        idx.expire(19_000.0 + 30.0)
+    assert len(ref) == len(nat)
+    probe = [i * 2654435761 % 2**40 for i in range(0, 20_000, 50)]
+    for h in probe:
+        assert ref.holders(h, 0.0) == nat.holders(h, 0.0)
+        assert ref.match([h, h + 1, h + 2], 19_000.0) == nat.match([h, h + 1, h + 2], 19_000.0)

@@ -126,6 +126,6 @@ async def test_digests_fill_the_index_and_a_lost_worker_leaves_it(nats_url: str)
         await agent.kill()
 
         async def forgotten() -> bool:
-            return all(worker not in holders for holders in policy.index._blocks.values())
+            return policy.index.blocks_of(worker) == 0
 
         await eventually(forgotten, timeout_s=10)

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from sluice.cli.benchcore import cost_table, decision_costs, print_costs
 from sluice.dispatcher.admission import AdmissionConfig
 from sluice.dispatcher.cacheaware import CacheAware, CacheAwareConfig
+from sluice.dispatcher.cacheindex import NATIVE
 from sluice.dispatcher.pool import FreeWorkers
 from sluice.dispatcher.routing import (
     Candidate,
@@ -310,11 +311,13 @@ def test_decision_costs_runs_at_a_tiny_size() -> None:
     assert costs.phase_workers == 16
     assert costs.decisions == {4: 200, 16: 200}
     assert costs.indexed_blocks >= 300
+    assert costs.native_index == NATIVE  # what the policy ran on, said
     rows = cost_table(costs)
     assert rows[-1][0] == "minimal FIFO + round-robin"
     lines: list[str] = []
     print_costs(costs, lines.append)
     assert any("4 workers" in line for line in lines)
+    assert any(("(native)" if NATIVE else "(pure Python") in line for line in lines)
 
 
 def test_a_request_that_explores_reaches_a_new_worker_outside_the_least_loaded() -> None:

@@ -1,0 +1,1097 @@
+/* The cluster cache index in C: sluice.dispatcher.cacheindex.PureCacheIndex's semantics, in
+ * native data. PureCacheIndex is the reference: tests/test_cacheindex.py drives both with the
+ * same random operations and compares every answer. Read that class first; this file says
+ * only how the same thing is laid out.
+ *
+ * - Blocks live in an array of entries, found by an open-addressing table (linear probing,
+ *   deletion by backward shift) keyed by the 64-bit block hash, and chained in recency order
+ *   (head: least recently used) as the reference's OrderedDict is.
+ * - A block's holds are (worker slot, until) pairs, the first one inline in the entry: most
+ *   blocks of a large index have one holder. Their order does not matter (the reference's
+ *   answers are sets, or dicts read by key).
+ * - A worker is a slot: its name, its reports' block set (a Python set, as the reference's,
+ *   so that a snapshot diffs in the same order), its digest number and staleness. A slot is
+ *   freed by remove_worker, which drops everything that names it.
+ * - Guesses under a report are a Python dict {(hash, name): until}, as the reference's: rare.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef struct {
+    int32_t slot;
+    double until;
+} Hold;
+
+typedef struct {
+    uint64_t hash;
+    int32_t prev, next; /* recency chain; a free entry's next is the free list */
+    uint32_t n, cap;    /* cap 1: the hold is `one` */
+    union {
+        Hold one;
+        Hold *many;
+    } h;
+} Entry;
+
+typedef struct {
+    PyObject *name;     /* NULL: a free slot (next_free says the next one) */
+    PyObject *reported; /* set of int, or NULL */
+    PyObject *seq;      /* int, or NULL */
+    int stale;
+    int32_t next_free;
+    uint64_t mark; /* match()'s scratch */
+} Worker;
+
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t max_blocks;
+    double guess_ttl_s;
+    Entry *ent;
+    int32_t ent_cap, ent_top, ent_free;
+    Py_ssize_t count;
+    int32_t head, tail;
+    int32_t *table;
+    uint64_t tmask;
+    Worker *w;
+    int32_t w_cap, w_top, w_free;
+    PyObject *slots; /* name -> int slot */
+    PyObject *under; /* (hash, name) -> until */
+    uint64_t *sweep;
+    Py_ssize_t sweep_n, sweep_cap, sweep_at;
+    uint64_t gen;
+    int32_t *scratch; /* match()'s alive list */
+    Py_ssize_t scratch_cap;
+} Index;
+
+static const double REPORTED = INFINITY;
+static const double NO_GUESS = -INFINITY;
+
+static inline Hold *holds_of(Entry *e) { return e->cap <= 1 ? &e->h.one : e->h.many; }
+
+static inline uint64_t mix(uint64_t x) {
+    x ^= x >> 30;
+    x *= 0xbf58476d1ce4e5b9ULL;
+    x ^= x >> 27;
+    x *= 0x94d049bb133111ebULL;
+    x ^= x >> 31;
+    return x;
+}
+
+/* ------------------------------------------------------------------ hashes and names */
+
+static int as_hash(PyObject *o, uint64_t *out) {
+    if (!PyLong_Check(o)) {
+        PyErr_Format(PyExc_TypeError, "a block hash must be an int, not %.100s", Py_TYPE(o)->tp_name);
+        return -1;
+    }
+    unsigned long long v = PyLong_AsUnsignedLongLong(o);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_ValueError, "a block hash must be an int in [0, 2**64)");
+        return -1;
+    }
+    *out = (uint64_t)v;
+    return 0;
+}
+
+static PyObject *hash_obj(uint64_t h) { return PyLong_FromUnsignedLongLong((unsigned long long)h); }
+
+/* The slot of a worker name; -1 (no error set) if unknown and !create; -2 on error. */
+static int32_t slot_of(Index *ix, PyObject *name, int create) {
+    if (!PyUnicode_Check(name)) {
+        PyErr_Format(PyExc_TypeError, "a worker id must be a str, not %.100s", Py_TYPE(name)->tp_name);
+        return -2;
+    }
+    PyObject *s = PyDict_GetItemWithError(ix->slots, name);
+    if (s != NULL)
+        return (int32_t)PyLong_AsLong(s);
+    if (PyErr_Occurred())
+        return -2;
+    if (!create)
+        return -1;
+    int32_t slot;
+    if (ix->w_free >= 0) {
+        slot = ix->w_free;
+        ix->w_free = ix->w[slot].next_free;
+    } else {
+        if (ix->w_top == ix->w_cap) {
+            int32_t cap = ix->w_cap ? ix->w_cap * 2 : 16;
+            Worker *nw = PyMem_Realloc(ix->w, (size_t)cap * sizeof(Worker));
+            if (nw == NULL) {
+                PyErr_NoMemory();
+                return -2;
+            }
+            ix->w = nw;
+            ix->w_cap = cap;
+        }
+        slot = ix->w_top++;
+    }
+    Worker *W = &ix->w[slot];
+    memset(W, 0, sizeof(Worker));
+    W->next_free = -1;
+    PyObject *v = PyLong_FromLong(slot);
+    if (v == NULL || PyDict_SetItem(ix->slots, name, v) < 0) {
+        Py_XDECREF(v);
+        W->next_free = ix->w_free;
+        ix->w_free = slot;
+        return -2;
+    }
+    Py_DECREF(v);
+    Py_INCREF(name);
+    W->name = name;
+    return slot;
+}
+
+static PyObject *under_key(uint64_t h, PyObject *name) {
+    PyObject *ho = hash_obj(h);
+    if (ho == NULL)
+        return NULL;
+    PyObject *k = PyTuple_Pack(2, ho, name);
+    Py_DECREF(ho);
+    return k;
+}
+
+/* The guess under a report, popped (NO_GUESS if none); -1 on error. */
+static int under_pop(Index *ix, uint64_t h, PyObject *name, double *out) {
+    *out = NO_GUESS;
+    if (PyDict_GET_SIZE(ix->under) == 0)
+        return 0;
+    PyObject *k = under_key(h, name);
+    if (k == NULL)
+        return -1;
+    PyObject *v = PyDict_GetItemWithError(ix->under, k);
+    int rc = 0;
+    if (v != NULL) {
+        *out = PyFloat_AsDouble(v);
+        rc = PyDict_DelItem(ix->under, k);
+    } else if (PyErr_Occurred()) {
+        rc = -1;
+    }
+    Py_DECREF(k);
+    return rc;
+}
+
+static int under_get(Index *ix, uint64_t h, PyObject *name, double *out) {
+    *out = NO_GUESS;
+    if (PyDict_GET_SIZE(ix->under) == 0)
+        return 0;
+    PyObject *k = under_key(h, name);
+    if (k == NULL)
+        return -1;
+    PyObject *v = PyDict_GetItemWithError(ix->under, k);
+    Py_DECREF(k);
+    if (v != NULL)
+        *out = PyFloat_AsDouble(v);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+static int under_set(Index *ix, uint64_t h, PyObject *name, double until) {
+    PyObject *k = under_key(h, name);
+    if (k == NULL)
+        return -1;
+    PyObject *v = PyFloat_FromDouble(until);
+    int rc = v == NULL ? -1 : PyDict_SetItem(ix->under, k, v);
+    Py_XDECREF(v);
+    Py_DECREF(k);
+    return rc;
+}
+
+static int reported_discard(Worker *W, uint64_t h) {
+    if (W->reported == NULL)
+        return 0;
+    PyObject *ho = hash_obj(h);
+    if (ho == NULL)
+        return -1;
+    int rc = PySet_Discard(W->reported, ho);
+    Py_DECREF(ho);
+    return rc < 0 ? -1 : 0;
+}
+
+/* ------------------------------------------------------------------ the table */
+
+static int32_t find(Index *ix, uint64_t h) {
+    if (ix->table == NULL)
+        return -1;
+    uint64_t i = mix(h) & ix->tmask;
+    for (;;) {
+        int32_t e = ix->table[i];
+        if (e < 0 || ix->ent[e].hash == h)
+            return e;
+        i = (i + 1) & ix->tmask;
+    }
+}
+
+static int rehash(Index *ix, uint64_t size) {
+    int32_t *t = PyMem_Malloc((size_t)size * sizeof(int32_t));
+    if (t == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    memset(t, 0xff, (size_t)size * sizeof(int32_t));
+    uint64_t mask = size - 1;
+    for (int32_t e = ix->head; e >= 0; e = ix->ent[e].next) {
+        uint64_t i = mix(ix->ent[e].hash) & mask;
+        while (t[i] >= 0)
+            i = (i + 1) & mask;
+        t[i] = e;
+    }
+    PyMem_Free(ix->table);
+    ix->table = t;
+    ix->tmask = mask;
+    return 0;
+}
+
+static void unlink_entry(Index *ix, int32_t e) {
+    Entry *E = &ix->ent[e];
+    if (E->prev >= 0)
+        ix->ent[E->prev].next = E->next;
+    else
+        ix->head = E->next;
+    if (E->next >= 0)
+        ix->ent[E->next].prev = E->prev;
+    else
+        ix->tail = E->prev;
+}
+
+static void append_entry(Index *ix, int32_t e) {
+    Entry *E = &ix->ent[e];
+    E->prev = ix->tail;
+    E->next = -1;
+    if (ix->tail >= 0)
+        ix->ent[ix->tail].next = e;
+    else
+        ix->head = e;
+    ix->tail = e;
+}
+
+static inline void to_end(Index *ix, int32_t e) {
+    if (ix->tail != e) {
+        unlink_entry(ix, e);
+        append_entry(ix, e);
+    }
+}
+
+/* A new block, most recently used, with no holds yet; -1 on error. */
+static int32_t insert(Index *ix, uint64_t h) {
+    if (ix->table == NULL || (uint64_t)(ix->count + 1) * 2 > ix->tmask + 1) {
+        uint64_t size = ix->table == NULL ? 64 : (ix->tmask + 1) * 2;
+        if (rehash(ix, size) < 0)
+            return -1;
+    }
+    int32_t e;
+    if (ix->ent_free >= 0) {
+        e = ix->ent_free;
+        ix->ent_free = ix->ent[e].next;
+    } else {
+        if (ix->ent_top == ix->ent_cap) {
+            if (ix->ent_cap >= INT32_MAX / 2) {
+                PyErr_SetString(PyExc_MemoryError, "cache index: too many blocks");
+                return -1;
+            }
+            int32_t cap = ix->ent_cap ? ix->ent_cap * 2 : 64;
+            Entry *ne = PyMem_Realloc(ix->ent, (size_t)cap * sizeof(Entry));
+            if (ne == NULL) {
+                PyErr_NoMemory();
+                return -1;
+            }
+            ix->ent = ne;
+            ix->ent_cap = cap;
+        }
+        e = ix->ent_top++;
+    }
+    Entry *E = &ix->ent[e];
+    E->hash = h;
+    E->n = 0;
+    E->cap = 1;
+    append_entry(ix, e);
+    uint64_t i = mix(h) & ix->tmask;
+    while (ix->table[i] >= 0)
+        i = (i + 1) & ix->tmask;
+    ix->table[i] = e;
+    ix->count++;
+    return e;
+}
+
+static void delete_entry(Index *ix, int32_t e) {
+    Entry *E = &ix->ent[e];
+    uint64_t mask = ix->tmask, i = mix(E->hash) & mask;
+    while (ix->table[i] != e)
+        i = (i + 1) & mask;
+    ix->table[i] = -1;
+    for (uint64_t j = (i + 1) & mask; ix->table[j] >= 0; j = (j + 1) & mask) {
+        uint64_t k = mix(ix->ent[ix->table[j]].hash) & mask;
+        /* Move the entry at j back to the hole at i unless its home k lies in (i, j]. */
+        int home_between = (i <= j) ? (i < k && k <= j) : (i < k || k <= j);
+        if (!home_between) {
+            ix->table[i] = ix->table[j];
+            ix->table[j] = -1;
+            i = j;
+        }
+    }
+    unlink_entry(ix, e);
+    if (E->cap > 1)
+        PyMem_Free(E->h.many);
+    E->cap = 1;
+    E->n = 0;
+    E->next = ix->ent_free;
+    ix->ent_free = e;
+    ix->count--;
+}
+
+static int32_t hold_at(Entry *E, int32_t slot) {
+    Hold *hs = holds_of(E);
+    for (uint32_t i = 0; i < E->n; i++)
+        if (hs[i].slot == slot)
+            return (int32_t)i;
+    return -1;
+}
+
+static int add_hold(Index *ix, int32_t e, int32_t slot, double until) {
+    Entry *E = &ix->ent[e];
+    if (E->n == E->cap) {
+        uint32_t cap = E->cap * 4;
+        Hold *m = PyMem_Malloc((size_t)cap * sizeof(Hold));
+        if (m == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        memcpy(m, holds_of(E), (size_t)E->n * sizeof(Hold));
+        if (E->cap > 1)
+            PyMem_Free(E->h.many);
+        E->h.many = m;
+        E->cap = cap;
+    }
+    Hold *hs = holds_of(E);
+    hs[E->n].slot = slot;
+    hs[E->n].until = until;
+    E->n++;
+    return 0;
+}
+
+static void drop_hold(Entry *E, uint32_t i) {
+    Hold *hs = holds_of(E);
+    hs[i] = hs[E->n - 1];
+    E->n--;
+}
+
+/* ------------------------------------------------------------------ the reference's helpers */
+
+static int trim(Index *ix) {
+    while (ix->count > ix->max_blocks) {
+        int32_t e = ix->head;
+        Entry *E = &ix->ent[e];
+        Hold *hs = holds_of(E);
+        for (uint32_t i = 0; i < E->n; i++) {
+            if (hs[i].until == REPORTED) {
+                Worker *W = &ix->w[hs[i].slot];
+                double ignored;
+                if (reported_discard(W, E->hash) < 0 || under_pop(ix, E->hash, W->name, &ignored) < 0)
+                    return -1;
+            }
+        }
+        delete_entry(ix, e);
+    }
+    return 0;
+}
+
+static int report(Index *ix, uint64_t h, int32_t slot) {
+    int32_t e = find(ix, h);
+    if (e < 0) {
+        if ((e = insert(ix, h)) < 0)
+            return -1;
+    } else {
+        to_end(ix, e);
+    }
+    Entry *E = &ix->ent[e];
+    int32_t i = hold_at(E, slot);
+    double hold = i < 0 ? NO_GUESS : holds_of(E)[i].until;
+    if (hold != REPORTED) {
+        if (hold != NO_GUESS && under_set(ix, h, ix->w[slot].name, hold) < 0)
+            return -1;
+        if (i < 0)
+            return add_hold(ix, e, slot, REPORTED);
+        holds_of(E)[i].until = REPORTED;
+    }
+    return 0;
+}
+
+static int unreport(Index *ix, int32_t slot, uint64_t h, int forget_guess) {
+    int32_t e = find(ix, h);
+    if (e < 0)
+        return 0;
+    Entry *E = &ix->ent[e];
+    int32_t i = hold_at(E, slot);
+    if (i < 0)
+        return 0;
+    Worker *W = &ix->w[slot];
+    double under;
+    if (reported_discard(W, h) < 0 || under_pop(ix, h, W->name, &under) < 0)
+        return -1;
+    double hold = holds_of(E)[i].until;
+    if (hold != REPORTED)
+        under = hold;
+    if (forget_guess || under == NO_GUESS)
+        drop_hold(E, (uint32_t)i);
+    else
+        holds_of(E)[i].until = under;
+    if (E->n == 0)
+        delete_entry(ix, e);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ the type */
+
+static int Index_init(Index *ix, PyObject *args, PyObject *kwds) {
+    static char *kw[] = {"max_blocks", "guess_ttl_s", NULL};
+    Py_ssize_t max_blocks = 0;
+    double ttl = 0.0;
+    PyObject *dflt = PyImport_ImportModule("sluice.dispatcher.defaults");
+    if (dflt == NULL)
+        return -1;
+    PyObject *mb = PyObject_GetAttrString(dflt, "INDEX_MAX_BLOCKS");
+    PyObject *gt = mb ? PyObject_GetAttrString(dflt, "GUESS_TTL_S") : NULL;
+    Py_DECREF(dflt);
+    if (gt == NULL) {
+        Py_XDECREF(mb);
+        return -1;
+    }
+    max_blocks = PyLong_AsSsize_t(mb);
+    ttl = PyFloat_AsDouble(gt);
+    Py_DECREF(mb);
+    Py_DECREF(gt);
+    if (PyErr_Occurred())
+        return -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$nd", kw, &max_blocks, &ttl))
+        return -1;
+    if (max_blocks < 1 || !(ttl > 0)) {
+        PyErr_SetString(PyExc_ValueError, "max_blocks must be >= 1 and guess_ttl_s > 0");
+        return -1;
+    }
+    if (ix->slots != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "CacheIndex is initialised once");
+        return -1;
+    }
+    ix->max_blocks = max_blocks;
+    ix->guess_ttl_s = ttl;
+    ix->ent_free = ix->w_free = ix->head = ix->tail = -1;
+    ix->slots = PyDict_New();
+    ix->under = PyDict_New();
+    return ix->slots && ix->under ? 0 : -1;
+}
+
+static void Index_dealloc(Index *ix) {
+    for (int32_t e = 0; e < ix->ent_top; e++)
+        if (ix->ent[e].cap > 1)
+            PyMem_Free(ix->ent[e].h.many);
+    for (int32_t s = 0; s < ix->w_top; s++) {
+        Py_XDECREF(ix->w[s].name);
+        Py_XDECREF(ix->w[s].reported);
+        Py_XDECREF(ix->w[s].seq);
+    }
+    PyMem_Free(ix->ent);
+    PyMem_Free(ix->table);
+    PyMem_Free(ix->w);
+    PyMem_Free(ix->sweep);
+    PyMem_Free(ix->scratch);
+    Py_XDECREF(ix->slots);
+    Py_XDECREF(ix->under);
+    Py_TYPE(ix)->tp_free((PyObject *)ix);
+}
+
+static int ready(Index *ix) {
+    if (ix->slots == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "CacheIndex.__init__ was not called");
+        return 0;
+    }
+    return 1;
+}
+
+static Py_ssize_t Index_len(Index *ix) { return ix->count; }
+
+/* guess(worker_id, hashes, now_s) */
+static int parse3(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, const char *fn,
+                  PyObject **a, PyObject **b, double *now) {
+    static const char *names[] = {"worker_id", "hashes", "now_s"};
+    PyObject *got[3] = {NULL, NULL, NULL};
+    if (nargs > 3) {
+        PyErr_Format(PyExc_TypeError, "%s() takes 3 arguments", fn);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < nargs; i++)
+        got[i] = args[i];
+    Py_ssize_t nk = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    for (Py_ssize_t k = 0; k < nk; k++) {
+        const char *key = PyUnicode_AsUTF8(PyTuple_GET_ITEM(kwnames, k));
+        int found = 0;
+        for (int i = 0; key && i < 3; i++) {
+            if (strcmp(key, names[i]) == 0) {
+                if (got[i] != NULL) {
+                    PyErr_Format(PyExc_TypeError, "%s() got multiple values for %s", fn, key);
+                    return -1;
+                }
+                got[i] = args[nargs + k];
+                found = 1;
+            }
+        }
+        if (!found) {
+            PyErr_Format(PyExc_TypeError, "%s() got an unexpected keyword argument", fn);
+            return -1;
+        }
+    }
+    if (!got[0] || !got[1] || !got[2]) {
+        PyErr_Format(PyExc_TypeError, "%s() takes worker_id, hashes and now_s", fn);
+        return -1;
+    }
+    *a = got[0];
+    *b = got[1];
+    *now = PyFloat_AsDouble(got[2]);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+static PyObject *guess_impl(Index *ix, PyObject *name, PyObject *hashes, double now) {
+    double until = now + ix->guess_ttl_s;
+    int32_t slot = slot_of(ix, name, 1);
+    if (slot < 0)
+        return NULL;
+    PyObject *seq = PySequence_Fast(hashes, "hashes must be a sequence of ints");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t k = 0; k < n; k++) {
+        uint64_t h;
+        if (as_hash(items[k], &h) < 0)
+            goto fail;
+        int32_t e = find(ix, h);
+        if (e < 0) {
+            if ((e = insert(ix, h)) < 0 || add_hold(ix, e, slot, until) < 0)
+                goto fail;
+            continue;
+        }
+        to_end(ix, e);
+        Entry *E = &ix->ent[e];
+        int32_t i = hold_at(E, slot);
+        if (i < 0) {
+            if (add_hold(ix, e, slot, until) < 0)
+                goto fail;
+        } else {
+            Hold *hd = &holds_of(E)[i];
+            if (hd->until < until) {
+                hd->until = until;
+            } else if (hd->until == REPORTED) {
+                double u;
+                if (under_get(ix, h, name, &u) < 0 || (u < until && under_set(ix, h, name, until) < 0))
+                    goto fail;
+            }
+        }
+    }
+    Py_DECREF(seq);
+    if (ix->count > ix->max_blocks && trim(ix) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+fail:
+    Py_DECREF(seq);
+    return NULL;
+}
+
+static PyObject *Index_guess(Index *ix, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    PyObject *name, *hashes;
+    double now;
+    if (!ready(ix) || parse3(args, nargs, kwnames, "guess", &name, &hashes, &now) < 0)
+        return NULL;
+    return guess_impl(ix, name, hashes, now);
+}
+
+static PyObject *Index_completed(Index *ix, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    PyObject *name, *hashes;
+    double now;
+    if (!ready(ix) || parse3(args, nargs, kwnames, "completed", &name, &hashes, &now) < 0)
+        return NULL;
+    return guess_impl(ix, name, hashes, now);
+}
+
+/* match(hashes, now_s) */
+static PyObject *Index_match(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
+    if (!ready(ix))
+        return NULL;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "match() takes hashes and now_s");
+        return NULL;
+    }
+    double now = PyFloat_AsDouble(args[1]);
+    if (now == -1.0 && PyErr_Occurred())
+        return NULL;
+    PyObject *seq = PySequence_Fast(args[0], "hashes must be a sequence of ints");
+    if (seq == NULL)
+        return NULL;
+    PyObject *result = PyDict_New();
+    if (result == NULL) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    Py_ssize_t alive_n = 0;
+    int32_t *alive = NULL;
+    uint64_t cur = 0;
+    Py_ssize_t i;
+    for (i = 0; i < n; i++) {
+        uint64_t h;
+        if (as_hash(items[i], &h) < 0)
+            goto fail;
+        int32_t e = find(ix, h);
+        uint64_t next = ++ix->gen;
+        if (i == 0) {
+            if (e < 0)
+                break;
+            Entry *E = &ix->ent[e];
+            if ((Py_ssize_t)E->n > ix->scratch_cap) {
+                int32_t *s = PyMem_Realloc(ix->scratch, (size_t)E->n * 2 * sizeof(int32_t));
+                if (s == NULL) {
+                    PyErr_NoMemory();
+                    goto fail;
+                }
+                ix->scratch = s;
+                ix->scratch_cap = (Py_ssize_t)E->n * 2;
+            }
+            alive = ix->scratch;
+            Hold *hs = holds_of(E);
+            for (uint32_t k = 0; k < E->n; k++) {
+                if (hs[k].until > now) {
+                    ix->w[hs[k].slot].mark = next;
+                    alive[alive_n++] = hs[k].slot;
+                }
+            }
+        } else {
+            if (e >= 0) {
+                Entry *E = &ix->ent[e];
+                Hold *hs = holds_of(E);
+                for (uint32_t k = 0; k < E->n; k++) {
+                    Worker *W = &ix->w[hs[k].slot];
+                    if (W->mark == cur && hs[k].until > now)
+                        W->mark = next;
+                }
+            }
+            Py_ssize_t kept = 0;
+            for (Py_ssize_t k = 0; k < alive_n; k++) {
+                Worker *W = &ix->w[alive[k]];
+                if (W->mark == next) {
+                    alive[kept++] = alive[k];
+                    continue;
+                }
+                PyObject *v = PyLong_FromSsize_t(i);
+                if (v == NULL || PyDict_SetItem(result, W->name, v) < 0) {
+                    Py_XDECREF(v);
+                    goto fail;
+                }
+                Py_DECREF(v);
+            }
+            alive_n = kept;
+        }
+        cur = next;
+        if (alive_n == 0)
+            break;
+    }
+    if (alive_n > 0) {
+        PyObject *v = PyLong_FromSsize_t(n);
+        if (v == NULL)
+            goto fail;
+        for (Py_ssize_t k = 0; k < alive_n; k++) {
+            if (PyDict_SetItem(result, ix->w[alive[k]].name, v) < 0) {
+                Py_DECREF(v);
+                goto fail;
+            }
+        }
+        Py_DECREF(v);
+    }
+    Py_DECREF(seq);
+    return result;
+fail:
+    Py_DECREF(seq);
+    Py_DECREF(result);
+    return NULL;
+}
+
+/* Whether seq != last + 1 (Python ints: a digest number has no bound); -1 on error. */
+static int not_next(PyObject *last, PyObject *seq) {
+    PyObject *one = PyLong_FromLong(1);
+    PyObject *want = one ? PyNumber_Add(last, one) : NULL;
+    Py_XDECREF(one);
+    if (want == NULL)
+        return -1;
+    int ne = PyObject_RichCompareBool(seq, want, Py_NE);
+    Py_DECREF(want);
+    return ne;
+}
+
+/* apply_delta(worker_id, seq, stored, evicted, now_s) */
+static PyObject *Index_apply_delta(Index *ix, PyObject *args, PyObject *kwds) {
+    static char *kw[] = {"worker_id", "seq", "stored", "evicted", "now_s", NULL};
+    PyObject *name, *seqno, *stored, *evicted;
+    double now;
+    if (!ready(ix) ||
+        !PyArg_ParseTupleAndKeywords(args, kwds, "UOOOd", kw, &name, &seqno, &stored, &evicted, &now))
+        return NULL;
+    int32_t slot = slot_of(ix, name, 1);
+    if (slot < 0)
+        return NULL;
+    Worker *W = &ix->w[slot];
+    int differs = 0;
+    if (!W->stale && W->seq != NULL && (differs = not_next(W->seq, seqno)) < 0)
+        return NULL;
+    if (W->stale || differs) {
+        W->stale = 1;
+        Py_RETURN_FALSE;
+    }
+    Py_INCREF(seqno);
+    Py_XSETREF(W->seq, seqno);
+    PyObject *ev = PySequence_Fast(evicted, "evicted must be a sequence of ints");
+    if (ev == NULL)
+        return NULL;
+    for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(ev); k++) {
+        uint64_t h;
+        if (as_hash(PySequence_Fast_GET_ITEM(ev, k), &h) < 0 || unreport(ix, slot, h, 1) < 0) {
+            Py_DECREF(ev);
+            return NULL;
+        }
+    }
+    Py_DECREF(ev);
+    W = &ix->w[slot];
+    if (W->reported == NULL && (W->reported = PySet_New(NULL)) == NULL)
+        return NULL;
+    PyObject *st = PySequence_Fast(stored, "stored must be a sequence of ints");
+    if (st == NULL)
+        return NULL;
+    for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(st); k++) {
+        PyObject *o = PySequence_Fast_GET_ITEM(st, k);
+        uint64_t h;
+        if (as_hash(o, &h) < 0 || report(ix, h, slot) < 0 || PySet_Add(ix->w[slot].reported, o) < 0) {
+            Py_DECREF(st);
+            return NULL;
+        }
+    }
+    Py_DECREF(st);
+    if (trim(ix) < 0)
+        return NULL;
+    Py_RETURN_TRUE;
+}
+
+/* apply_snapshot(worker_id, seq, blocks, now_s) */
+static PyObject *Index_apply_snapshot(Index *ix, PyObject *args, PyObject *kwds) {
+    static char *kw[] = {"worker_id", "seq", "blocks", "now_s", NULL};
+    PyObject *name, *seqno, *blocks;
+    double now;
+    if (!ready(ix) || !PyArg_ParseTupleAndKeywords(args, kwds, "UOOd", kw, &name, &seqno, &blocks, &now))
+        return NULL;
+    PyObject *keep = PySet_New(blocks);
+    if (keep == NULL)
+        return NULL;
+    int32_t slot = slot_of(ix, name, 1);
+    if (slot < 0) {
+        Py_DECREF(keep);
+        return NULL;
+    }
+    PyObject *old = ix->w[slot].reported;
+    if (old == NULL && (old = PySet_New(NULL)) == NULL) {
+        Py_DECREF(keep);
+        return NULL;
+    }
+    if (ix->w[slot].reported == NULL)
+        ix->w[slot].reported = old; /* so that unreport() discards from it, as the reference */
+    PyObject *gone = PyNumber_Subtract(old, keep);
+    PyObject *it = gone ? PyObject_GetIter(gone) : NULL;
+    PyObject *o;
+    uint64_t h;
+    while (it && (o = PyIter_Next(it)) != NULL) {
+        int rc = as_hash(o, &h) < 0 ? -1 : unreport(ix, slot, h, 0);
+        Py_DECREF(o);
+        if (rc < 0)
+            break;
+    }
+    Py_XDECREF(it);
+    Py_XDECREF(gone);
+    if (PyErr_Occurred()) {
+        Py_DECREF(keep);
+        return NULL;
+    }
+    PyObject *fresh = PyNumber_Subtract(keep, ix->w[slot].reported);
+    it = fresh ? PyObject_GetIter(fresh) : NULL;
+    while (it && (o = PyIter_Next(it)) != NULL) {
+        int rc = as_hash(o, &h) < 0 ? -1 : report(ix, h, slot);
+        Py_DECREF(o);
+        if (rc < 0)
+            break;
+    }
+    Py_XDECREF(it);
+    Py_XDECREF(fresh);
+    if (PyErr_Occurred()) {
+        Py_DECREF(keep);
+        return NULL;
+    }
+    Worker *W = &ix->w[slot];
+    Py_XSETREF(W->reported, keep);
+    Py_INCREF(seqno);
+    Py_XSETREF(W->seq, seqno);
+    W->stale = 0;
+    if (trim(ix) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Index_needs_snapshot(Index *ix, PyObject *name) {
+    if (!ready(ix))
+        return NULL;
+    int32_t slot = slot_of(ix, name, 0);
+    if (slot == -2)
+        return NULL;
+    return PyBool_FromLong(slot >= 0 && ix->w[slot].stale);
+}
+
+static PyObject *Index_reported_blocks(Index *ix, PyObject *name) {
+    if (!ready(ix))
+        return NULL;
+    int32_t slot = slot_of(ix, name, 0);
+    if (slot == -2)
+        return NULL;
+    PyObject *r = slot >= 0 ? ix->w[slot].reported : NULL;
+    return PyLong_FromSsize_t(r ? PySet_GET_SIZE(r) : 0);
+}
+
+static PyObject *Index_holders(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
+    if (!ready(ix))
+        return NULL;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "holders() takes block_hash and now_s");
+        return NULL;
+    }
+    uint64_t h;
+    double now = PyFloat_AsDouble(args[1]);
+    if ((now == -1.0 && PyErr_Occurred()) || as_hash(args[0], &h) < 0)
+        return NULL;
+    PyObject *out = PySet_New(NULL);
+    int32_t e = find(ix, h);
+    if (out == NULL || e < 0)
+        return out;
+    Entry *E = &ix->ent[e];
+    Hold *hs = holds_of(E);
+    for (uint32_t k = 0; k < E->n; k++) {
+        if (hs[k].until > now && PySet_Add(out, ix->w[hs[k].slot].name) < 0) {
+            Py_DECREF(out);
+            return NULL;
+        }
+    }
+    return out;
+}
+
+static PyObject *Index_blocks_of(Index *ix, PyObject *name) {
+    if (!ready(ix))
+        return NULL;
+    int32_t slot = slot_of(ix, name, 0);
+    if (slot == -2)
+        return NULL;
+    Py_ssize_t n = 0;
+    for (int32_t e = ix->head; slot >= 0 && e >= 0; e = ix->ent[e].next)
+        n += hold_at(&ix->ent[e], slot) >= 0;
+    return PyLong_FromSsize_t(n);
+}
+
+static PyObject *Index_remove_worker(Index *ix, PyObject *name) {
+    if (!ready(ix))
+        return NULL;
+    int32_t slot = slot_of(ix, name, 0);
+    if (slot == -2)
+        return NULL;
+    if (slot < 0)
+        Py_RETURN_NONE;
+    for (int32_t e = ix->head; e >= 0;) {
+        Entry *E = &ix->ent[e];
+        int32_t next = E->next;
+        int32_t i = hold_at(E, slot);
+        if (i >= 0) {
+            drop_hold(E, (uint32_t)i);
+            if (E->n == 0)
+                delete_entry(ix, e);
+        }
+        e = next;
+    }
+    /* Its guesses under reports. */
+    PyObject *doomed = PyList_New(0);
+    if (doomed == NULL)
+        return NULL;
+    PyObject *k, *v;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(ix->under, &pos, &k, &v)) {
+        int eq = PyObject_RichCompareBool(PyTuple_GET_ITEM(k, 1), name, Py_EQ);
+        if (eq < 0 || (eq && PyList_Append(doomed, k) < 0)) {
+            Py_DECREF(doomed);
+            return NULL;
+        }
+    }
+    for (Py_ssize_t j = 0; j < PyList_GET_SIZE(doomed); j++) {
+        if (PyDict_DelItem(ix->under, PyList_GET_ITEM(doomed, j)) < 0) {
+            Py_DECREF(doomed);
+            return NULL;
+        }
+    }
+    Py_DECREF(doomed);
+    if (PyDict_DelItem(ix->slots, name) < 0)
+        return NULL;
+    Worker *W = &ix->w[slot];
+    Py_CLEAR(W->name);
+    Py_CLEAR(W->reported);
+    Py_CLEAR(W->seq);
+    W->stale = 0;
+    W->next_free = ix->w_free;
+    ix->w_free = slot;
+    Py_RETURN_NONE;
+}
+
+static int expire_one(Index *ix, uint64_t h, double now) {
+    int32_t e = find(ix, h);
+    if (e < 0)
+        return 0;
+    Entry *E = &ix->ent[e];
+    Hold *hs = holds_of(E);
+    double least = NO_GUESS;
+    for (uint32_t k = 0; k < E->n; k++)
+        if (k == 0 || hs[k].until < least)
+            least = hs[k].until;
+    if (E->n > 0 && least > now)
+        return 0;
+    for (uint32_t k = 0; k < E->n;) {
+        if (hs[k].until <= now)
+            drop_hold(E, k);
+        else
+            k++;
+    }
+    if (E->n == 0) {
+        delete_entry(ix, e);
+        return 1;
+    }
+    return 0;
+}
+
+/* expire(now_s, max_blocks=None) */
+static PyObject *Index_expire(Index *ix, PyObject *args, PyObject *kwds) {
+    static char *kw[] = {"now_s", "max_blocks", NULL};
+    double now;
+    PyObject *mb = Py_None;
+    if (!ready(ix) || !PyArg_ParseTupleAndKeywords(args, kwds, "d|O", kw, &now, &mb))
+        return NULL;
+    Py_ssize_t freed = 0;
+    if (mb == Py_None) {
+        for (int32_t e = ix->head; e >= 0;) {
+            int32_t next = ix->ent[e].next;
+            freed += expire_one(ix, ix->ent[e].hash, now);
+            e = next;
+        }
+        return PyLong_FromSsize_t(freed);
+    }
+    Py_ssize_t m = PyLong_AsSsize_t(mb);
+    if (m == -1 && PyErr_Occurred())
+        return NULL;
+    if (m < 0) {
+        PyErr_SetString(PyExc_ValueError, "max_blocks must be >= 0");
+        return NULL;
+    }
+    if (ix->sweep_at >= ix->sweep_n) {
+        if (ix->count > ix->sweep_cap) {
+            uint64_t *s = PyMem_Realloc(ix->sweep, (size_t)ix->count * sizeof(uint64_t));
+            if (s == NULL)
+                return PyErr_NoMemory();
+            ix->sweep = s;
+            ix->sweep_cap = ix->count;
+        }
+        ix->sweep_n = 0;
+        for (int32_t e = ix->head; e >= 0; e = ix->ent[e].next)
+            ix->sweep[ix->sweep_n++] = ix->ent[e].hash;
+        ix->sweep_at = 0;
+    }
+    Py_ssize_t end = ix->sweep_at + m < ix->sweep_n ? ix->sweep_at + m : ix->sweep_n;
+    for (Py_ssize_t k = ix->sweep_at; k < end; k++)
+        freed += expire_one(ix, ix->sweep[k], now);
+    ix->sweep_at = end;
+    return PyLong_FromSsize_t(freed);
+}
+
+static PyObject *Index_sizeof(Index *ix, PyObject *unused) {
+    size_t n = sizeof(Index) + (size_t)ix->ent_cap * sizeof(Entry) + (size_t)ix->w_cap * sizeof(Worker) +
+               (size_t)ix->sweep_cap * sizeof(uint64_t) + (size_t)ix->scratch_cap * sizeof(int32_t);
+    if (ix->table)
+        n += (size_t)(ix->tmask + 1) * sizeof(int32_t);
+    for (int32_t e = ix->head; e >= 0; e = ix->ent[e].next)
+        if (ix->ent[e].cap > 1)
+            n += ix->ent[e].cap * sizeof(Hold);
+    return PyLong_FromSize_t(n);
+}
+
+static PyMethodDef Index_methods[] = {
+    {"guess", (PyCFunction)(void (*)(void))Index_guess, METH_FASTCALL | METH_KEYWORDS,
+     "guess(worker_id, hashes, now_s): the dispatcher routed these prefix blocks to the worker."},
+    {"completed", (PyCFunction)(void (*)(void))Index_completed, METH_FASTCALL | METH_KEYWORDS,
+     "completed(worker_id, hashes, now_s): a request with these blocks finished on the worker."},
+    {"match", (PyCFunction)(void (*)(void))Index_match, METH_FASTCALL,
+     "match(hashes, now_s) -> {worker: leading blocks held}."},
+    {"apply_delta", (PyCFunction)(void (*)(void))Index_apply_delta, METH_VARARGS | METH_KEYWORDS,
+     "apply_delta(worker_id, seq, stored, evicted, now_s) -> False if a delta was missed."},
+    {"apply_snapshot", (PyCFunction)(void (*)(void))Index_apply_snapshot, METH_VARARGS | METH_KEYWORDS,
+     "apply_snapshot(worker_id, seq, blocks, now_s): replace what the worker reported."},
+    {"needs_snapshot", (PyCFunction)Index_needs_snapshot, METH_O, "True after a missed delta."},
+    {"reported_blocks", (PyCFunction)Index_reported_blocks, METH_O,
+     "How many of the index's blocks the worker's own reports list."},
+    {"holders", (PyCFunction)(void (*)(void))Index_holders, METH_FASTCALL,
+     "holders(block_hash, now_s) -> the workers holding the block."},
+    {"blocks_of", (PyCFunction)Index_blocks_of, METH_O,
+     "How many blocks hold anything of the worker (alive or not)."},
+    {"remove_worker", (PyCFunction)Index_remove_worker, METH_O, "Forget everything about a worker."},
+    {"expire", (PyCFunction)(void (*)(void))Index_expire, METH_VARARGS | METH_KEYWORDS,
+     "expire(now_s, max_blocks=None) -> blocks freed."},
+    {"__sizeof__", (PyCFunction)Index_sizeof, METH_NOARGS, "Bytes held, native data included."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyObject *Index_get_max_blocks(Index *ix, void *c) { return PyLong_FromSsize_t(ix->max_blocks); }
+static PyObject *Index_get_ttl(Index *ix, void *c) { return PyFloat_FromDouble(ix->guess_ttl_s); }
+
+static PyGetSetDef Index_getset[] = {
+    {"max_blocks", (getter)Index_get_max_blocks, NULL, "Most block hashes kept.", NULL},
+    {"guess_ttl_s", (getter)Index_get_ttl, NULL, "How long a guess holds.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PySequenceMethods Index_as_sequence = {.sq_length = (lenfunc)Index_len};
+
+static PyTypeObject IndexType = {
+    .ob_base = PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "sluice.dispatcher._cacheindex.CacheIndex",
+    .tp_doc = "The cluster cache index in native data (PureCacheIndex's semantics).",
+    .tp_basicsize = sizeof(Index),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Index_init,
+    .tp_dealloc = (destructor)Index_dealloc,
+    .tp_methods = Index_methods,
+    .tp_getset = Index_getset,
+    .tp_as_sequence = &Index_as_sequence,
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_cacheindex", "The cluster cache index in C.", -1, NULL,
+};
+
+PyMODINIT_FUNC PyInit__cacheindex(void) {
+    if (PyType_Ready(&IndexType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&IndexType);
+    if (PyModule_AddObject(m, "CacheIndex", (PyObject *)&IndexType) < 0) {
+        Py_DECREF(&IndexType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
