@@ -989,13 +989,20 @@ static PyObject *Index_expire(Index *ix, PyObject *args, PyObject *kwds) {
         }
         return PyLong_FromSsize_t(freed);
     }
-    Py_ssize_t m = PyLong_AsSsize_t(mb);
-    if (m == -1 && PyErr_Occurred())
+    if (!PyLong_Check(mb)) {
+        PyErr_Format(PyExc_TypeError, "max_blocks must be an int or None, not %.100s", Py_TYPE(mb)->tp_name);
         return NULL;
-    if (m < 0) {
+    }
+    int overflow = 0;
+    long long m_ll = PyLong_AsLongLongAndOverflow(mb, &overflow);
+    if (m_ll == -1 && PyErr_Occurred())
+        return NULL;
+    if (overflow < 0 || (overflow == 0 && m_ll < 0)) {
         PyErr_SetString(PyExc_ValueError, "max_blocks must be >= 0");
         return NULL;
     }
+    /* A bound past every block is every block (the reference slices a list). */
+    Py_ssize_t m = overflow > 0 || m_ll > PY_SSIZE_T_MAX ? PY_SSIZE_T_MAX : (Py_ssize_t)m_ll;
     if (ix->sweep_at >= ix->sweep_n) {
         if (ix->count > ix->sweep_cap) {
             uint64_t *s = PyMem_Realloc(ix->sweep, (size_t)ix->count * sizeof(uint64_t));
@@ -1009,7 +1016,7 @@ static PyObject *Index_expire(Index *ix, PyObject *args, PyObject *kwds) {
             ix->sweep[ix->sweep_n++] = ix->ent[e].hash;
         ix->sweep_at = 0;
     }
-    Py_ssize_t end = ix->sweep_at + m < ix->sweep_n ? ix->sweep_at + m : ix->sweep_n;
+    Py_ssize_t end = m < ix->sweep_n - ix->sweep_at ? ix->sweep_at + m : ix->sweep_n;
     for (Py_ssize_t k = ix->sweep_at; k < end; k++)
         freed += expire_one(ix, ix->sweep[k], now);
     ix->sweep_at = end;

@@ -349,8 +349,15 @@ def test_the_native_index_rejects_what_is_not_a_block_hash() -> None:
         CacheIndex(max_blocks=0)
     with pytest.raises(ValueError, match="max_blocks"):
         idx.expire(0.0, -1)
+    with pytest.raises(TypeError, match="max_blocks"):
+        idx.expire(0.0, "3")  # type: ignore[arg-type]
     idx.guess("a", [2**64 - 1, 0], 0.0)
     assert idx.match([2**64 - 1, 0], 0.0) == {"a": 2}
+    ref = PureCacheIndex()
+    ref.guess("a", [2**64 - 1, 0], 0.0)
+    for bound in (1, 2**62, 2**70):  # a bound past every block is every block
+        assert idx.expire(400.0, bound) == ref.expire(400.0, bound)
+        assert len(idx) == len(ref)
 
 
 @pytest.mark.skipif(not NATIVE, reason="the native index was not built")
