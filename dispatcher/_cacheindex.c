@@ -153,8 +153,8 @@ static PyObject *under_key(uint64_t h, PyObject *name) {
     return k;
 }
 
-/* The guess under a report, popped (NO_GUESS if none); -1 on error. */
-static int under_pop(Index *ix, uint64_t h, PyObject *name, double *out) {
+/* The guess under a report (NO_GUESS if none), popped if `pop`; -1 on error. */
+static int under_take(Index *ix, uint64_t h, PyObject *name, int pop, double *out) {
     *out = NO_GUESS;
     if (PyDict_GET_SIZE(ix->under) == 0)
         return 0;
@@ -162,29 +162,22 @@ static int under_pop(Index *ix, uint64_t h, PyObject *name, double *out) {
     if (k == NULL)
         return -1;
     PyObject *v = PyDict_GetItemWithError(ix->under, k);
-    int rc = 0;
+    int rc = v == NULL && PyErr_Occurred() ? -1 : 0;
     if (v != NULL) {
         *out = PyFloat_AsDouble(v);
-        rc = PyDict_DelItem(ix->under, k);
-    } else if (PyErr_Occurred()) {
-        rc = -1;
+        if (pop)
+            rc = PyDict_DelItem(ix->under, k);
     }
     Py_DECREF(k);
     return rc;
 }
 
+static int under_pop(Index *ix, uint64_t h, PyObject *name, double *out) {
+    return under_take(ix, h, name, 1, out);
+}
+
 static int under_get(Index *ix, uint64_t h, PyObject *name, double *out) {
-    *out = NO_GUESS;
-    if (PyDict_GET_SIZE(ix->under) == 0)
-        return 0;
-    PyObject *k = under_key(h, name);
-    if (k == NULL)
-        return -1;
-    PyObject *v = PyDict_GetItemWithError(ix->under, k);
-    Py_DECREF(k);
-    if (v != NULL)
-        *out = PyFloat_AsDouble(v);
-    return PyErr_Occurred() ? -1 : 0;
+    return under_take(ix, h, name, 0, out);
 }
 
 static int under_set(Index *ix, uint64_t h, PyObject *name, double until) {
