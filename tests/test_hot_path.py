@@ -12,6 +12,7 @@ import subprocess
 import sys
 from typing import Any
 
+import nats
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -298,6 +299,43 @@ async def test_an_idle_band_is_pulled_one_message_at_a_time(nats_url: str) -> No
             assert (await h.result(timeout_s=20)).ok
         await eventually(lambda: _true(len(pulls) >= 4))  # one (at least) after each request
     assert pulls[-4:] == [1, 1, 1, 1], f"pulls of an idle band asked for {pulls}"
+
+
+async def test_a_pull_that_ends_on_a_status_does_not_stop_its_band(nats_url: str) -> None:
+    """nats-py's fetch of a batch returns no message, rather than time out, when its pull
+    ends on a status before any message (an earlier pull's expiry arriving late, a conflict).
+    The term's first pull of a band asks for a batch: a 408 sent to its inbox in each of that
+    fetch's two rounds makes it return nothing. The band must go on being pulled, with
+    nothing counted as an internal error. Fails without the dispatcher's empty-batch check:
+    the pull task ended on an IndexError and the request below was never pulled (and with the
+    pull loop's guard alone, the error is counted)."""
+    subject = "$JS.API.CONSUMER.MSG.NEXT.{}.{}".format(
+        names.request_stream("standard"), names.dispatcher_consumer("standard")
+    )
+    site = {"site": "dispatcher.intake"}
+    errors_before = REGISTRY.get_sample_value("sluice_internal_errors_total", site) or 0.0
+    spy = await nats.connect(nats_url)
+    pulls: list[dict[str, Any]] = []
+
+    async def on_pull(msg: Msg) -> None:
+        pulls.append(json.loads(msg.data))
+        if len(pulls) <= 2:  # the term's first fetch, both its rounds
+            await spy.publish(msg.reply, b"", headers={"Status": "408", "Description": "Timeout"})
+
+    try:
+        await spy.subscribe(subject, cb=on_pull)
+        await spy.flush()
+        async with LocalCluster(nats_url, **cluster_kwargs(workers=1)) as _, Client(nats_url) as c:
+            # The fetch that got the statuses has returned once the band is pulled again.
+            await eventually(lambda: _true(len(pulls) >= 3), timeout_s=15)
+            assert pulls[0]["batch"] > 1 and pulls[0].get("no_wait")
+            assert pulls[1]["batch"] > 1 and not pulls[1].get("no_wait")
+            h = await c.submit("sim", _PROMPT, max_tokens=2, band="standard")
+            assert (await h.result(timeout_s=20)).ok
+    finally:
+        await spy.close()
+    errors = REGISTRY.get_sample_value("sluice_internal_errors_total", site) or 0.0
+    assert errors == errors_before
 
 
 def _js_msg(num_pending: int, num_delivered: int) -> Msg:

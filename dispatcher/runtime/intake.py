@@ -38,40 +38,62 @@ class Intake:
         self, band: str, psub: JetStreamContext.PullSubscription, term: int
     ) -> None:
         """Pull ``band`` for one leadership term: it ends as soon as the term does, and
-        leaves what it fetched after that untouched (the next leader gets it redelivered)."""
+        leaves what it fetched after that untouched (the next leader gets it redelivered).
+        Nothing else ends it: an error no branch expects is logged and counted, and the band
+        is pulled again (a band that stopped being pulled would hold its requests, unanswered,
+        for as long as this dispatcher leads)."""
         st = self.state
-        room = st.room[band]
         backlog = True  # a new term starts with what its predecessor left: take it in batches
         while st.running and st.term == term:
-            free = st.settings.max_buffered - st.held_by_band[band]
-            if free <= 0:
-                room.clear()
-                await room.wait()
-                continue
             try:
-                msgs = await psub.fetch(
-                    batch=pull_batch(free, backlog), timeout=st.settings.fetch_timeout_s
-                )
-            except (TimeoutError, nats.errors.TimeoutError):
-                backlog = False  # a whole long-poll and nothing came: the band is idle
+                more = await self._pull_once(band, psub, term, backlog)
+            except Exception:
+                internal_error(log, "dispatcher.intake", "pulling band %s failed", band)
+                await asyncio.sleep(_PULL_RETRY_S)
                 continue
-            except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError):
-                await asyncio.sleep(0.2)
-                continue
-            except BROKER_ERRORS:
-                log.warning("fetch on band %s failed; retrying", band, exc_info=True)
-                await asyncio.sleep(0.5)
-                continue
-            backlog = more_behind(msgs[-1])
-            known = await self._results_of_redeliveries(msgs)
-            for msg in msgs:
-                if st.term != term or not st.leading():
-                    return  # deposed while fetching: not ours to ack or hold
-                try:
-                    await self.on_request(band, msg, known)
-                except Exception:  # one message must never stop its band: log and count it
-                    internal_error(log, "dispatcher.intake", "a request of band %s failed", band)
-            st.kick.set()
+            if more is None:
+                return
+            backlog = more
+
+    async def _pull_once(
+        self, band: str, psub: JetStreamContext.PullSubscription, term: int, backlog: bool
+    ) -> bool | None:
+        """One fetch and what it brought in: whether a backlog is likely behind it, or None
+        once the term is over."""
+        st = self.state
+        free = st.settings.max_buffered - st.held_by_band[band]
+        if free <= 0:
+            room = st.room[band]
+            room.clear()
+            await room.wait()
+            return backlog
+        try:
+            msgs = await psub.fetch(
+                batch=pull_batch(free, backlog), timeout=st.settings.fetch_timeout_s
+            )
+        except (TimeoutError, nats.errors.TimeoutError):
+            return False  # a whole long-poll and nothing came: the band is idle
+        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError):
+            await asyncio.sleep(0.2)
+            return backlog
+        except BROKER_ERRORS:
+            log.warning("fetch on band %s failed; retrying", band, exc_info=True)
+            await asyncio.sleep(0.5)
+            return backlog
+        if not msgs:
+            # nats-py's fetch of a batch returns nothing, rather than time out, when its pull
+            # ends on a status (an earlier pull's expiry, a conflict) before any message.
+            return False
+        known = await self._results_of_redeliveries(msgs)
+        for msg in msgs:
+            if st.term != term or not st.leading():
+                return None  # deposed while fetching: not ours to ack or hold
+            try:
+                await self.on_request(band, msg, known)
+            except Exception:  # one message must never stop its band: log and count it
+                internal_error(log, "dispatcher.intake", "a request of band %s failed", band)
+        st.kick.set()
+        return more_behind(msgs[-1])
 
     async def _results_of_redeliveries(self, msgs: list[Msg]) -> dict[tuple[str, str], bool | None]:
         """Whether the results of a batch's redelivered requests exist, by (tenant, request
@@ -226,6 +248,9 @@ class Intake:
         except BROKER_ERRORS:
             log.debug("nak of %s not sent; it comes back after ack_wait", rid)
 
+
+_PULL_RETRY_S = 0.5
+"""How long a band's pull waits after an error no branch expected, before it pulls again."""
 
 UNSURE_RETRY_S = 1.0
 """How long a redelivered request whose result could not be looked up waits to come back."""
