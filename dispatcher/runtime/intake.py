@@ -37,11 +37,12 @@ class Intake:
     async def pull_loop(
         self, band: str, psub: JetStreamContext.PullSubscription, term: int
     ) -> None:
-        """Pull ``band`` for one leadership term: it ends as soon as the term does, and
-        leaves what it fetched after that untouched (the next leader gets it redelivered).
-        Nothing else ends it: an error no branch expects is logged and counted, and the band
-        is pulled again (a band that stopped being pulled would hold its requests, unanswered,
-        for as long as this dispatcher leads)."""
+        """Pull ``band`` for one leadership term: it ends as soon as the term does (or the
+        lease runs out locally while a batch is taken in), and leaves what it fetched after
+        that untouched (the next leader gets it redelivered). An error no branch expects does
+        not end it: it is logged and counted, and the band pulled again (a band that stopped
+        being pulled would hold its requests, unanswered, for as long as this dispatcher
+        leads)."""
         st = self.state
         backlog = True  # a new term starts with what its predecessor left: take it in batches
         while st.running and st.term == term:
