@@ -16,11 +16,12 @@ Lookups cost O(prefix blocks x holders per block), independent of the fleet size
 
 Two implementations with the same semantics: :class:`PureCacheIndex`, here, is the
 reference; ``sluice.dispatcher._cacheindex`` (``dispatcher/_cacheindex.c``) keeps the same
-thing in native data, several times faster and smaller. :data:`CacheIndex` is the native one
-where it was built (``pip install`` compiles it; without a C compiler the install goes on
-without it), else the reference. ``tests/test_cacheindex.py`` drives both with the same random
-operations and compares every answer. Block hashes are 64-bit unsigned ints, as the wire's
-digests carry them.
+thing in native data (lookups about six times faster, a third of the memory:
+docs/BENCHMARKS.md, "A native cache index"). :data:`CacheIndex` is the native one where it
+was built (``pip install`` compiles it; without a C compiler the install goes on without it),
+else the reference. ``tests/test_cacheindex.py`` drives both with the same random operations
+and compares every answer. Block hashes are 64-bit unsigned ints, as the wire's digests carry
+them.
 """
 
 from __future__ import annotations
