@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from typing import Any
 
 import nats
@@ -336,6 +337,34 @@ async def test_a_pull_that_ends_on_a_status_does_not_stop_its_band(nats_url: str
         await spy.close()
     errors = REGISTRY.get_sample_value("sluice_internal_errors_total", site) or 0.0
     assert errors == errors_before
+
+
+async def test_a_lease_that_runs_out_mid_pull_and_is_renewed_does_not_stop_the_band(
+    nats_url: str,
+) -> None:
+    """The lease can run out locally while its renewal is in flight, and the renewal then
+    land: the term goes on. A band's pull that met that moment used to end for good, and the
+    band's requests waited unanswered for as long as the dispatcher led (a slow machine's CI
+    met it under the hostile-messages test: no pull task for the band was left). Here the
+    lease is run out locally between two renewals of a long lease while requests arrive,
+    then renewed as the late renewal would: each request must be served. Fails if the pull
+    ends when it meets an expired lease."""
+    kw = cluster_kwargs(workers=1, dispatcher={"leader_lease_s": 30.0})
+    async with LocalCluster(nats_url, **kw) as cluster, Client(nats_url) as c:
+        await eventually(lambda: _true(cluster.dispatcher.leading))
+        h = await c.submit("sim", _PROMPT, max_tokens=2, band="standard")
+        assert (await h.result(timeout_s=20)).ok
+        lead = cluster.dispatcher._state.leadership
+        # Right after a renewal: the election sleeps until the next one, seconds away.
+        await eventually(lambda: _true(lead.next_s - time.monotonic() > 5), timeout_s=15)
+        valid = lead.valid_until_s
+        lead.valid_until_s = time.monotonic()  # ran out; the renewal is still in flight
+        handles = [await c.submit("sim", _PROMPT, max_tokens=2, band="standard") for _ in range(5)]
+        await asyncio.sleep(0.5)  # the band's pull meets them while the lease is out
+        lead.valid_until_s = max(valid, time.monotonic() + 20)  # the renewal lands
+        results = [await h.result(timeout_s=20) for h in handles]
+        assert all(r.ok for r in results)
+        assert cluster.dispatcher.leading
 
 
 def _js_msg(num_pending: int, num_delivered: int) -> Msg:

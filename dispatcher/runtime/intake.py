@@ -37,12 +37,12 @@ class Intake:
     async def pull_loop(
         self, band: str, psub: JetStreamContext.PullSubscription, term: int
     ) -> None:
-        """Pull ``band`` for one leadership term: it ends as soon as the term does (or the
-        lease runs out locally while a batch is taken in), and leaves what it fetched after
-        that untouched (the next leader gets it redelivered). An error no branch expects does
-        not end it: it is logged and counted, and the band pulled again (a band that stopped
-        being pulled would hold its requests, unanswered, for as long as this dispatcher
-        leads)."""
+        """Pull ``band`` for one leadership term: it ends as soon as the term does, and
+        leaves what it fetched after that untouched (the next leader gets it redelivered).
+        Nothing else ends it (a band that stopped being pulled would hold its requests,
+        unanswered, for as long as this dispatcher leads): while the lease has run out
+        locally, with its renewal late, it takes nothing in and gives back what it fetched;
+        an error no branch expects is logged and counted, and the band pulled again."""
         st = self.state
         backlog = True  # a new term starts with what its predecessor left: take it in batches
         while st.running and st.term == term:
@@ -62,6 +62,11 @@ class Intake:
         """One fetch and what it brought in: whether a backlog is likely behind it, or None
         once the term is over."""
         st = self.state
+        if not st.leading():
+            # The lease ran out locally: a renewal is late (it may still land, and the term
+            # goes on) or lost (the election ends the term). Take nothing in meanwhile.
+            await asyncio.sleep(_NOT_LEADING_WAIT_S)
+            return backlog
         free = st.settings.max_buffered - st.held_by_band[band]
         if free <= 0:
             room = st.room[band]
@@ -86,9 +91,14 @@ class Intake:
             # ends on a status (an earlier pull's expiry, a conflict) before any message.
             return False
         known = await self._results_of_redeliveries(msgs)
-        for msg in msgs:
-            if st.term != term or not st.leading():
+        for i, msg in enumerate(msgs):
+            if st.term != term:
                 return None  # deposed while fetching: not ours to ack or hold
+            if not st.leading():
+                # The lease ran out mid-batch, the term not (yet) over: the rest goes back
+                # to the broker at once, for this dispatcher once renewed or the next leader.
+                await _give_back(msgs[i:])
+                return True
             try:
                 await self.on_request(band, msg, known)
             except Exception:  # one message must never stop its band: log and count it
@@ -249,6 +259,18 @@ class Intake:
         except BROKER_ERRORS:
             log.debug("nak of %s not sent; it comes back after ack_wait", rid)
 
+
+async def _give_back(msgs: Sequence[Msg]) -> None:
+    """Send fetched requests back for redelivery now (a nak), untouched."""
+    for msg in msgs:
+        try:
+            await msg.nak()
+        except BROKER_ERRORS:
+            log.debug("nak not sent; the request comes back after ack_wait")
+
+
+_NOT_LEADING_WAIT_S = 0.02
+"""How often a band's pull looks again whether its lease was renewed, while it is not."""
 
 _PULL_RETRY_S = 0.5
 """How long a band's pull waits after an error no branch expected, before it pulls again."""
