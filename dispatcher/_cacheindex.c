@@ -1016,17 +1016,6 @@ static PyObject *Index_expire(Index *ix, PyObject *args, PyObject *kwds) {
     return PyLong_FromSsize_t(freed);
 }
 
-static PyObject *Index_sizeof(Index *ix, PyObject *unused) {
-    size_t n = sizeof(Index) + (size_t)ix->ent_cap * sizeof(Entry) + (size_t)ix->w_cap * sizeof(Worker) +
-               (size_t)ix->sweep_cap * sizeof(uint64_t) + (size_t)ix->scratch_cap * sizeof(int32_t);
-    if (ix->table)
-        n += (size_t)(ix->tmask + 1) * sizeof(int32_t);
-    for (int32_t e = ix->head; e >= 0; e = ix->ent[e].next)
-        if (ix->ent[e].cap > 1)
-            n += ix->ent[e].cap * sizeof(Hold);
-    return PyLong_FromSize_t(n);
-}
-
 static PyMethodDef Index_methods[] = {
     {"guess", (PyCFunction)(void (*)(void))Index_guess, METH_FASTCALL | METH_KEYWORDS,
      "guess(worker_id, hashes, now_s): the dispatcher routed these prefix blocks to the worker."},
@@ -1048,7 +1037,6 @@ static PyMethodDef Index_methods[] = {
     {"remove_worker", (PyCFunction)Index_remove_worker, METH_O, "Forget everything about a worker."},
     {"expire", (PyCFunction)(void (*)(void))Index_expire, METH_VARARGS | METH_KEYWORDS,
      "expire(now_s, max_blocks=None) -> blocks freed."},
-    {"__sizeof__", (PyCFunction)Index_sizeof, METH_NOARGS, "Bytes held, native data included."},
     {NULL, NULL, 0, NULL},
 };
 

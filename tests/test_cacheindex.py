@@ -361,7 +361,7 @@ def test_the_native_index_rejects_what_is_not_a_block_hash() -> None:
 
 
 @pytest.mark.skipif(not NATIVE, reason="the native index was not built")
-def test_the_native_index_grows_and_shrinks_its_table() -> None:
+def test_the_native_index_grows_its_table_and_deletes_from_it() -> None:
     """Many blocks in and out again (the table grows, deletions shift entries back), with
     the reference on the same operations."""
     ref, nat = PureCacheIndex(max_blocks=5_000), CacheIndex(max_blocks=5_000)

@@ -84,7 +84,7 @@ class Intake:
             return backlog
         except BROKER_ERRORS:
             log.warning("fetch on band %s failed; retrying", band, exc_info=True)
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(_PULL_RETRY_S)
             return backlog
         if not msgs:
             # nats-py's fetch of a batch returns nothing, rather than time out, when its pull
@@ -273,7 +273,8 @@ _NOT_LEADING_WAIT_S = 0.02
 """How often a band's pull looks again whether its lease was renewed, while it is not."""
 
 _PULL_RETRY_S = 0.5
-"""How long a band's pull waits after an error no branch expected, before it pulls again."""
+"""How long a band's pull waits after a failed fetch or an error no branch expected, before
+it pulls again."""
 
 UNSURE_RETRY_S = 1.0
 """How long a redelivered request whose result could not be looked up waits to come back."""
