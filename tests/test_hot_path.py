@@ -367,6 +367,40 @@ async def test_a_lease_that_runs_out_mid_pull_and_is_renewed_does_not_stop_the_b
         assert cluster.dispatcher.leading
 
 
+async def test_a_lease_that_runs_out_while_an_advisory_arrives_does_not_stop_serving_them(
+    nats_url: str,
+) -> None:
+    """The same moment for the max-deliveries advisories: the loop that serves them used to
+    end when it met an expired lease, and every later advisory of the term stayed unserved
+    (its request never answered, never dead-lettered). Here an advisory (of a request gone
+    from its queue, so serving it is acking it) arrives while the lease is out locally, and
+    the lease is then renewed: it must be served. Fails if the loop returns on the lapse, or
+    if it goes on fetching (and giving back) while the lease is out."""
+    kw = cluster_kwargs(workers=1, dispatcher={"leader_lease_s": 30.0})
+    async with LocalCluster(nats_url, **kw) as cluster, Client(nats_url) as c:
+        await eventually(lambda: _true(cluster.dispatcher.leading))
+        js = c.nc.jetstream()
+        lead = cluster.dispatcher._state.leadership
+        await eventually(lambda: _true(lead.next_s - time.monotonic() > 5), timeout_s=15)
+        valid = lead.valid_until_s
+        lead.valid_until_s = time.monotonic()  # ran out; the renewal is still in flight
+        stream = names.request_stream("standard")
+        advisory = {"stream": stream, "stream_seq": 10**9, "deliveries": 2}
+        await c.nc.publish(names.max_deliveries_advisory("standard"), json.dumps(advisory).encode())
+        await asyncio.sleep(1.0)  # the advisory loop's pull meets it while the lease is out
+        assert (await js.stream_info(names.ADVISORY_STREAM)).state.messages == 1
+        lead.valid_until_s = max(valid, time.monotonic() + 20)  # the renewal lands
+
+        async def served() -> bool:
+            return (await js.stream_info(names.ADVISORY_STREAM)).state.messages == 0
+
+        await eventually(served, timeout_s=10)
+        assert cluster.dispatcher.leading
+        info = await js.consumer_info(names.ADVISORY_STREAM, names.ADVISORY_CONSUMER)
+    # Not fetched again and again while the lease was out (each time given back).
+    assert info.delivered.consumer_seq <= 3
+
+
 def _js_msg(num_pending: int, num_delivered: int) -> Msg:
     """A JetStream message as the server delivers it: its ack subject carries the
     consumer's counts ($JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>)."""

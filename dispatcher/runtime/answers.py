@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Sequence
 from typing import Protocol
 
 import nats.errors
@@ -36,6 +37,9 @@ un-acked and is delivered again (bounded: at most ~4 s on the intake path)."""
 _ADVISORY_BATCH = 16
 """Most max-deliveries advisories one pull takes."""
 
+NOT_LEADING_WAIT_S = 0.02
+"""How often a pull loop looks again whether its lease was renewed, while it is not."""
+
 
 async def ack(msg: Msg) -> None:
     """Ack a request message. A lost ack only means a redelivery, which the dispatcher
@@ -44,6 +48,15 @@ async def ack(msg: Msg) -> None:
         await msg.ack()
     except BROKER_ERRORS:
         metrics.ACK_FAILURES.inc()
+
+
+async def give_back(msgs: Sequence[Msg]) -> None:
+    """Send fetched messages back for redelivery now (a nak), untouched."""
+    for msg in msgs:
+        try:
+            await msg.nak()
+        except BROKER_ERRORS:
+            log.debug("nak not sent; the message comes back after ack_wait")
 
 
 async def respond(msg: Msg, data: bytes = b"") -> None:
@@ -209,6 +222,11 @@ class Answers:
         back after ``ack_wait``, to whoever leads then."""
         st = self.state
         while st.running and st.term == term:
+            if not st.leading():
+                # The lease ran out locally, its renewal late: serve nothing until it is
+                # renewed (the term goes on) or lost (the term ends, and so does this loop).
+                await asyncio.sleep(NOT_LEADING_WAIT_S)
+                continue
             try:
                 msgs = await psub.fetch(batch=_ADVISORY_BATCH, timeout=st.settings.fetch_timeout_s)
             except (TimeoutError, nats.errors.TimeoutError):
@@ -220,9 +238,12 @@ class Answers:
                 log.warning("fetching max-deliveries advisories failed; retrying", exc_info=True)
                 await asyncio.sleep(0.5)
                 continue
-            for msg in msgs:
-                if st.term != term or not st.leading():
+            for i, msg in enumerate(msgs):
+                if st.term != term:
                     return  # deposed: the next leader gets it redelivered
+                if not st.leading():
+                    await give_back(msgs[i:])  # for this leader once renewed, or the next
+                    break
                 try:
                     served = await self.on_max_deliveries(msg)
                 except Exception:

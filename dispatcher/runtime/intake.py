@@ -15,7 +15,7 @@ from nats.js.client import JetStreamContext
 
 from sluice.common.errors import internal_error
 from sluice.dispatcher.runtime import metrics
-from sluice.dispatcher.runtime.answers import Answers, ack
+from sluice.dispatcher.runtime.answers import NOT_LEADING_WAIT_S, Answers, ack, give_back
 from sluice.dispatcher.runtime.state import BROKER_ERRORS, Held, State
 from sluice.dispatcher.scheduler import Request
 from sluice.schemas import names
@@ -65,7 +65,7 @@ class Intake:
         if not st.leading():
             # The lease ran out locally: a renewal is late (it may still land, and the term
             # goes on) or lost (the election ends the term). Take nothing in meanwhile.
-            await asyncio.sleep(_NOT_LEADING_WAIT_S)
+            await asyncio.sleep(NOT_LEADING_WAIT_S)
             return backlog
         free = st.settings.max_buffered - st.held_by_band[band]
         if free <= 0:
@@ -97,7 +97,7 @@ class Intake:
             if not st.leading():
                 # The lease ran out mid-batch, the term not (yet) over: the rest goes back
                 # to the broker at once, for this dispatcher once renewed or the next leader.
-                await _give_back(msgs[i:])
+                await give_back(msgs[i:])
                 return True
             try:
                 await self.on_request(band, msg, known)
@@ -259,18 +259,6 @@ class Intake:
         except BROKER_ERRORS:
             log.debug("nak of %s not sent; it comes back after ack_wait", rid)
 
-
-async def _give_back(msgs: Sequence[Msg]) -> None:
-    """Send fetched requests back for redelivery now (a nak), untouched."""
-    for msg in msgs:
-        try:
-            await msg.nak()
-        except BROKER_ERRORS:
-            log.debug("nak not sent; the request comes back after ack_wait")
-
-
-_NOT_LEADING_WAIT_S = 0.02
-"""How often a band's pull looks again whether its lease was renewed, while it is not."""
 
 _PULL_RETRY_S = 0.5
 """How long a band's pull waits after a failed fetch or an error no branch expected, before
