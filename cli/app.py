@@ -202,6 +202,7 @@ def _core_figures(requests: int, decision_requests: int, as_json: bool) -> dict[
     figures["baseline_decision_us"] = costs.baseline_decision_us
     figures["indexed_blocks"] = costs.indexed_blocks
     figures["native_index"] = costs.native_index
+    figures["native_scoring"] = costs.native_scoring
     figures["decision_growth_1024_vs_16"] = costs.growth(1024, 16)
     at_256, growth = costs.decision_us[256], costs.growth(1024, 16)
     figures["targets"] = {

@@ -27,6 +27,7 @@ from sluice.dispatcher.cacheindex import PureCacheIndex
 from sluice.dispatcher.policies import build_policy
 from sluice.dispatcher.routing import Digest
 from sluice.dispatcher.scheduler import Request, Scheduler, WorkerInfo
+from sluice.dispatcher.scoring import NATIVE as SCORING_NATIVE
 from sluice.schemas.hashing import index_stride
 from sluice.schemas.names import DEFAULT_BANDS
 
@@ -227,6 +228,9 @@ class DecisionCosts:
     native_index: bool = False
     """Whether the measured policy's cache index was the native one (else the pure Python
     reference: an install without a C compiler)."""
+    native_scoring: bool = False
+    """Whether the measured policy scored its candidates with the native loop (else the pure
+    Python reference)."""
 
     def ratio(self, workers: int) -> float:
         """A decision at ``workers`` against the minimal dispatcher's."""
@@ -274,7 +278,7 @@ def decision_costs(
     _drive(sched, stream, running, random.Random(seed + 1), 0.0, phases)
     base = _baseline_us(stream, 16, capacity, seed)
     native = not isinstance(getattr(sched.policy, "index", None), PureCacheIndex)
-    return DecisionCosts(out, base, filled, counts, phases, idle, at, burst, native)
+    return DecisionCosts(out, base, filled, counts, phases, idle, at, burst, native, SCORING_NATIVE)
 
 
 def _burst(sched: Scheduler, n: int, seed: int) -> float:
@@ -398,5 +402,7 @@ def print_costs(costs: DecisionCosts, echo: Callable[[str], object] = print) -> 
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     kind = "native" if costs.native_index else "pure Python (the native index was not built)"
     echo(f"cache index before the measured decisions: {costs.indexed_blocks:,} blocks ({kind})")
+    loop = "native" if costs.native_scoring else "pure Python (the native loop was not built)"
+    echo(f"scoring loop: {loop}")
     for r in rows:
         echo("  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip())

@@ -73,6 +73,7 @@ from sluice.dispatcher.routing import (
     request_hash,
     tie_rank,
 )
+from sluice.dispatcher.scoring import Best, Weights, keep, score_into
 from sluice.schemas.hashing import DEFAULT_BLOCK_TOKENS, DEFAULT_INDEX_TOKENS, index_stride
 
 _U64 = float(2**64)
@@ -170,48 +171,6 @@ class _Context:
     request_hash: int
 
 
-@dataclass(slots=True)
-class _Best:
-    """The minimum each rule needs, over the candidates scored so far: (score, tie rank,
-    worker, hit) for the score, sticky and explore rules, (rounded queue, miss, tie rank,
-    worker, hit) for the expand rule."""
-
-    best: tuple[float, float, str, int] | None = None
-    sticky: tuple[float, float, str, int] | None = None
-    cold: tuple[float, float, str, int] | None = None
-    expand: tuple[float, float, float, str, int] | None = None
-    n_cold: int = 0
-
-
-def _keep(
-    acc: _Best,
-    rh: int,
-    w: str,
-    hit: int,
-    score: float,
-    queue: tuple[float, float] | None,
-    sticky: bool,
-    cold: bool,
-) -> None:
-    """Keep a scored candidate in each minimum of ``acc`` it beats (``queue``: its rounded
-    queue and miss, for the expand rule; ``sticky``: a replica under the hard limit; ``cold``:
-    new and the request explores)."""
-    tie = tie_rank(rh, w)
-    key = (score, tie, w, hit)
-    if acc.best is None or key < acc.best:
-        acc.best = key
-    if sticky and (acc.sticky is None or key < acc.sticky):
-        acc.sticky = key
-    if queue is not None:
-        q = (queue[0], queue[1], tie, w, hit)
-        if acc.expand is None or q < acc.expand:
-            acc.expand = q
-    if cold:
-        acc.n_cold += 1
-        if acc.cold is None or key < acc.cold:
-            acc.cold = key
-
-
 _SLACK = 1e-9
 """A worker left off the shortlist is scored only if its lower bound beats the best so far by
 more than this: a tie (or a difference of rounding) is not worth a look, and looking would
@@ -243,6 +202,18 @@ class CacheAware:
         """Tokens per index entry: what a digest's ``block_tokens`` must say."""
         self._fleet: set[str] = set()
         self.stale_reports = 0
+        self._weights = Weights(
+            self.index_block_tokens,
+            c.min_hit_fraction,
+            c.ttft_scale_s,
+            c.w_busy,
+            c.w_load,
+            c.w_cache,
+            c.w_stable,
+            c.hard_load_fraction,
+            c.hard_ttft_s,
+            c.explore_window_s,
+        )
 
     # ------------------------------------------------------------------ selection (pure)
 
@@ -397,7 +368,7 @@ class CacheAware:
         n = len(candidates)
         ctx = self._context(request, n, now_s)
         explores = self._explores(request)
-        acc = _Best()
+        acc = Best()
         scored: list[Candidate] = []
         if isinstance(candidates, CandidatePool) and 0 < 2 * c.shortlist_workers < n:
             # (A fleet of twice the shortlist or fewer costs less scored whole.)
@@ -441,7 +412,7 @@ class CacheAware:
 
     def _score_into(
         self,
-        acc: _Best,
+        acc: Best,
         request: RouteRequest,
         ctx: _Context,
         candidates: Iterable[Candidate],
@@ -449,61 +420,26 @@ class CacheAware:
         explores: bool,
     ) -> None:
         """Score candidates, keeping in ``acc`` only the minimum each rule needs: the same
-        terms as :meth:`_score` (kept in step with it), in one pass (this runs for every
-        scored candidate of every decision). ``candidates`` may be a generator that reads
-        ``acc`` between two of them."""
-        c = self.config
-        matches, rep_set = ctx.matches, ctx.rep_set
-        rh = ctx.request_hash
-        n_indexed = ctx.indexed
-        prompt = request.prompt_tokens
-        ibt = self.index_block_tokens
-        min_hit, scale, w_busy = c.min_hit_fraction, c.ttft_scale_s, c.w_busy
-        w_load, w_cache, w_stable = c.w_load, c.w_cache, c.w_stable
-        hard_fraction, hard_ttft = c.hard_load_fraction, c.hard_ttft_s
-        window = c.explore_window_s
-        speeds = self.calibration.speeds if c.calibrate else None
-        prior = self.calibration.prior
-        best, sticky, expand = acc.best, acc.sticky, acc.expand
-        for cand in candidates:
-            w = cand.worker_id
-            blocks = matches.get(w, 0)
-            hit = min(blocks * ibt, prompt - 1) if blocks else 0
-            fraction = blocks / n_indexed if n_indexed else 0.0
-            miss = 1.0 - fraction if fraction >= min_hit else 1.0
-            sp = speeds(w) if speeds else prior
-            per_token = sp.prefill_s_per_token
-            ahead = cand.reported_prefill_tokens - cand.report_age_s / per_token
-            ahead = (ahead if ahead > 0.0 else 0.0) + cand.unreported_prefill_tokens
-            own = prompt - hit if prompt - hit > 1 else 1
-            ttft = (ahead + own) * per_token + sp.decode_s_per_token
-            busy = w_busy * cand.booked / (cand.capacity or 1)
-            is_rep = w in rep_set
-            moved = 1.0 if rep_set and not is_rep else 0.0
-            s = w_load * (ttft / scale + busy) + w_cache * miss + w_stable * moved
-            cold = explores and now_s - cand.joined_s < window
-            # Most candidates lose on the score (and queue) alone: only one that could tie
-            # or win a rule's minimum gets its tie rank hashed and its tuples compared.
-            # Without replicas neither the sticky nor the expand rule can decide.
-            if rep_set:
-                rq = round(ahead * per_token / scale + busy, 2)
-                if not (
-                    cold
-                    or best is None
-                    or s <= best[0]
-                    or (is_rep and (sticky is None or s <= sticky[0]))
-                    or expand is None
-                    or rq <= expand[0]
-                ):
-                    continue
-                over = cand.booked >= hard_fraction * cand.capacity or ttft > hard_ttft
-                _keep(acc, rh, w, hit, s, (rq, miss), is_rep and not over, cold)
-                best, sticky, expand = acc.best, acc.sticky, acc.expand
-            elif cold or best is None or s <= best[0]:
-                _keep(acc, rh, w, hit, s, None, False, cold)
-                best = acc.best
+        terms as :meth:`_score` (kept in step with it), in one pass
+        (:func:`~sluice.dispatcher.scoring.score_into`). ``candidates`` may be a generator
+        that reads ``acc`` between two of them."""
+        score_into(
+            acc,
+            keep,
+            candidates,
+            self._weights,
+            ctx.matches,
+            ctx.rep_set,
+            ctx.indexed,
+            request.prompt_tokens,
+            ctx.request_hash,
+            self.calibration.speeds if self.config.calibrate else None,
+            self.calibration.prior,
+            explores,
+            now_s,
+        )
 
-    def _rule(self, acc: _Best, ctx: _Context, n: int) -> str:
+    def _rule(self, acc: Best, ctx: _Context, n: int) -> str:
         """Which rule decides (module docstring), from what was scored."""
         if acc.cold is not None and acc.n_cold < n:
             return "explore"
@@ -511,7 +447,7 @@ class CacheAware:
             return "sticky" if len(ctx.reps) >= ctx.budget else "expand"
         return "spill" if ctx.reps else "score"
 
-    def _verdict(self, acc: _Best, ctx: _Context, n: int) -> Choice:
+    def _verdict(self, acc: Best, ctx: _Context, n: int) -> Choice:
         rule = self._rule(acc, ctx, n)
         if rule == "expand":
             # The prefix is hot and may gain a replica: whoever serves it soonest (its miss
@@ -524,7 +460,7 @@ class CacheAware:
 
     def _beyond(
         self,
-        acc: _Best,
+        acc: Best,
         request: RouteRequest,
         ctx: _Context,
         pool: CandidatePool,

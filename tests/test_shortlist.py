@@ -31,6 +31,7 @@ from sluice.dispatcher.routing import (
     RouteRequest,
 )
 from sluice.dispatcher.scheduler import Request, Scheduler, WorkerInfo
+from sluice.dispatcher.scoring import NATIVE as SCORING_NATIVE
 
 BT = 16
 
@@ -312,12 +313,15 @@ def test_decision_costs_runs_at_a_tiny_size() -> None:
     assert costs.decisions == {4: 200, 16: 200}
     assert costs.indexed_blocks >= 300
     assert costs.native_index == NATIVE  # what the policy ran on, said
+    assert costs.native_scoring == SCORING_NATIVE
     rows = cost_table(costs)
     assert rows[-1][0] == "minimal FIFO + round-robin"
     lines: list[str] = []
     print_costs(costs, lines.append)
     assert any("4 workers" in line for line in lines)
     assert any(("(native)" if NATIVE else "(pure Python") in line for line in lines)
+    loop = "scoring loop: native" if SCORING_NATIVE else "scoring loop: pure Python"
+    assert any(line.startswith(loop) for line in lines)
 
 
 def test_a_request_that_explores_reaches_a_new_worker_outside_the_least_loaded() -> None:

@@ -1,0 +1,295 @@
+/* Scoring a decision's candidates in C: sluice.dispatcher.scoring.score_into_pure, the
+ * reference, line for line. tests/test_scoring.py drives both with the same random
+ * candidates and compares what they keep. Read the reference first; this file says only how
+ * the same arithmetic is kept the same.
+ *
+ * - Every float expression is evaluated in the reference's order, in doubles, and built
+ *   with -ffp-contract=off (pyproject.toml), so that no multiply-add is fused: the scores
+ *   are the same bits, and so are the decisions.
+ * - Ints the reference adds to floats are read as doubles (exact below 2**53); the hit and
+ *   the uncached tokens are integer arithmetic, as there.
+ * - A candidate that could tie or win a minimum is handed to the Python keep(), which owns
+ *   the minimums (tuples compared as Python compares them). The rounded queue is computed
+ *   with Python's round() only where the reference's filter or keep() reads it.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+static PyObject *s_best, *s_sticky, *s_expand, *s_prefill, *s_decode, *round_fn, *two;
+
+/* Candidate's fields (a NamedTuple: sluice.dispatcher.routing.Candidate). */
+enum { C_WORKER = 0, C_CAPACITY = 1, C_BOOKED = 2, C_REPORTED_PREFILL = 5, C_UNREPORTED = 6,
+       C_AGE = 7, C_JOINED = 8, C_FIELDS = 9 };
+
+static int as_double(PyObject *o, double *out) {
+    *out = PyFloat_CheckExact(o) ? PyFloat_AS_DOUBLE(o) : PyFloat_AsDouble(o);
+    return (*out == -1.0 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static int as_ll(PyObject *o, long long *out) {
+    *out = PyLong_AsLongLong(o);
+    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* A minimum's first item (a float), or NULL's absence as has = 0. */
+static int first(PyObject *t, int *has, double *v) {
+    if (t == Py_None) {
+        *has = 0;
+        return 0;
+    }
+    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) < 1) {
+        PyErr_SetString(PyExc_TypeError, "a kept minimum must be a tuple");
+        return -1;
+    }
+    *has = 1;
+    return as_double(PyTuple_GET_ITEM(t, 0), v);
+}
+
+typedef struct {
+    int has_best, has_sticky, has_expand;
+    double best, sticky, expand;
+} Mins;
+
+static int read_mins(PyObject *acc, Mins *m, int all) {
+    PyObject *t = PyObject_GetAttr(acc, s_best);
+    if (t == NULL) return -1;
+    int rc = first(t, &m->has_best, &m->best);
+    Py_DECREF(t);
+    if (rc < 0 || !all) return rc;
+    t = PyObject_GetAttr(acc, s_sticky);
+    if (t == NULL) return -1;
+    rc = first(t, &m->has_sticky, &m->sticky);
+    Py_DECREF(t);
+    if (rc < 0) return -1;
+    t = PyObject_GetAttr(acc, s_expand);
+    if (t == NULL) return -1;
+    rc = first(t, &m->has_expand, &m->expand);
+    Py_DECREF(t);
+    return rc;
+}
+
+static PyObject *rounded(double x) {
+    PyObject *f = PyFloat_FromDouble(x);
+    if (f == NULL) return NULL;
+    PyObject *args[2] = {f, two};
+    PyObject *r = PyObject_Vectorcall(round_fn, args, 2, NULL);
+    Py_DECREF(f);
+    return r;
+}
+
+static int speeds_of(PyObject *sp, double *prefill, double *decode) {
+    PyObject *p = PyObject_GetAttr(sp, s_prefill);
+    if (p == NULL) return -1;
+    int rc = as_double(p, prefill);
+    Py_DECREF(p);
+    if (rc < 0) return -1;
+    p = PyObject_GetAttr(sp, s_decode);
+    if (p == NULL) return -1;
+    rc = as_double(p, decode);
+    Py_DECREF(p);
+    return rc;
+}
+
+/* One candidate; 0 to go on, -1 on an error. */
+static int score_one(PyObject *cand, PyObject *acc, PyObject *keep, PyObject *matches,
+                     PyObject *rep_set, int has_reps, const double *wt, long long ibt,
+                     long long n_indexed, long long prompt, PyObject *rh, PyObject *speeds,
+                     double prior_prefill, double prior_decode, int explores, double now_s,
+                     Mins *m) {
+    const double min_hit = wt[0], scale = wt[1], w_busy = wt[2], w_load = wt[3],
+                 w_cache = wt[4], w_stable = wt[5], hard_fraction = wt[6], hard_ttft = wt[7],
+                 window = wt[8];
+    if (!PyTuple_Check(cand) || PyTuple_GET_SIZE(cand) < C_FIELDS) {
+        PyErr_SetString(PyExc_TypeError, "a candidate must be a Candidate");
+        return -1;
+    }
+    PyObject *w = PyTuple_GET_ITEM(cand, C_WORKER);
+    long long blocks = 0;
+    PyObject *b = PyDict_GetItemWithError(matches, w);
+    if (b == NULL && PyErr_Occurred()) return -1;
+    if (b != NULL && as_ll(b, &blocks) < 0) return -1;
+    long long hit = 0;
+    if (blocks) {
+        hit = blocks * ibt;
+        if (prompt - 1 < hit) hit = prompt - 1;
+    }
+    double fraction = n_indexed ? (double)blocks / (double)n_indexed : 0.0;
+    double miss = fraction >= min_hit ? 1.0 - fraction : 1.0;
+    double per_token = prior_prefill, decode = prior_decode;
+    if (speeds != Py_None) {
+        PyObject *sp = PyObject_CallOneArg(speeds, w);
+        if (sp == NULL) return -1;
+        int rc = speeds_of(sp, &per_token, &decode);
+        Py_DECREF(sp);
+        if (rc < 0) return -1;
+    }
+    double reported, age, unreported, booked, capacity, joined;
+    if (as_double(PyTuple_GET_ITEM(cand, C_REPORTED_PREFILL), &reported) < 0 ||
+        as_double(PyTuple_GET_ITEM(cand, C_AGE), &age) < 0 ||
+        as_double(PyTuple_GET_ITEM(cand, C_UNREPORTED), &unreported) < 0 ||
+        as_double(PyTuple_GET_ITEM(cand, C_BOOKED), &booked) < 0 ||
+        as_double(PyTuple_GET_ITEM(cand, C_CAPACITY), &capacity) < 0 ||
+        as_double(PyTuple_GET_ITEM(cand, C_JOINED), &joined) < 0)
+        return -1;
+    double ahead = reported - age / per_token;
+    ahead = (ahead > 0.0 ? ahead : 0.0) + unreported;
+    long long own = prompt - hit > 1 ? prompt - hit : 1;
+    double ttft = (ahead + (double)own) * per_token + decode;
+    double busy = w_busy * booked / (capacity != 0.0 ? capacity : 1.0);
+    int is_rep = 0;
+    if (has_reps) {
+        is_rep = PySet_Contains(rep_set, w);
+        if (is_rep < 0) return -1;
+    }
+    double moved = has_reps && !is_rep ? 1.0 : 0.0;
+    double s = w_load * (ttft / scale + busy) + w_cache * miss + w_stable * moved;
+    int cold = explores && now_s - joined < window;
+    PyObject *hit_o = NULL, *s_o = NULL, *queue = NULL, *r = NULL;
+    int rc = -1;
+    if (has_reps) {
+        PyObject *rq = NULL;
+        int go = cold || !m->has_best || s <= m->best ||
+                 (is_rep && (!m->has_sticky || s <= m->sticky)) || !m->has_expand;
+        if (!go) {
+            rq = rounded(ahead * per_token / scale + busy);
+            if (rq == NULL) return -1;
+            double q;
+            if (as_double(rq, &q) < 0) {
+                Py_DECREF(rq);
+                return -1;
+            }
+            go = q <= m->expand;
+            if (!go) {
+                Py_DECREF(rq);
+                return 0;
+            }
+        } else {
+            rq = rounded(ahead * per_token / scale + busy);
+            if (rq == NULL) return -1;
+        }
+        int over = booked >= hard_fraction * capacity || ttft > hard_ttft;
+        PyObject *miss_o = PyFloat_FromDouble(miss);
+        queue = miss_o ? PyTuple_Pack(2, rq, miss_o) : NULL;
+        Py_XDECREF(miss_o);
+        Py_DECREF(rq);
+        if (queue == NULL) return -1;
+        hit_o = PyLong_FromLongLong(hit);
+        s_o = PyFloat_FromDouble(s);
+        if (hit_o == NULL || s_o == NULL) goto done;
+        PyObject *args[8] = {acc, rh, w, hit_o, s_o, queue,
+                             (is_rep && !over) ? Py_True : Py_False, cold ? Py_True : Py_False};
+        r = PyObject_Vectorcall(keep, args, 8, NULL);
+        if (r == NULL || read_mins(acc, m, 1) < 0) goto done;
+    } else if (cold || !m->has_best || s <= m->best) {
+        hit_o = PyLong_FromLongLong(hit);
+        s_o = PyFloat_FromDouble(s);
+        if (hit_o == NULL || s_o == NULL) goto done;
+        PyObject *args[8] = {acc, rh, w, hit_o, s_o, Py_None, Py_False,
+                             cold ? Py_True : Py_False};
+        r = PyObject_Vectorcall(keep, args, 8, NULL);
+        if (r == NULL || read_mins(acc, m, 0) < 0) goto done;
+    }
+    rc = 0;
+done:
+    Py_XDECREF(hit_o);
+    Py_XDECREF(s_o);
+    Py_XDECREF(queue);
+    Py_XDECREF(r);
+    return rc;
+}
+
+PyDoc_STRVAR(score_into_doc,
+             "score_into(acc, keep, candidates, weights, matches, rep_set, n_indexed, prompt, "
+             "rh, speeds, prior, explores, now_s, /)\n--\n\n"
+             "sluice.dispatcher.scoring.score_into_pure, in C.");
+
+static PyObject *score_into(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 13) {
+        PyErr_Format(PyExc_TypeError, "score_into() takes 13 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    PyObject *acc = args[0], *keep = args[1], *candidates = args[2], *weights = args[3],
+             *matches = args[4], *rep_set = args[5], *rh = args[8], *speeds = args[9],
+             *prior = args[10];
+    if (!PyDict_Check(matches)) {
+        PyErr_SetString(PyExc_TypeError, "matches must be a dict");
+        return NULL;
+    }
+    if (!PyAnySet_Check(rep_set)) {
+        PyErr_SetString(PyExc_TypeError, "rep_set must be a frozenset");
+        return NULL;
+    }
+    if (!PyTuple_Check(weights) || PyTuple_GET_SIZE(weights) != 10) {
+        PyErr_SetString(PyExc_TypeError, "weights must be a Weights");
+        return NULL;
+    }
+    long long ibt, n_indexed, prompt;
+    double wt[9], now_s, prior_prefill, prior_decode;
+    if (as_ll(PyTuple_GET_ITEM(weights, 0), &ibt) < 0) return NULL;
+    for (int i = 0; i < 9; i++)
+        if (as_double(PyTuple_GET_ITEM(weights, i + 1), &wt[i]) < 0) return NULL;
+    if (as_ll(args[6], &n_indexed) < 0 || as_ll(args[7], &prompt) < 0 ||
+        as_double(args[12], &now_s) < 0 || speeds_of(prior, &prior_prefill, &prior_decode) < 0)
+        return NULL;
+    int explores = PyObject_IsTrue(args[11]);
+    if (explores < 0) return NULL;
+    int has_reps = PySet_GET_SIZE(rep_set) > 0;
+    Mins m;
+    if (read_mins(acc, &m, 1) < 0) return NULL;
+    if (PyList_CheckExact(candidates)) {
+        /* The list may not change under the loop: keep() is ours and does not touch it. */
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(candidates); i++) {
+            PyObject *cand = PyList_GET_ITEM(candidates, i);
+            Py_INCREF(cand);
+            int rc = score_one(cand, acc, keep, matches, rep_set, has_reps, wt, ibt, n_indexed,
+                               prompt, rh, speeds, prior_prefill, prior_decode, explores,
+                               now_s, &m);
+            Py_DECREF(cand);
+            if (rc < 0) return NULL;
+        }
+        Py_RETURN_NONE;
+    }
+    PyObject *it = PyObject_GetIter(candidates);
+    if (it == NULL) return NULL;
+    PyObject *cand;
+    while ((cand = PyIter_Next(it)) != NULL) {
+        int rc = score_one(cand, acc, keep, matches, rep_set, has_reps, wt, ibt, n_indexed,
+                           prompt, rh, speeds, prior_prefill, prior_decode, explores, now_s,
+                           &m);
+        Py_DECREF(cand);
+        if (rc < 0) {
+            Py_DECREF(it);
+            return NULL;
+        }
+    }
+    Py_DECREF(it);
+    if (PyErr_Occurred()) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"score_into", (PyCFunction)(void (*)(void))score_into, METH_FASTCALL, score_into_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_scoring", "Scoring a decision's candidates in C.", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__scoring(void) {
+    s_best = PyUnicode_InternFromString("best");
+    s_sticky = PyUnicode_InternFromString("sticky");
+    s_expand = PyUnicode_InternFromString("expand");
+    s_prefill = PyUnicode_InternFromString("prefill_s_per_token");
+    s_decode = PyUnicode_InternFromString("decode_s_per_token");
+    two = PyLong_FromLong(2);
+    PyObject *builtins = PyEval_GetBuiltins(); /* borrowed */
+    round_fn = builtins ? PyDict_GetItemString(builtins, "round") : NULL;
+    if (!s_best || !s_sticky || !s_expand || !s_prefill || !s_decode || !two || !round_fn) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ImportError, "_scoring: no builtins");
+        return NULL;
+    }
+    Py_INCREF(round_fn);
+    return PyModule_Create(&module);
+}

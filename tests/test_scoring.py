@@ -1,0 +1,210 @@
+"""Scoring a decision's candidates: the native loop against the pure reference, on random
+candidates, and what each does with bad input."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sluice.dispatcher.routing import Candidate
+from sluice.dispatcher.scoring import NATIVE, Best, Weights, keep, score_into, score_into_pure
+
+_IMPLS = [score_into_pure, score_into] if NATIVE else [score_into_pure]
+each = pytest.mark.parametrize("run", _IMPLS, ids=["pure", "native"][: len(_IMPLS)])
+
+_WORKERS = [f"w{i}" for i in range(12)]
+_WEIGHTS = Weights(32, 0.2, 2.0, 0.5, 1.0, 1.0, 0.3, 0.9, 5.0, 30.0)
+
+
+@dataclass(frozen=True)
+class _Speeds:
+    prefill_s_per_token: float
+    decode_s_per_token: float
+
+
+_PRIOR = _Speeds(1e-4, 0.02)
+
+
+def test_the_native_scoring_is_built() -> None:
+    """What the dispatcher and the simulator run is the native loop: ``pip install`` compiles
+    it (optional only so that an install without a C compiler still works)."""
+    assert NATIVE, "sluice.dispatcher._scoring was not built: install with a C compiler"
+
+
+_FLOAT = st.floats(0.0, 50.0, allow_nan=False)
+_TOKENS = st.integers(0, 20_000)
+
+
+@st.composite
+def _candidate(draw: st.DrawFn, worker: str) -> Candidate:
+    capacity = draw(st.integers(0, 64))
+    return Candidate(
+        worker,
+        capacity,
+        draw(st.integers(0, max(capacity, 1))),
+        draw(_TOKENS),
+        draw(_TOKENS),
+        draw(_TOKENS),
+        draw(_TOKENS),
+        draw(_FLOAT),
+        draw(st.sampled_from([float("-inf"), -100.0, 90.0, 99.5, 100.0])),
+    )
+
+
+@st.composite
+def _case(draw: st.DrawFn) -> dict[str, Any]:
+    workers = draw(st.lists(st.sampled_from(_WORKERS), min_size=1, max_size=10, unique=True))
+    # Two batches, as a decision scores the shortlist, then more: the second starts from
+    # what the first kept.
+    batches = [[draw(_candidate(w)) for w in part] for part in (workers[::2], workers[1::2])]
+    n_indexed = draw(st.integers(0, 40))
+    held = draw(st.lists(st.sampled_from(workers), unique=True))
+    matches = {w: draw(st.integers(1, max(n_indexed, 1))) for w in held}
+    reps = frozenset(draw(st.lists(st.sampled_from(workers), unique=True, max_size=4)))
+    learned = draw(
+        st.none()
+        | st.dictionaries(
+            st.sampled_from(_WORKERS),
+            st.builds(_Speeds, st.floats(1e-6, 1e-2), st.floats(1e-3, 0.5)),
+        )
+    )
+    return {
+        "batches": batches,
+        "matches": matches,
+        "reps": reps,
+        "n_indexed": n_indexed,
+        "prompt": draw(st.integers(1, 8_000)),
+        "rh": draw(st.integers(0, 2**64 - 1)),
+        "learned": learned,
+        "explores": draw(st.booleans()),
+        "lazy": draw(st.booleans()),
+    }
+
+
+def _scored(run: Any, case: dict[str, Any]) -> tuple[Best, list[tuple[Any, ...]]]:
+    """Run ``run`` on the case's batches; what it kept, and every keep() call it made."""
+    calls: list[tuple[Any, ...]] = []
+
+    def recording(acc: Best, *args: Any) -> None:
+        calls.append(args)
+        keep(acc, *args)
+
+    learned = case["learned"]
+    speeds: Callable[[str], _Speeds] | None = (
+        None if learned is None else lambda w: learned.get(w, _PRIOR)
+    )
+    acc = Best()
+    for batch in case["batches"]:
+        candidates: Any = batch
+        if case["lazy"]:
+            # A generator that reads acc between two candidates, as _beyond() does.
+            def lazily(batch: list[Candidate] = batch) -> Iterator[Candidate]:
+                for cand in batch:
+                    if acc.best is not None and acc.best[0] < -1.0:
+                        return
+                    yield cand
+
+            candidates = lazily()
+        run(
+            acc,
+            recording,
+            candidates,
+            _WEIGHTS,
+            case["matches"],
+            case["reps"],
+            case["n_indexed"],
+            case["prompt"],
+            case["rh"],
+            speeds,
+            _PRIOR,
+            case["explores"],
+            100.0,
+        )
+    return acc, calls
+
+
+@pytest.mark.skipif(not NATIVE, reason="the native loop was not built")
+@settings(max_examples=400, deadline=None)
+@given(_case())
+def test_the_native_loop_keeps_what_the_reference_keeps(case: dict[str, Any]) -> None:
+    """The same candidates give the same minimums, through the same keep() calls with the
+    same terms (bit for bit: a score off by one ulp could change a decision). Fails if the
+    C computes any term otherwise, or filters a candidate the reference keeps."""
+    acc_pure, calls_pure = _scored(score_into_pure, case)
+    acc_native, calls_native = _scored(score_into, case)
+    assert calls_native == calls_pure
+    assert acc_native == acc_pure
+
+
+@each
+def test_a_candidate_on_the_prefix_and_idle_wins(run: Any) -> None:
+    """The terms, by example: of two idle workers the holder of the prefix scores lower."""
+    acc = Best()
+    cands = [Candidate("a", 8, 0, 0), Candidate("b", 8, 0, 0)]
+    run(acc, keep, cands, _WEIGHTS, {"b": 10}, frozenset(), 10, 1000, 7, None, _PRIOR, False, 0.0)
+    assert acc.best is not None and acc.best[2] == "b" and acc.best[3] == 320
+    assert acc.sticky is None and acc.expand is None and acc.cold is None
+
+
+@each
+def test_an_error_in_keep_reaches_the_caller(run: Any) -> None:
+    def failing(*_: Any) -> None:
+        raise RuntimeError("keep failed")
+
+    with pytest.raises(RuntimeError, match="keep failed"):
+        run(
+            Best(),
+            failing,
+            [Candidate("a", 8, 0, 0)],
+            _WEIGHTS,
+            {},
+            frozenset(),
+            0,
+            10,
+            1,
+            None,
+            _PRIOR,
+            False,
+            0.0,
+        )
+
+
+@pytest.mark.skipif(not NATIVE, reason="the native loop was not built")
+@pytest.mark.parametrize(
+    "change",
+    [
+        {2: [("a", 8)]},  # a candidate that is no Candidate
+        {2: [Candidate("a", "eight", 0, 0)]},  # type: ignore[arg-type]
+        {4: [("a", 1)]},  # matches not a dict
+        {5: ["a"]},  # replicas not a set
+        {3: (1, 2)},  # weights too short
+        {10: object()},  # a prior without speeds
+    ],
+)
+def test_bad_input_to_the_native_loop_is_a_type_error(change: dict[int, Any]) -> None:
+    args: list[Any] = [
+        Best(),
+        keep,
+        [Candidate("a", 8, 0, 0)],
+        _WEIGHTS,
+        {},
+        frozenset({"a"}),
+        0,
+        10,
+        1,
+        None,
+        _PRIOR,
+        False,
+        0.0,
+    ]
+    for i, v in change.items():
+        args[i] = v
+    with pytest.raises((TypeError, AttributeError)):
+        score_into(*args)
+    with pytest.raises(TypeError):
+        score_into(*args[:12])  # one argument short
