@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal
 
 from sluice.dispatcher.routing import Choice, RouteRequest
@@ -38,6 +39,14 @@ class Request:
         return self.prompt_tokens + self.max_tokens
 
     def route_view(self) -> RouteRequest:
+        """What a policy may know of it (made once: the plan, the booking and the completion
+        each hand it to the policy)."""
+        return self._route_view
+
+    @cached_property
+    def _route_view(self) -> RouteRequest:
+        # cached_property writes the instance's __dict__, which a frozen dataclass allows;
+        # replace() makes a new instance, and with it a new view.
         return RouteRequest(
             self.request_id,
             self.model,
