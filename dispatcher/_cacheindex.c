@@ -12,7 +12,10 @@
  * - A worker is a slot: its name, its reports' block set (a Python set, as the reference's,
  *   so that a snapshot diffs in the same order), its digest number and staleness. A slot is
  *   freed by remove_worker, which drops everything that names it.
- * - Guesses under a report are a Python dict {(hash, name): until}, as the reference's: rare.
+ * - A guess under a report (the reference's `_under`, a dict {(hash, worker): until}) is kept
+ *   in its hold, beside the report: a worker's reports of blocks the dispatcher routed to it
+ *   are not rare, and a dict of tuples cost three times what the rest of a block's update
+ *   does (see docs/BENCHMARKS.md).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -23,6 +26,7 @@
 typedef struct {
     int32_t slot;
     double until;
+    double under; /* while `until` is REPORTED: the guess beneath it, or NO_GUESS */
 } Hold;
 
 typedef struct {
@@ -57,7 +61,6 @@ typedef struct {
     Worker *w;
     int32_t w_cap, w_top, w_free;
     PyObject *slots; /* name -> int slot */
-    PyObject *under; /* (hash, name) -> until */
     uint64_t *sweep;
     Py_ssize_t sweep_n, sweep_cap, sweep_at;
     uint64_t gen;
@@ -142,53 +145,6 @@ static int32_t slot_of(Index *ix, PyObject *name, int create) {
     Py_INCREF(name);
     W->name = name;
     return slot;
-}
-
-static PyObject *under_key(uint64_t h, PyObject *name) {
-    PyObject *ho = hash_obj(h);
-    if (ho == NULL)
-        return NULL;
-    PyObject *k = PyTuple_Pack(2, ho, name);
-    Py_DECREF(ho);
-    return k;
-}
-
-/* The guess under a report (NO_GUESS if none), popped if `pop`; -1 on error. */
-static int under_take(Index *ix, uint64_t h, PyObject *name, int pop, double *out) {
-    *out = NO_GUESS;
-    if (PyDict_GET_SIZE(ix->under) == 0)
-        return 0;
-    PyObject *k = under_key(h, name);
-    if (k == NULL)
-        return -1;
-    PyObject *v = PyDict_GetItemWithError(ix->under, k);
-    int rc = v == NULL && PyErr_Occurred() ? -1 : 0;
-    if (v != NULL) {
-        *out = PyFloat_AsDouble(v);
-        if (pop)
-            rc = PyDict_DelItem(ix->under, k);
-    }
-    Py_DECREF(k);
-    return rc;
-}
-
-static int under_pop(Index *ix, uint64_t h, PyObject *name, double *out) {
-    return under_take(ix, h, name, 1, out);
-}
-
-static int under_get(Index *ix, uint64_t h, PyObject *name, double *out) {
-    return under_take(ix, h, name, 0, out);
-}
-
-static int under_set(Index *ix, uint64_t h, PyObject *name, double until) {
-    PyObject *k = under_key(h, name);
-    if (k == NULL)
-        return -1;
-    PyObject *v = PyFloat_FromDouble(until);
-    int rc = v == NULL ? -1 : PyDict_SetItem(ix->under, k, v);
-    Py_XDECREF(v);
-    Py_DECREF(k);
-    return rc;
 }
 
 static int reported_discard(Worker *W, uint64_t h) {
@@ -359,6 +315,7 @@ static int add_hold(Index *ix, int32_t e, int32_t slot, double until) {
     Hold *hs = holds_of(E);
     hs[E->n].slot = slot;
     hs[E->n].until = until;
+    hs[E->n].under = NO_GUESS;
     E->n++;
     return 0;
 }
@@ -379,8 +336,7 @@ static int trim(Index *ix) {
         for (uint32_t i = 0; i < E->n; i++) {
             if (hs[i].until == REPORTED) {
                 Worker *W = &ix->w[hs[i].slot];
-                double ignored;
-                if (reported_discard(W, E->hash) < 0 || under_pop(ix, E->hash, W->name, &ignored) < 0)
+                if (reported_discard(W, E->hash) < 0)
                     return -1;
             }
         }
@@ -401,10 +357,9 @@ static int report(Index *ix, uint64_t h, int32_t slot) {
     int32_t i = hold_at(E, slot);
     double hold = i < 0 ? NO_GUESS : holds_of(E)[i].until;
     if (hold != REPORTED) {
-        if (hold != NO_GUESS && under_set(ix, h, ix->w[slot].name, hold) < 0)
-            return -1;
         if (i < 0)
             return add_hold(ix, e, slot, REPORTED);
+        holds_of(E)[i].under = hold;
         holds_of(E)[i].until = REPORTED;
     }
     return 0;
@@ -418,17 +373,16 @@ static int unreport(Index *ix, int32_t slot, uint64_t h, int forget_guess) {
     int32_t i = hold_at(E, slot);
     if (i < 0)
         return 0;
-    Worker *W = &ix->w[slot];
-    double under;
-    if (reported_discard(W, h) < 0 || under_pop(ix, h, W->name, &under) < 0)
+    if (reported_discard(&ix->w[slot], h) < 0)
         return -1;
-    double hold = holds_of(E)[i].until;
-    if (hold != REPORTED)
-        under = hold;
-    if (forget_guess || under == NO_GUESS)
+    Hold *hd = &holds_of(E)[i];
+    double under = hd->until == REPORTED ? hd->under : hd->until;
+    if (forget_guess || under == NO_GUESS) {
         drop_hold(E, (uint32_t)i);
-    else
-        holds_of(E)[i].until = under;
+    } else {
+        hd->until = under;
+        hd->under = NO_GUESS;
+    }
     if (E->n == 0)
         delete_entry(ix, e);
     return 0;
@@ -470,8 +424,7 @@ static int Index_init(Index *ix, PyObject *args, PyObject *kwds) {
     ix->guess_ttl_s = ttl;
     ix->ent_free = ix->w_free = ix->head = ix->tail = -1;
     ix->slots = PyDict_New();
-    ix->under = PyDict_New();
-    return ix->slots && ix->under ? 0 : -1;
+    return ix->slots ? 0 : -1;
 }
 
 static void Index_dealloc(Index *ix) {
@@ -489,7 +442,6 @@ static void Index_dealloc(Index *ix) {
     PyMem_Free(ix->sweep);
     PyMem_Free(ix->scratch);
     Py_XDECREF(ix->slots);
-    Py_XDECREF(ix->under);
     Py_TYPE(ix)->tp_free((PyObject *)ix);
 }
 
@@ -573,10 +525,8 @@ static PyObject *guess_impl(Index *ix, PyObject *name, PyObject *hashes, double 
             Hold *hd = &holds_of(E)[i];
             if (hd->until < until) {
                 hd->until = until;
-            } else if (hd->until == REPORTED) {
-                double u;
-                if (under_get(ix, h, name, &u) < 0 || (u < until && under_set(ix, h, name, until) < 0))
-                    goto fail;
+            } else if (hd->until == REPORTED && hd->under < until) {
+                hd->under = until;
             }
         }
     }
@@ -909,26 +859,6 @@ static PyObject *Index_remove_worker(Index *ix, PyObject *name) {
         }
         e = next;
     }
-    /* Its guesses under reports. */
-    PyObject *doomed = PyList_New(0);
-    if (doomed == NULL)
-        return NULL;
-    PyObject *k, *v;
-    Py_ssize_t pos = 0;
-    while (PyDict_Next(ix->under, &pos, &k, &v)) {
-        int eq = PyObject_RichCompareBool(PyTuple_GET_ITEM(k, 1), name, Py_EQ);
-        if (eq < 0 || (eq && PyList_Append(doomed, k) < 0)) {
-            Py_DECREF(doomed);
-            return NULL;
-        }
-    }
-    for (Py_ssize_t j = 0; j < PyList_GET_SIZE(doomed); j++) {
-        if (PyDict_DelItem(ix->under, PyList_GET_ITEM(doomed, j)) < 0) {
-            Py_DECREF(doomed);
-            return NULL;
-        }
-    }
-    Py_DECREF(doomed);
     if (PyDict_DelItem(ix->slots, name) < 0)
         return NULL;
     Worker *W = &ix->w[slot];
