@@ -90,31 +90,26 @@ class KVCache:
         return True
 
     def _evict_to_capacity(self) -> None:
-        excess = self.used_blocks - self.capacity_blocks
-        if excess > 0:
-            self._evict_oldest(excess)
+        while self.used_blocks > self.capacity_blocks:
+            self._evict_oldest()
 
     def flush(self) -> int:
         """Evict every idle (unpinned) block, as an engine's cache flush does; how many."""
         n = len(self._idle)
-        self._evict_oldest(n)
+        while self._idle:
+            self._evict_oldest()
         return n
 
-    def _evict_oldest(self, n: int) -> None:
-        # One call per admission evicts all it must (the replay's hottest loop): the same
-        # blocks in the same order as n calls evicting one each.
-        pop, listener = self._idle.popitem, self.listener
-        reported, stored, evicted = self._reported, self._stored, self._evicted
-        for _ in range(n):
-            h, _ = pop(last=False)
-            if listener is not None:
-                listener("removed", [h])
-            if h in reported:
-                reported.discard(h)
-                if stored.pop(h, 0) is not None:
-                    evicted[h] = None
-                # else: stored and evicted since the last drain, no change
-        self.evicted_blocks += n
+    def _evict_oldest(self) -> None:
+        h, _ = self._idle.popitem(last=False)
+        self.evicted_blocks += 1
+        if self.listener is not None:
+            self.listener("removed", [h])
+        if h in self._reported:
+            self._reported.discard(h)
+            if self._stored.pop(h, 0) is None:
+                return  # stored and evicted since the last drain: no change
+            self._evicted[h] = None
 
     def drain_digest(self) -> tuple[list[int], list[int]]:
         """Reported blocks stored and evicted since the last drain."""
