@@ -199,6 +199,9 @@ def _core_figures(requests: int, decision_requests: int, as_json: bool) -> dict[
     figures["idle_decision_us"] = {str(n): us for n, us in costs.idle_decision_us.items()}
     figures["decision_phases_us"] = costs.phase_us
     figures["burst_decision_us"] = {str(n): us for n, us in costs.burst_decision_us.items()}
+    figures["shared_prompt_decision_us"] = {
+        str(n): us for n, us in costs.shared_prompt_decision_us.items()
+    }
     figures["baseline_decision_us"] = costs.baseline_decision_us
     figures["indexed_blocks"] = costs.indexed_blocks
     figures["native_index"] = costs.native_index

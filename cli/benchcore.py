@@ -225,6 +225,10 @@ class DecisionCosts:
     burst_decision_us: dict[int, float] = field(default_factory=dict)
     """Worker count -> CPU µs per decision of one plan placing four requests per worker at
     once onto the idle fleet (a burst: every decision moves a worker in the load order)."""
+    shared_prompt_decision_us: dict[int, float] = field(default_factory=dict)
+    """Worker count -> CPU µs per decision when every worker caches one 2,048-token system
+    prompt that every request starts with: every worker holds the prefix and is its replica,
+    which must not make a decision look at them all (:func:`_shared_prompt`)."""
     native_index: bool = False
     """Whether the measured policy's cache index was the native one (else the pure Python
     reference: an install without a C compiler)."""
@@ -258,6 +262,7 @@ def decision_costs(
     out: dict[int, float] = {}
     idle: dict[int, float] = {}
     burst: dict[int, float] = {}
+    shared: dict[int, float] = {}
     counts: dict[int, int] = {}
     filled = 0
     for n in worker_counts:
@@ -270,6 +275,7 @@ def decision_costs(
         out[n] = (time.process_time() - t0) / max(counts[n], 1) * 1e6
         idle[n] = _drive_idle(_fleet(n, capacity, indexed_blocks, stream, seed)[0], stream)
         burst[n] = _burst(_fleet(n, capacity, indexed_blocks, stream, seed)[0], 4 * n, seed)
+        shared[n] = _shared_prompt(n, capacity, indexed_blocks, requests, seed)
     phases: dict[str, float] = {}
     at = max([n for n in worker_counts if n <= 256] or [min(worker_counts)])
     sched, _ = _fleet(at, capacity, indexed_blocks, stream, seed)
@@ -278,7 +284,38 @@ def decision_costs(
     _drive(sched, stream, running, random.Random(seed + 1), 0.0, phases)
     base = _baseline_us(stream, 16, capacity, seed)
     native = not isinstance(getattr(sched.policy, "index", None), PureCacheIndex)
-    return DecisionCosts(out, base, filled, counts, phases, idle, at, burst, native, SCORING_NATIVE)
+    return DecisionCosts(
+        out, base, filled, counts, phases, idle, at, burst, shared, native, SCORING_NATIVE
+    )
+
+
+SYSTEM_PROMPT_BLOCKS = 128
+"""The shared system prompt of :func:`_shared_prompt`: 2,048 tokens in 16-token blocks."""
+
+
+def _shared_prompt(
+    workers: int, capacity: int, indexed_blocks: int, requests: int, seed: int
+) -> float:
+    """The busy fleet of :func:`decision_costs` where every worker's digest also reports one
+    system prompt that every request starts with (2,100-4,000 tokens each): CPU µs per
+    decision."""
+    rng = random.Random(seed + 5)
+    system = tuple(rng.getrandbits(63) for _ in range(SYSTEM_PROMPT_BLOCKS))
+    stream: _Stream = []
+    for i in range(requests):
+        blocks = rng.randint(2100, 4000) // BLOCK_TOKENS
+        own = tuple(rng.getrandbits(63) for _ in range(blocks - len(system)))
+        stream.append((f"s{i}", rng.choice(DEFAULT_BANDS), blocks * BLOCK_TOKENS, system + own))
+    sched, _ = _fleet(workers, capacity, indexed_blocks, stream, seed)
+    stride = index_stride(BLOCK_TOKENS, CacheAwareConfig().index_tokens)
+    entries = system[stride - 1 :: stride]
+    for w in range(workers):  # a delta after _fleet's snapshot: the prompt beside the rest
+        sched.policy.heartbeat(f"w{w}", Digest(1, False, entries), -3600.0)
+    running = _warm(sched, workers * capacity // 4, seed)
+    _fresh_heap()
+    t0 = time.process_time()
+    decisions = _drive(sched, stream, running, random.Random(seed + 1), 0.0)
+    return (time.process_time() - t0) / max(decisions, 1) * 1e6
 
 
 def _burst(sched: Scheduler, n: int, seed: int) -> float:
@@ -387,6 +424,9 @@ def cost_table(costs: DecisionCosts) -> list[tuple[str, str, str, str]]:
         rows.append((f"the same, idle fleet, {n:,} workers", f"{us:.1f} us", "", ""))
     for n, us in sorted(costs.burst_decision_us.items()):
         rows.append((f"one plan of {4 * n:,} onto {n:,} idle workers", f"{us:.1f} us", "", ""))
+    for n, us in sorted(costs.shared_prompt_decision_us.items()):
+        label = f"a system prompt on all {n:,} workers"
+        rows.append((label, f"{us:.1f} us", f"{us / costs.baseline_decision_us:.1f}x", ""))
     rows.append(("minimal FIFO + round-robin", f"{costs.baseline_decision_us:.2f} us", "1.0x", ""))
     if 16 in costs.decision_us and 1024 in costs.decision_us:
         g = costs.growth(1024, 16)

@@ -28,10 +28,12 @@ Then the safeguards, per request (there is no fleet-wide switch):
   and ``choose`` stays free of side effects.
 
 **Who is scored**: given the planner's :class:`~sluice.dispatcher.routing.CandidatePool`, not
-the whole fleet: the prefix's replicas, the ``shortlist_workers`` least-loaded holders of each
-match length, as many least-loaded other workers and, for a request that explores, the new
-workers; then any other worker whose load key (a lower bound of its load) could still beat the
-best so far. The choice is the one scoring everyone would make, but for ties.
+the whole fleet: the ``shortlist_workers`` least-loaded replicas and holders of each match
+length, as many least-loaded other workers and, for a request that explores, the new workers;
+then any other replica or worker whose load key (a lower bound of its load) could still beat
+the best so far. A prefix every worker caches (a shared system prompt) makes every worker a
+replica: they are walked in load order too, so a decision still scores a few. The choice is the
+one scoring everyone would make, but for ties.
 
 ``choose`` changes nothing; ``observe`` (called by the scheduler once the worker accepted)
 records the placement. ``heartbeat``, ``completed`` and ``remove_worker`` feed the index and
@@ -42,7 +44,7 @@ from __future__ import annotations
 
 import collections
 import itertools
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -234,7 +236,8 @@ class CacheAware:
             # Workers that still cache the whole key prefix hold it too, however long ago
             # it was routed there.
             need = min(self._key_blocks // self._stride, len(indexed)) or 1
-            reps += sorted(w for w, b in matches.items() if b >= need and w not in reps)
+            routed = set(reps)
+            reps += sorted(w for w, b in matches.items() if b >= need and w not in routed)
         budget = self.affinity.budget(key, fleet, now_s) if key is not None else 1
         rh = request_hash(request.request_id)
         return _Context(len(indexed), matches, reps, budget, frozenset(reps), rh)
@@ -295,15 +298,27 @@ class CacheAware:
         explores: bool,
         left: list[tuple[int, list[tuple[float, str]]]] | None = None,
         walk: Iterator[tuple[float, str]] | None = None,
+        left_reps: list[tuple[int, list[tuple[float, str]]]] | None = None,
     ) -> list[Candidate]:
-        """The shortlist; ``left`` gets, per match length, the holders left off it as
-        (load key, worker), least loaded first, and the least loaded are taken from ``walk``
-        (the pool's load order), which :meth:`_beyond` then goes on with."""
+        """The shortlist; ``left`` (``left_reps``) gets, per match length, the holders (the
+        replicas) left off it as (load key, worker), least loaded first, and the least
+        loaded are taken from ``walk`` (the pool's load order), which :meth:`_beyond` then
+        goes on with."""
         picked: dict[str, Candidate] = {}
-        for w in ctx.reps:
-            if w not in picked and (cand := pool.get(w)) is not None:
-                picked[w] = cand
-        self._holders(ctx, pool, picked, left)
+        matches = ctx.matches
+        if len(ctx.reps) <= self.config.shortlist_workers:
+            for w in ctx.reps:
+                if w not in picked and (cand := pool.get(w)) is not None:
+                    picked[w] = cand
+            self._groups(matches.items(), pool, picked, left)
+        else:
+            # Many replicas (a hot prefix, a system prompt every worker caches): grouped by
+            # how much of the prompt they hold, as the holders are, k of each group here.
+            reps = [(w, matches.get(w, 0)) for w in ctx.reps]
+            self._groups(reps, pool, picked, left_reps)
+            rep_set = ctx.rep_set
+            holders = ((w, b) for w, b in matches.items() if w not in rep_set)
+            self._groups(holders, pool, picked, left)
         if explores:
             # Only a request that explores needs every new worker (and how many there are).
             # A little early, so that the exact test in choose() decides who is new.
@@ -315,27 +330,28 @@ class CacheAware:
                 picked.setdefault(cand.worker_id, cand)
         else:
             for _, w in itertools.islice(walk, k):
-                if w not in picked and (cand := pool.get(w)) is not None:
-                    picked[w] = cand
+                if w not in picked and (got := pool.get(w)) is not None:
+                    picked[w] = got
         return list(picked.values())
 
-    def _holders(
+    def _groups(
         self,
-        ctx: _Context,
+        members: Iterable[tuple[str, int]],
         pool: CandidatePool,
         picked: dict[str, Candidate],
         left: list[tuple[int, list[tuple[float, str]]]] | None,
     ) -> None:
-        """Into ``picked``: of each group of holders that hold as much of the prompt (they
-        differ only in load, unless their speeds do), the k least loaded. Those holding
-        nothing are the group least_loaded() gives."""
+        """Into ``picked``: of each group of ``members`` (worker, index entries of the prompt
+        it holds) that hold as much of the prompt (they differ only in load, unless their
+        speeds do), the k least loaded; ``left`` gets the rest of each group, least loaded
+        first. Those holding nothing are the group least_loaded() gives."""
         k = self.config.shortlist_workers
         groups: dict[int, list[str]] = {}
-        for w, blocks in ctx.matches.items():
+        for w, blocks in members:
             if w not in picked:
                 groups.setdefault(blocks, []).append(w)
-        for blocks, members in groups.items():
-            keyed = pool.load_keys(members)
+        for blocks, ids in groups.items():
+            keyed = pool.load_keys(ids)
             if len(keyed) > k:
                 keyed.sort()
                 if left is not None:
@@ -373,13 +389,17 @@ class CacheAware:
         if isinstance(candidates, CandidatePool) and 0 < 2 * c.shortlist_workers < n:
             # (A fleet of twice the shortlist or fewer costs less scored whole.)
             left: list[tuple[int, list[tuple[float, str]]]] = []
+            left_reps: list[tuple[int, list[tuple[float, str]]]] = []
             walk = candidates.ids_by_load()
-            short = self._shortlist(ctx, candidates, now_s, explores, left, walk)
+            short = self._shortlist(ctx, candidates, now_s, explores, left, walk, left_reps)
             scored.extend(short)
             self._score_into(acc, request, ctx, short, now_s, explores)
-            if self._rule(acc, ctx, n) in ("score", "spill", "expand"):
+            rule = self._rule(acc, ctx, n)
+            if rule in ("score", "spill", "expand") or (left_reps and rule == "sticky"):
                 seen = {cand.worker_id for cand in short}
-                more = self._beyond(acc, request, ctx, candidates, seen, scored, left, walk)
+                more = self._beyond(
+                    acc, request, ctx, candidates, seen, scored, left, walk, left_reps
+                )
                 self._score_into(acc, request, ctx, more, now_s, explores)
         else:
             scored.extend(candidates)
@@ -468,57 +488,27 @@ class CacheAware:
         scored: list[Candidate],
         left: list[tuple[int, list[tuple[float, str]]]],
         walk: Iterator[tuple[float, str]],
+        left_reps: list[tuple[int, list[tuple[float, str]]]] | None = None,
     ) -> Iterator[Candidate]:
-        """Candidates off the shortlist that could still win the score (or, for a prefix
-        that may gain a replica, the queue) rule: each one's load key, scaled by the
-        fleet's fastest speeds, bounds its terms from below; those bounds are compared with
-        the best so far as it improves, in load order, to the first that cannot win (the
-        bound grows with the key). Ties with the best are not looked for."""
-        c = self.config
-        prior = self.calibration.prior
-        fast_prefill, fast_decode = (
-            self.calibration.fastest()
-            if c.calibrate
-            else (prior.prefill_s_per_token, prior.decode_s_per_token)
-        )
-        f = min(1.0, fast_prefill / prior.prefill_s_per_token)
-        expand = acc.sticky is not None
-        scale, w_load, w_cache = c.ttft_scale_s, c.w_load, c.w_cache
-        # Who is left off is no replica (the shortlist has every replica that is a
-        # candidate): moved is the same for all of them.
-        moved = 1.0 if ctx.reps else 0.0
-        w_moved = (c.w_stable if ctx.reps else 0.0) * moved
-        prompt, ibt, n_indexed = request.prompt_tokens, self.index_block_tokens, ctx.indexed
-
-        def could_win(key: float, blocks: int) -> bool:
-            if expand:
-                assert acc.expand is not None
-                return round(f * key - _SLACK, 2) < acc.expand[0]
-            assert acc.best is not None
-            hit = min(blocks * ibt, prompt - 1) if blocks else 0
-            fraction = blocks / n_indexed if n_indexed else 0.0
-            miss = 1.0 - fraction if fraction >= c.min_hit_fraction else 1.0
-            own = prompt - hit if prompt - hit > 1 else 1
-            load = f * key + (own * fast_prefill + fast_decode) / scale
-            return w_load * load + w_cache * miss + w_moved < acc.best[0] - _SLACK
-
-        for blocks, keyed in left:  # the holders the shortlist's groups left off
-            for key, w in keyed:
-                if not could_win(key, blocks):
-                    break
-                cand = pool.get(w)
-                if cand is not None:
-                    seen.add(w)
-                    scored.append(cand)
-                    yield cand
-        matches = ctx.matches
+        """Candidates off the shortlist that could still win (:class:`_Bounds`), in load
+        order, to the first that cannot (the bound grows with the key). Ties with the best
+        are not looked for. The replicas left off come first; then, unless the rule is
+        settled on the replicas by then, the other holders and workers."""
+        bounds = _Bounds(self, acc, request, ctx)
+        n = len(pool)
+        yield from _walk_groups(left_reps or (), bounds.replica_could_win, pool, seen, scored)
+        if self._rule(acc, ctx, n) not in ("score", "spill", "expand"):
+            return
+        bounds.settle()
+        # The holders the shortlist's groups left off, then the others.
+        yield from _walk_groups(left, bounds.could_win, pool, seen, scored)
+        matches, rep_set = ctx.matches, ctx.rep_set
         for key, w in walk:  # the others, in load order, on from the shortlist's least loaded
-            if w in seen or w in matches:
+            if w in seen or w in matches or w in rep_set:
                 continue
-            if not could_win(key, 0):
+            if not bounds.could_win(key, 0):
                 return
-            cand = pool.get(w)
-            if cand is not None:
+            if (cand := pool.get(w)) is not None:
                 scored.append(cand)
                 yield cand
 
@@ -594,6 +584,93 @@ class CacheAware:
         counts = [n for n in self.affinity.replica_counts(now_s) if n]
         sets = dict(collections.Counter(counts))
         return PolicyStats(len(self.index), len(counts), max(counts, default=0), sets)
+
+
+def _walk_groups(
+    groups: Iterable[tuple[int, list[tuple[float, str]]]],
+    could_win: Callable[[float, int], bool],
+    pool: CandidatePool,
+    seen: set[str],
+    scored: list[Candidate],
+) -> Iterator[Candidate]:
+    """Of each group (index entries held, [(load key, worker)] least loaded first), the
+    candidates up to the first that cannot win."""
+    for blocks, keyed in groups:
+        for key, w in keyed:
+            if not could_win(key, blocks):
+                break
+            if (cand := pool.get(w)) is not None:
+                seen.add(w)
+                scored.append(cand)
+                yield cand
+
+
+class _Bounds:
+    """Lower bounds of the terms of a candidate not scored yet, from its load key (booked
+    work only, no reported queue) scaled by the fleet's fastest speeds, against the best so
+    far in ``acc`` as it improves."""
+
+    __slots__ = (
+        "_acc", "_c", "_expand", "_f", "_fast_decode", "_fast_prefill", "_ibt", "_indexed",
+        "_may_expand", "_prompt", "_w_moved",
+    )  # fmt: skip
+
+    def __init__(self, policy: CacheAware, acc: Best, request: RouteRequest, ctx: _Context):
+        c = self._c = policy.config
+        prior = policy.calibration.prior
+        self._fast_prefill, self._fast_decode = (
+            policy.calibration.fastest()
+            if c.calibrate
+            else (prior.prefill_s_per_token, prior.decode_s_per_token)
+        )
+        self._f = min(1.0, self._fast_prefill / prior.prefill_s_per_token)
+        self._acc = acc
+        self._prompt, self._ibt = request.prompt_tokens, policy.index_block_tokens
+        self._indexed = ctx.indexed
+        self._may_expand = len(ctx.reps) < ctx.budget
+        # Who is left off once the replicas are done is no replica: moved is the same for all.
+        self._w_moved = c.w_stable if ctx.reps else 0.0
+        self._expand = False
+
+    def score(self, key: float, blocks: int) -> float:
+        """The lowest score a candidate with this load key holding ``blocks`` index entries
+        of the prompt can have, moved or not aside."""
+        c = self._c
+        prompt, n_indexed = self._prompt, self._indexed
+        hit = min(blocks * self._ibt, prompt - 1) if blocks else 0
+        fraction = blocks / n_indexed if n_indexed else 0.0
+        miss = 1.0 - fraction if fraction >= c.min_hit_fraction else 1.0
+        own = prompt - hit if prompt - hit > 1 else 1
+        load = self._f * key + (own * self._fast_prefill + self._fast_decode) / c.ttft_scale_s
+        return c.w_load * load + c.w_cache * miss
+
+    def queue_beats(self, key: float) -> bool:
+        """Whether the queue of a candidate with this load key could beat the best queue."""
+        expand = self._acc.expand
+        return expand is None or round(self._f * key - _SLACK, 2) < expand[0]
+
+    def replica_could_win(self, key: float, blocks: int) -> bool:
+        """A replica left off: while no replica under the hard limit was scored it may
+        still win the sticky rule; then if its score could beat the best replica's (the
+        best replica is never better than the best of all: that covers both), or, for a
+        prefix that may gain a replica, its queue the best queue."""
+        sticky = self._acc.sticky
+        if sticky is None or self.score(key, blocks) < sticky[0] - _SLACK:
+            return True
+        return self._may_expand and self.queue_beats(key)
+
+    def settle(self) -> None:
+        """The replicas are done: a replica under the hard limit was found (the other
+        workers can only win the expand rule, by their queue) or not (the score rule)."""
+        self._expand = self._acc.sticky is not None
+
+    def could_win(self, key: float, blocks: int) -> bool:
+        """A worker that is no replica, after :meth:`settle`."""
+        if self._expand:
+            return self.queue_beats(key)
+        best = self._acc.best
+        assert best is not None
+        return self.score(key, blocks) + self._w_moved < best[0] - _SLACK
 
 
 def _terms(s: Scored, allowed: bool) -> dict[str, float | str]:

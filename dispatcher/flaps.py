@@ -33,7 +33,9 @@ class FlapMeter:
         self.max_keys = max_keys
         self.decisions = 0
         self.flaps = 0
-        self._served: OrderedDict[int, dict[str, float]] = OrderedDict()
+        self._served: OrderedDict[int, OrderedDict[str, float]] = OrderedDict()
+        """Per prefix key, the workers it was booked on and when, least recently first (so a
+        prefix booked on every worker of a large fleet costs no walk over them)."""
 
     @property
     def rate(self) -> float:
@@ -47,16 +49,25 @@ class FlapMeter:
             return False
         served = self._served.get(key)
         if served is None:
-            served = self._served[key] = {}
+            served = self._served[key] = OrderedDict()
             if len(self._served) > self.max_keys:
                 self._served.popitem(last=False)
         else:
             self._served.move_to_end(key)
-        recent = [w for w, t in served.items() if now_s - t < self.window_s]
-        flapped = bool(recent) and worker_id not in recent
-        for w in [w for w in served if w not in recent]:
+        window = self.window_s
+        while served:  # least recently booked first: only those that leave are looked at
+            w, t = next(iter(served.items()))
+            if now_s - t < window:
+                break
             del served[w]
+        flapped = bool(served) and worker_id not in served
+        served.pop(worker_id, None)
+        latest = served[next(reversed(served))] if served else now_s
         served[worker_id] = now_s
+        if now_s < latest:  # a clock that went back: keep the order by time
+            by_time = sorted(served.items(), key=lambda wt: wt[1])
+            served.clear()
+            served.update(by_time)
         if flapped:
             self.flaps += 1
         return flapped

@@ -232,6 +232,35 @@ def test_the_meter_follows_its_definition(
     assert len(meter._served) <= max_keys
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(
+            st.sampled_from(["w1", "w2", "w3", "w4"]),
+            st.sampled_from([-2.0, -1.0, 0.0, 0.0, 1.0, 2.0, 3.0]),
+        ),
+        max_size=40,
+    )
+)
+def test_the_meter_takes_a_clock_that_goes_back_as_it_takes_any_clock(
+    steps: list[tuple[str, float]],
+) -> None:
+    """The meter keeps a prefix's workers least recently booked first, and looks only at those
+    that leave the window: a booking dated before the latest one (a clock that went back) must
+    still leave every worker booked within the window, and only those, as checking each of
+    them does."""
+    window = 3.0
+    meter = FlapMeter(1, window_s=window)
+    booked: dict[str, float] = {}  # worker -> its last booking, as the meter's definition reads
+    t = 10.0
+    for worker, dt in steps:
+        t += dt
+        recent = {w for w, at in booked.items() if t - at < window}
+        booked = {w: at for w, at in booked.items() if w in recent} | {worker: t}
+        assert meter.booked((1,), worker, t) == (bool(recent) and worker not in recent)
+        assert dict(meter._served[prefix_key((1,), 1)]) == booked  # type: ignore[index]
+
+
 def test_the_scheduler_counts_flaps_of_what_it_books() -> None:
     """Bookings of one prefix alternating between two workers, each 0.9 s after the last,
     with a 1 s window: every booking but the first moves the prefix off its only recent

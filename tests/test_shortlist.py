@@ -308,6 +308,7 @@ def test_decision_costs_runs_at_a_tiny_size() -> None:
     costs = decision_costs(worker_counts=(4, 16), indexed_blocks=300, requests=200)
     assert set(costs.decision_us) == {4, 16} and costs.baseline_decision_us > 0
     assert set(costs.idle_decision_us) == set(costs.burst_decision_us) == {4, 16}
+    assert set(costs.shared_prompt_decision_us) == {4, 16}
     assert set(costs.phase_us) == {"enqueue", "plan", "routing", "book", "complete"}
     assert costs.phase_workers == 16
     assert costs.decisions == {4: 200, 16: 200}
@@ -350,6 +351,51 @@ def test_a_session_sticks_to_its_busy_replicas_on_a_large_fleet() -> None:
     choice = policy.choose(request, pool, 1.0)
     assert (choice.worker_id, choice.reason) == ("w20", "sticky")
     assert choice == policy.choose(request, cands, 1.0) and not pool.walked
+
+
+def _everywhere(n: int, k: int = 8) -> tuple[CacheAware, tuple[int, ...]]:
+    """A policy whose every one of ``n`` workers reports the same 64-block prompt prefix (a
+    system prompt): every worker is a replica of it."""
+    policy = CacheAware(
+        CacheAwareConfig(block_tokens=BT, index_tokens=BT, explore_share=0.0, shortlist_workers=k)
+    )
+    system = tuple(range(1000, 1064))
+    for i in range(n):
+        policy.heartbeat(f"w{i}", Digest(0, True, system), 0.0)
+    return policy, system
+
+
+def test_a_replica_off_the_shortlist_that_beats_it_still_wins() -> None:
+    # Load keys leave out the reported queue: the two replicas that sort first report a long
+    # one. Every other replica has one request booked, and w30 reports nothing queued.
+    policy, system = _everywhere(40, k=2)
+    cands = [Candidate(f"w{i}", 32, 1, 500, reported_prefill_tokens=8_000) for i in range(40)]
+    cands[0] = Candidate("w0", 32, 0, 0, reported_prefill_tokens=60_000)
+    cands[1] = Candidate("w1", 32, 0, 0, reported_prefill_tokens=60_000)
+    cands[30] = Candidate("w30", 32, 1, 500)
+    request = RouteRequest("r", "m", 70 * BT, 8, (*system, 1, 2, 3, 4, 5, 6))
+    pool = _Counting(ListPool(cands, policy.load_key))
+    choice = policy.choose(request, pool, 1.0)
+    assert (choice.worker_id, choice.reason) == ("w30", "sticky")
+    assert choice == policy.choose(request, cands, 1.0)
+
+
+def test_a_system_prompt_every_worker_caches_does_not_make_a_decision_score_them_all() -> None:
+    policy, system = _everywhere(1000)
+    cands = [
+        Candidate(f"w{i}", 32, 1 + i % 7, 1000, unreported_prefill_tokens=10 * (i % 13))
+        for i in range(1000)
+    ]
+    cands[777] = Candidate("w777", 32, 0, 0)
+    request = RouteRequest("r", "m", 70 * BT, 8, (*system, 1, 2, 3, 4, 5, 6))
+    pool = _Counting(ListPool(cands, policy.load_key))
+    choice = policy.choose(request, pool, 1.0)
+    assert choice == policy.choose(request, cands, 1.0)
+    assert choice.worker_id == "w777" and not pool.walked
+    # The k least-loaded replicas, and as few again whose bound could still win.
+    k = policy.config.shortlist_workers
+    assert pool.asked <= 2 * k + 6
+    assert pool.stepped <= 2 * k + 6
 
 
 def test_a_worker_off_the_shortlist_that_beats_it_still_wins() -> None:
