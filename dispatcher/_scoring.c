@@ -1,5 +1,6 @@
 /* Scoring a decision's candidates in C: sluice.dispatcher.scoring.score_into_pure, the
- * reference, line for line. tests/test_scoring.py drives both with the same random
+ * reference, line for line (and group_keys and held_at_least: group_keys_pure and
+ * held_at_least_pure, the loops a decision runs over every holder of its prefix). tests/test_scoring.py drives both with the same random
  * candidates and compares what they keep. Read the reference first; this file says only how
  * the same arithmetic is kept the same.
  *
@@ -15,7 +16,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-static PyObject *s_best, *s_sticky, *s_expand, *s_prefill, *s_decode, *round_fn, *two;
+static PyObject *s_best, *s_sticky, *s_expand, *s_prefill, *s_decode, *round_fn, *two, *zero;
 
 /* Candidate's fields (a NamedTuple: sluice.dispatcher.routing.Candidate). */
 enum { C_WORKER = 0, C_CAPACITY = 1, C_BOOKED = 2, C_REPORTED_PREFILL = 5, C_UNREPORTED = 6,
@@ -268,8 +269,150 @@ static PyObject *score_into(PyObject *self, PyObject *const *args, Py_ssize_t na
     Py_RETURN_NONE;
 }
 
+/* group_keys: sluice.dispatcher.scoring.group_keys_pure, the reference. */
+PyDoc_STRVAR(group_keys_doc,
+             "group_keys(workers, blocks_of, skip, moved_key, keys, /) -> dict\n\n"
+             "Per index entries held, the (load key, worker) of the candidates among workers "
+             "(see sluice.dispatcher.scoring.group_keys_pure).");
+
+/* map[key] as a new reference; NULL without an error if absent (any mapping, dicts fast). */
+static PyObject *get_item(PyObject *map, PyObject *key) {
+    if (PyDict_CheckExact(map)) {
+        PyObject *v = PyDict_GetItemWithError(map, key);
+        Py_XINCREF(v);
+        return v;
+    }
+    PyObject *v = PyObject_GetItem(map, key);
+    if (v == NULL && PyErr_ExceptionMatches(PyExc_KeyError)) PyErr_Clear();
+    return v;
+}
+
+static int group_one(PyObject *w, PyObject *blocks_of, PyObject *skip, PyObject *moved_key,
+                     PyObject *keys, PyObject *groups) {
+    if (skip != Py_None) {
+        int in = PySequence_Contains(skip, w);
+        if (in != 0) return in < 0 ? -1 : 0;
+    }
+    PyObject *key = get_item(moved_key, w);
+    if (key == NULL) {
+        if (PyErr_Occurred()) return -1;
+        key = get_item(keys, w);
+        if (key == NULL) return PyErr_Occurred() ? -1 : 0;
+    } else {
+        double v;
+        if (as_double(key, &v) < 0 || v == Py_HUGE_VAL) { /* inf: full for the rest of the plan */
+            Py_DECREF(key);
+            return PyErr_Occurred() ? -1 : 0;
+        }
+    }
+    PyObject *blocks = get_item(blocks_of, w);
+    if (blocks == NULL) {
+        if (PyErr_Occurred()) {
+            Py_DECREF(key);
+            return -1;
+        }
+        blocks = Py_NewRef(zero);
+    }
+    PyObject *pair = PyTuple_Pack(2, key, w);
+    Py_DECREF(key);
+    if (pair == NULL) {
+        Py_DECREF(blocks);
+        return -1;
+    }
+    PyObject *group = PyDict_GetItemWithError(groups, blocks); /* borrowed */
+    int rc;
+    if (group != NULL) {
+        rc = PyList_Append(group, pair);
+    } else if (PyErr_Occurred()) {
+        rc = -1;
+    } else {
+        group = PyList_New(1);
+        if (group == NULL) {
+            rc = -1;
+        } else {
+            Py_INCREF(pair);
+            PyList_SET_ITEM(group, 0, pair);
+            rc = PyDict_SetItem(groups, blocks, group);
+            Py_DECREF(group);
+        }
+    }
+    Py_DECREF(pair);
+    Py_DECREF(blocks);
+    return rc;
+}
+
+static PyObject *group_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_Format(PyExc_TypeError, "group_keys() takes 5 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    PyObject *workers = args[0], *blocks_of = args[1], *skip = args[2];
+    PyObject *moved_key = args[3], *keys = args[4];
+    PyObject *groups = PyDict_New();
+    if (groups == NULL) return NULL;
+    PyObject *it = PyObject_GetIter(workers);
+    if (it == NULL) {
+        Py_DECREF(groups);
+        return NULL;
+    }
+    PyObject *w;
+    while ((w = PyIter_Next(it)) != NULL) {
+        int rc = group_one(w, blocks_of, skip, moved_key, keys, groups);
+        Py_DECREF(w);
+        if (rc < 0) break;
+    }
+    Py_DECREF(it);
+    if (PyErr_Occurred()) {
+        Py_DECREF(groups);
+        return NULL;
+    }
+    return groups;
+}
+
+/* held_at_least: sluice.dispatcher.scoring.held_at_least_pure, the reference. */
+PyDoc_STRVAR(held_at_least_doc,
+             "held_at_least(matches, need, exclude, /) -> list\n\n"
+             "The workers of matches holding at least need index entries, but those in exclude "
+             "(see sluice.dispatcher.scoring.held_at_least_pure).");
+
+static PyObject *held_at_least(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "held_at_least() takes 3 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    PyObject *matches = args[0], *exclude = args[2];
+    if (!PyDict_Check(matches)) {
+        PyErr_SetString(PyExc_TypeError, "matches must be a dict");
+        return NULL;
+    }
+    long long need;
+    if (as_ll(args[1], &need) < 0) return NULL;
+    PyObject *out = PyList_New(0);
+    if (out == NULL) return NULL;
+    Py_ssize_t pos = 0;
+    PyObject *w, *b;
+    while (PyDict_Next(matches, &pos, &w, &b)) { /* borrowed */
+        long long held;
+        if (as_ll(b, &held) < 0) goto fail;
+        if (held < need) continue;
+        if (exclude != Py_None) {
+            int in = PySequence_Contains(exclude, w);
+            if (in < 0) goto fail;
+            if (in) continue;
+        }
+        if (PyList_Append(out, w) < 0) goto fail;
+    }
+    return out;
+fail:
+    Py_DECREF(out);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
+    {"held_at_least", (PyCFunction)(void (*)(void))held_at_least, METH_FASTCALL,
+     held_at_least_doc},
     {"score_into", (PyCFunction)(void (*)(void))score_into, METH_FASTCALL, score_into_doc},
+    {"group_keys", (PyCFunction)(void (*)(void))group_keys, METH_FASTCALL, group_keys_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -284,9 +427,11 @@ PyMODINIT_FUNC PyInit__scoring(void) {
     s_prefill = PyUnicode_InternFromString("prefill_s_per_token");
     s_decode = PyUnicode_InternFromString("decode_s_per_token");
     two = PyLong_FromLong(2);
+    zero = PyLong_FromLong(0);
     PyObject *builtins = PyEval_GetBuiltins(); /* borrowed */
     round_fn = builtins ? PyDict_GetItemString(builtins, "round") : NULL;
-    if (!s_best || !s_sticky || !s_expand || !s_prefill || !s_decode || !two || !round_fn) {
+    if (!s_best || !s_sticky || !s_expand || !s_prefill || !s_decode || !two || !zero ||
+        !round_fn) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_ImportError, "_scoring: no builtins");
         return NULL;
     }

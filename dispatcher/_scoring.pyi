@@ -1,7 +1,8 @@
 """Scoring a decision's candidates in C (``dispatcher/_scoring.c``): the loop of
-:func:`sluice.dispatcher.scoring.score_into_pure`, its reference."""
+:func:`sluice.dispatcher.scoring.score_into_pure`, its reference, and
+:func:`~sluice.dispatcher.scoring.group_keys_pure`'s."""
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable, Mapping
 
 from sluice.dispatcher.routing import Candidate
 from sluice.dispatcher.scoring import Best, SpeedsLike, Weights
@@ -22,3 +23,14 @@ def score_into(
     now_s: float,
     /,
 ) -> None: ...
+def group_keys(
+    workers: Iterable[str],
+    blocks_of: Mapping[str, int],
+    skip: Container[str] | None,
+    moved_key: Mapping[str, float],
+    keys: Mapping[str, float],
+    /,
+) -> dict[int, list[tuple[float, str]]]: ...
+def held_at_least(
+    matches: dict[str, int], need: int, exclude: Container[str] | None, /
+) -> list[str]: ...

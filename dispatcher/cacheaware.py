@@ -43,6 +43,7 @@ the speeds from the runtime (or the simulator).
 from __future__ import annotations
 
 import collections
+import heapq
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -75,7 +76,7 @@ from sluice.dispatcher.routing import (
     request_hash,
     tie_rank,
 )
-from sluice.dispatcher.scoring import Best, Weights, keep, score_into
+from sluice.dispatcher.scoring import Best, Weights, held_at_least, keep, score_into
 from sluice.schemas.hashing import DEFAULT_BLOCK_TOKENS, DEFAULT_INDEX_TOKENS, index_stride
 
 _U64 = float(2**64)
@@ -171,6 +172,8 @@ class _Context:
     budget: int
     rep_set: frozenset[str]
     request_hash: int
+    others: int = 0
+    """Holders of the prompt (in ``matches``) that are no replica."""
 
 
 _SLACK = 1e-9
@@ -232,15 +235,19 @@ class CacheAware:
         key = self._key(request)
         fleet = max(len(self._fleet), candidates)
         reps = self.affinity.replicas(key, now_s) if key is not None else []
+        # Holders that are no replica (on a fleet that caches one system prompt everywhere,
+        # none: then nobody walks the holders again to find that out).
+        others = len(matches) - sum(1 for w in reps if w in matches)
         if key is not None and self.config.sticky_cached:
             # Workers that still cache the whole key prefix hold it too, however long ago
             # it was routed there.
             need = min(self._key_blocks // self._stride, len(indexed)) or 1
-            routed = set(reps)
-            reps += sorted(w for w, b in matches.items() if b >= need and w not in routed)
+            cached = held_at_least(matches, need, set(reps) if reps else None)
+            others -= len(cached)
+            reps += cached
         budget = self.affinity.budget(key, fleet, now_s) if key is not None else 1
         rh = request_hash(request.request_id)
-        return _Context(len(indexed), matches, reps, budget, frozenset(reps), rh)
+        return _Context(len(indexed), matches, reps, budget, frozenset(reps), rh, others)
 
     def _score(
         self, request: RouteRequest, ctx: _Context, candidates: Sequence[Candidate]
@@ -301,24 +308,21 @@ class CacheAware:
         left_reps: list[tuple[int, list[tuple[float, str]]]] | None = None,
     ) -> list[Candidate]:
         """The shortlist; ``left`` (``left_reps``) gets, per match length, the holders (the
-        replicas) left off it as (load key, worker), least loaded first, and the least
-        loaded are taken from ``walk`` (the pool's load order), which :meth:`_beyond` then
-        goes on with."""
+        replicas) left off it as a heap of (load key, worker), and the least loaded are
+        taken from ``walk`` (the pool's load order), which :meth:`_beyond` then goes on
+        with."""
         picked: dict[str, Candidate] = {}
         matches = ctx.matches
         if len(ctx.reps) <= self.config.shortlist_workers:
             for w in ctx.reps:
                 if w not in picked and (cand := pool.get(w)) is not None:
                     picked[w] = cand
-            self._groups(matches.items(), pool, picked, left)
         else:
             # Many replicas (a hot prefix, a system prompt every worker caches): grouped by
             # how much of the prompt they hold, as the holders are, k of each group here.
-            reps = [(w, matches.get(w, 0)) for w in ctx.reps]
-            self._groups(reps, pool, picked, left_reps)
-            rep_set = ctx.rep_set
-            holders = ((w, b) for w, b in matches.items() if w not in rep_set)
-            self._groups(holders, pool, picked, left)
+            self._groups(pool.keyed_groups(ctx.reps, matches), pool, picked, left_reps)
+        if ctx.others:
+            self._groups(pool.keyed_groups(matches, matches, ctx.rep_set), pool, picked, left)
         if explores:
             # Only a request that explores needs every new worker (and how many there are).
             # A little early, so that the exact test in choose() decides who is new.
@@ -336,29 +340,28 @@ class CacheAware:
 
     def _groups(
         self,
-        members: Iterable[tuple[str, int]],
+        groups: dict[int, list[tuple[float, str]]],
         pool: CandidatePool,
         picked: dict[str, Candidate],
         left: list[tuple[int, list[tuple[float, str]]]] | None,
     ) -> None:
-        """Into ``picked``: of each group of ``members`` (worker, index entries of the prompt
-        it holds) that hold as much of the prompt (they differ only in load, unless their
-        speeds do), the k least loaded; ``left`` gets the rest of each group, least loaded
-        first. Those holding nothing are the group least_loaded() gives."""
+        """Into ``picked``: of each group of workers (index entries of the prompt they hold
+        -> their (load key, worker)) that hold as much of the prompt (they differ only in
+        load, unless their speeds do), the k least loaded; ``left`` gets the rest of each
+        group as a heap of (load key, worker). Those holding nothing are the group
+        least_loaded() gives."""
         k = self.config.shortlist_workers
-        groups: dict[int, list[str]] = {}
-        for w, blocks in members:
-            if w not in picked:
-                groups.setdefault(blocks, []).append(w)
-        for blocks, ids in groups.items():
-            keyed = pool.load_keys(ids)
+        for blocks, keyed in groups.items():
             if len(keyed) > k:
-                keyed.sort()
+                # The k least loaded; the rest stays a heap (least loaded on top), walked
+                # only as far as a bound could still win: a group may be the whole fleet.
+                heapq.heapify(keyed)
+                first = [heapq.heappop(keyed) for _ in range(k)]
                 if left is not None:
-                    left.append((blocks, keyed[k:]))
-                del keyed[k:]
+                    left.append((blocks, keyed))
+                keyed = first
             for _, w in keyed:
-                if (cand := pool.get(w)) is not None:
+                if w not in picked and (cand := pool.get(w)) is not None:
                     picked[w] = cand
 
     def load_key(self, booked: int, capacity: int, unreported_prefill_tokens: int) -> float:
@@ -593,12 +596,14 @@ def _walk_groups(
     seen: set[str],
     scored: list[Candidate],
 ) -> Iterator[Candidate]:
-    """Of each group (index entries held, [(load key, worker)] least loaded first), the
-    candidates up to the first that cannot win."""
+    """Of each group (index entries held, a heap of (load key, worker)), the candidates in
+    load order up to the first that cannot win."""
     for blocks, keyed in groups:
-        for key, w in keyed:
+        while keyed:
+            key, w = keyed[0]
             if not could_win(key, blocks):
                 break
+            heapq.heappop(keyed)
             if (cand := pool.get(w)) is not None:
                 seen.add(w)
                 scored.append(cand)

@@ -13,7 +13,7 @@ import bisect
 import heapq
 import itertools
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from sluice.dispatcher.admission import AdmissionConfig
@@ -23,6 +23,7 @@ from sluice.dispatcher.pool import FreeWorkers
 from sluice.dispatcher.queues import Queues
 from sluice.dispatcher.quotas import Level, Quotas
 from sluice.dispatcher.routing import Candidate, CandidatePool, Choice, LoadKey, RoutingPolicy
+from sluice.dispatcher.scoring import group_keys
 from sluice.dispatcher.shares import BandMeter, ShareKind
 from sluice.dispatcher.work import Dispatch, Request, WorkerInfo
 
@@ -259,6 +260,18 @@ class _Pool(CandidatePool):
                 continue
             out.append((key, w))
         return out
+
+    def keyed_groups(
+        self,
+        worker_ids: Iterable[str],
+        blocks_of: Mapping[str, int],
+        skip: Container[str] | None = None,
+    ) -> dict[int, list[tuple[float, str]]]:
+        # The same answers, in one native loop over the holders (a decision on a fleet that
+        # caches one system prompt everywhere has every worker among them).
+        return group_keys(
+            worker_ids, blocks_of, skip, self._s.moved_key, self._state.free.keys(self._model)
+        )
 
     def ids_by_load(self) -> Iterator[tuple[float, str]]:
         # The plan's own bookings moved some workers in the order: merge those (kept sorted

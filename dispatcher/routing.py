@@ -16,7 +16,7 @@ from __future__ import annotations
 import abc
 import functools
 import itertools
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol, overload, runtime_checkable
 
@@ -78,6 +78,23 @@ class CandidatePool(Sequence[Candidate], abc.ABC):
             if key is not None:
                 out.append((key, w))
         return out
+
+    def keyed_groups(
+        self,
+        worker_ids: Iterable[str],
+        blocks_of: Mapping[str, int],
+        skip: Container[str] | None = None,
+    ) -> dict[int, list[tuple[float, str]]]:
+        """:meth:`load_keys` of those of ``worker_ids`` not in ``skip``, grouped by
+        ``blocks_of`` (the index entries of the prompt each holds; 0 if absent)."""
+        groups: dict[int, list[tuple[float, str]]] = {}
+        for w in worker_ids:
+            if skip is not None and w in skip:
+                continue
+            key = self.load_key(w)
+            if key is not None:
+                groups.setdefault(blocks_of.get(w, 0), []).append((key, w))
+        return groups
 
     @abc.abstractmethod
     def ids_by_load(self) -> Iterator[tuple[float, str]]:

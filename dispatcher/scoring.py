@@ -12,7 +12,7 @@ what they keep.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -170,14 +170,92 @@ def score_into_pure(
             best = acc.best
 
 
+_INF = float("inf")
+
+
+def group_keys_pure(
+    workers: Iterable[str],
+    blocks_of: Mapping[str, int],
+    skip: Container[str] | None,
+    moved_key: Mapping[str, float],
+    keys: Mapping[str, float],
+    /,
+) -> dict[int, list[tuple[float, str]]]:
+    """Per index entries of the prompt held (``blocks_of``, 0 for a worker not in it), the
+    (load key, worker) of each of ``workers`` not in ``skip`` that is a candidate: its key in
+    ``moved_key`` (the plan's own bookings moved it; inf: it is full) if there, else in
+    ``keys`` (the scheduler's order of workers with room); in neither, it is none. The loop a
+    decision runs over every holder of its prefix (on a fleet that caches one system prompt
+    everywhere, every worker)."""
+    groups: dict[int, list[tuple[float, str]]] = {}
+    for w in workers:
+        if skip is not None and w in skip:
+            continue
+        key = moved_key.get(w)
+        if key is None:
+            key = keys.get(w)
+            if key is None:
+                continue
+        elif key == _INF:
+            continue
+        blocks = blocks_of.get(w, 0)
+        group = groups.get(blocks)
+        if group is None:
+            groups[blocks] = [(key, w)]
+        else:
+            group.append((key, w))
+    return groups
+
+
+def held_at_least_pure(
+    matches: dict[str, int], need: int, exclude: Container[str] | None, /
+) -> list[str]:
+    """The workers of ``matches`` (worker -> index entries of the prompt it holds) holding at
+    least ``need``, but those in ``exclude``, in ``matches``' order."""
+    if exclude is None:
+        return [w for w, b in matches.items() if b >= need]
+    return [w for w, b in matches.items() if b >= need and w not in exclude]
+
+
+class HeldAtLeast(Protocol):
+    """The signature :func:`held_at_least_pure` and the native loop share."""
+
+    def __call__(
+        self, matches: dict[str, int], need: int, exclude: Container[str] | None, /
+    ) -> list[str]: ...
+
+
+class GroupKeys(Protocol):
+    """The signature :func:`group_keys_pure` and the native loop share."""
+
+    def __call__(
+        self,
+        workers: Iterable[str],
+        blocks_of: Mapping[str, int],
+        skip: Container[str] | None,
+        moved_key: Mapping[str, float],
+        keys: Mapping[str, float],
+        /,
+    ) -> dict[int, list[tuple[float, str]]]: ...
+
+
 NATIVE: bool
-"""Whether :func:`score_into` is the native loop (else the reference)."""
+"""Whether :func:`score_into`, :func:`group_keys` and :func:`held_at_least` are the native
+loops (else the references)."""
 score_into: ScoreInto
+group_keys: GroupKeys
+held_at_least: HeldAtLeast
 try:
+    from sluice.dispatcher._scoring import group_keys as _native_groups
+    from sluice.dispatcher._scoring import held_at_least as _native_held
     from sluice.dispatcher._scoring import score_into as _native
 
     score_into = _native
+    group_keys = _native_groups
+    held_at_least = _native_held
     NATIVE = True
-except ImportError:  # installed without a C compiler: the reference
+except ImportError:  # installed without a C compiler: the references
     score_into = score_into_pure
+    group_keys = group_keys_pure
+    held_at_least = held_at_least_pure
     NATIVE = False

@@ -3,16 +3,27 @@ candidates, and what each does with bad input."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sluice.dispatcher.routing import Candidate
-from sluice.dispatcher.scoring import NATIVE, Best, Weights, keep, score_into, score_into_pure
+from sluice.dispatcher.scoring import (
+    NATIVE,
+    Best,
+    Weights,
+    group_keys,
+    group_keys_pure,
+    held_at_least,
+    held_at_least_pure,
+    keep,
+    score_into,
+    score_into_pure,
+)
 
 _IMPLS = [score_into_pure, score_into] if NATIVE else [score_into_pure]
 each = pytest.mark.parametrize("run", _IMPLS, ids=["pure", "native"][: len(_IMPLS)])
@@ -208,3 +219,91 @@ def test_bad_input_to_the_native_loop_is_a_type_error(change: dict[int, Any]) ->
         score_into(*args)
     with pytest.raises(TypeError):
         score_into(*args[:12])  # one argument short
+
+
+# ------------------------------------------------------------------- grouping the holders
+
+
+_V = TypeVar("_V")
+
+
+class _View(Mapping[str, _V]):
+    """A mapping that is no dict (the scheduler hands out read-only views)."""
+
+    def __init__(self, d: dict[str, _V]) -> None:
+        self._d = d
+
+    def __getitem__(self, k: str) -> _V:
+        return self._d[k]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._d)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+
+_KEY = st.sampled_from([0.0, 0.25, 0.5, 0.5, 1.0, 3.0])
+
+
+@given(
+    workers=st.lists(st.sampled_from(_WORKERS), max_size=20),
+    blocks=st.dictionaries(st.sampled_from(_WORKERS), st.integers(0, 4), max_size=12),
+    skip=st.none() | st.frozensets(st.sampled_from(_WORKERS), max_size=6),
+    moved=st.dictionaries(st.sampled_from(_WORKERS), _KEY | st.just(float("inf")), max_size=6),
+    keys=st.dictionaries(st.sampled_from(_WORKERS), _KEY, max_size=12),
+    view=st.booleans(),
+)
+@settings(max_examples=300, deadline=None)
+def test_the_native_grouping_is_the_reference(
+    workers: list[str],
+    blocks: dict[str, int],
+    skip: frozenset[str] | None,
+    moved: dict[str, float],
+    keys: dict[str, float],
+    view: bool,
+) -> None:
+    """The holders of a prefix grouped by how much of it each holds, with their load keys:
+    the plan's own moves first (inf: full), then the scheduler's order, no key no candidate."""
+    expected = group_keys_pure(workers, blocks, skip, moved, keys)
+    for w, b in ((w, b) for b, g in expected.items() for _, w in g):
+        assert blocks.get(w, 0) == b and (skip is None or w not in skip)
+    held: Mapping[str, float] = _View(keys) if view else keys
+    of: Mapping[str, int] = _View(blocks) if view else blocks
+    assert group_keys(workers, of, skip, moved, held) == expected
+
+
+@pytest.mark.skipif(not NATIVE, reason="the native loop was not built")
+def test_bad_input_to_the_native_grouping_is_a_type_error() -> None:
+    with pytest.raises(TypeError):
+        group_keys(["w0"], {}, None, {"w0": "fast"}, {})  # type: ignore[dict-item]
+    with pytest.raises(TypeError):
+        group_keys(5, {}, None, {}, {})  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        group_keys([], {}, None, {})  # type: ignore[call-arg]
+
+
+@given(
+    matches=st.dictionaries(st.sampled_from(_WORKERS), st.integers(0, 6), max_size=12),
+    need=st.integers(0, 6),
+    exclude=st.none() | st.sets(st.sampled_from(_WORKERS), max_size=6),
+)
+@settings(max_examples=300, deadline=None)
+def test_the_native_holders_of_a_whole_prefix_are_the_reference(
+    matches: dict[str, int], need: int, exclude: set[str] | None
+) -> None:
+    expected = held_at_least_pure(matches, need, exclude)
+    assert expected == [
+        w for w, b in matches.items() if b >= need and (exclude is None or w not in exclude)
+    ]
+    assert held_at_least(matches, need, exclude) == expected
+
+
+@pytest.mark.skipif(not NATIVE, reason="the native loop was not built")
+def test_bad_input_to_the_native_holders_is_a_type_error() -> None:
+    with pytest.raises(TypeError):
+        held_at_least([("w0", 1)], 1, None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        held_at_least({"w0": "many"}, 1, None)  # type: ignore[dict-item]
+    with pytest.raises(TypeError):
+        held_at_least({"w0": 1}, 1, 5)  # type: ignore[arg-type]

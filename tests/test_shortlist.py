@@ -220,6 +220,10 @@ class _Checking(CacheAware):
         ids = [*candidates._state.workers, "not-a-worker"]  # type: ignore[attr-defined]
         keyed = [(k, w) for w in ids if (k := ref.load_key(w)) is not None]
         assert candidates.load_keys(ids) == keyed
+        # Grouped by how much of a prompt each holds (a decision's holders and replicas).
+        held = {w: i % 3 for i, w in enumerate(ids)}
+        for skip in (None, frozenset(ids[::2])):
+            assert candidates.keyed_groups(ids, held, skip) == ref.keyed_groups(ids, held, skip)
         assert [w for _, w in candidates.ids_by_load()] == [w for _, w in ref.ids_by_load()]
         cold = {c.worker_id for c in candidates.joined_after(now_s - 30.0)}
         assert cold == {c.worker_id for c in ref.joined_after(now_s - 30.0)}
@@ -396,6 +400,22 @@ def test_a_system_prompt_every_worker_caches_does_not_make_a_decision_score_them
     k = policy.config.shortlist_workers
     assert pool.asked <= 2 * k + 6
     assert pool.stepped <= 2 * k + 6
+
+
+def test_a_holder_of_part_of_the_prompt_that_is_no_replica_is_on_the_shortlist() -> None:
+    # w50 holds 30 of the prompt's 40 blocks (less than its key prefix: no replica) and is
+    # busier than the idle workers the least-loaded part of the shortlist takes.
+    policy = CacheAware(CacheAwareConfig(block_tokens=BT, index_tokens=BT, explore_share=0.0))
+    hashes = tuple(range(500, 540))
+    policy.heartbeat("w50", Digest(0, True, hashes[:30]), 0.0)
+    cands = [Candidate(f"w{i}", 32, 0, 0) for i in range(100)]
+    cands[50] = Candidate("w50", 32, 2, 1300)
+    request = RouteRequest("r", "m", 40 * BT + 5, 8, hashes)
+    pool = _Counting(ListPool(cands, policy.load_key))
+    choice = policy.choose(request, pool, 1.0)
+    assert choice == policy.choose(request, cands, 1.0)
+    assert (choice.worker_id, choice.reason) == ("w50", "score")
+    assert choice.expected_hit_tokens == 30 * BT
 
 
 def test_a_worker_off_the_shortlist_that_beats_it_still_wins() -> None:
