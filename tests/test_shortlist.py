@@ -121,6 +121,94 @@ def test_the_bounded_choice_is_the_exhaustive_one_whenever_that_is_on_the_shortl
     assert policy.choose(request, list(pool), now) == exhaustive
 
 
+def _assert_same_but_ties(
+    policy: CacheAware, request: RouteRequest, candidates: list[Candidate], now: float
+) -> Choice:
+    """The bounded choice on a pool is the exhaustive one, but for a tie on the rule's key
+    with a worker left off; returns the bounded choice."""
+    exhaustive = policy.choose(request, candidates, now)
+    bounded = policy.choose(request, ListPool(candidates, policy.load_key), now)
+    if bounded != exhaustive:
+        assert bounded.reason == exhaustive.reason
+        terms = {s.candidate.worker_id: s for s in policy.score(request, candidates, now)[0]}
+        b, e = terms[bounded.worker_id], terms[exhaustive.worker_id]
+        if bounded.reason == "expand":
+            assert round(b.queue, 2) == round(e.queue, 2)
+        else:
+            assert b.score == e.score
+    return bounded
+
+
+@given(st.data())
+@settings(max_examples=300, deadline=None)
+def test_the_bounded_choice_among_replicas_everywhere_is_the_exhaustive_one(
+    data: st.DataObject,
+) -> None:
+    """Every worker caches one system prompt (so every one is its replica), some only part of
+    it, and their reported queues (which load keys leave out) differ widely: the replicas
+    the shortlist leaves off are walked as far as one could still win."""
+    n = data.draw(st.integers(6, 40), label="workers")
+    k = data.draw(st.integers(1, 3), label="shortlist_workers")
+    policy = CacheAware(
+        CacheAwareConfig(
+            block_tokens=BT, index_tokens=BT, key_tokens=4 * BT, explore_share=0.0,
+            shortlist_workers=k, max_replicas=data.draw(st.sampled_from([1, 64])),
+        )
+    )  # fmt: skip
+    system = tuple(range(900, 908))
+    for w in range(n):
+        held = system[: data.draw(st.sampled_from([8, 8, 8, 6, 2]))]
+        policy.heartbeat(f"w{w}", Digest(0, True, held), 50.0)
+    for i in range(data.draw(st.integers(0, 20), label="bookings")):
+        past = RouteRequest(f"p{i}", "m", 9 * BT, 8, (*system, 1000 + i))
+        policy.observe(past, f"w{data.draw(st.integers(0, n - 1))}", 100.0)
+    now = 110.0
+    candidates = []
+    for w in range(n):
+        cap = data.draw(st.integers(2, 8))
+        candidates.append(
+            Candidate(
+                worker_id=f"w{w}",
+                capacity=cap,
+                booked=data.draw(st.integers(0, cap - 1)),
+                booked_tokens=data.draw(st.integers(0, 20_000)),
+                reported_prefill_tokens=data.draw(st.sampled_from([0, 2_000, 30_000, 90_000])),
+                unreported_prefill_tokens=data.draw(st.sampled_from([0, 300, 4_000])),
+                report_age_s=data.draw(st.sampled_from([0.0, 0.2, 1.0])),
+            )
+        )
+    request = RouteRequest("r", "m", 10 * BT + 3, 16, (*system, 7, 8))
+    _assert_same_but_ties(policy, request, candidates, now)
+
+
+def test_a_replica_left_off_with_less_of_the_prompt_still_wins_the_expand_rule() -> None:
+    # The prefix may gain replicas (its budget exceeds its three), so the least queue wins.
+    # w2 holds less of the prompt than w0: its score's bound is over w0's score, but its
+    # queue is under w0's. w1 sorts before it by load key and reports a long queue.
+    policy = CacheAware(
+        CacheAwareConfig(
+            block_tokens=BT, index_tokens=BT, key_tokens=4 * BT, explore_share=0.0,
+            shortlist_workers=1,
+        )
+    )  # fmt: skip
+    system = tuple(range(900, 908))
+    policy.heartbeat("w0", Digest(0, True, system), 50.0)
+    for w in ("w1", "w2"):
+        policy.heartbeat(w, Digest(0, True, system[:4]), 50.0)
+    for i in range(3, 10):  # the rest of the fleet, full: room in the budget, no candidates
+        policy.heartbeat(f"w{i}", None, 50.0)
+    for i in range(4):
+        policy.observe(RouteRequest(f"p{i}", "m", 9 * BT, 8, (*system, 1000 + i)), "w0", 100.0)
+    cands = [
+        Candidate("w0", 8, 2, 500),
+        Candidate("w1", 8, 0, 0, reported_prefill_tokens=90_000),
+        Candidate("w2", 5, 1, 200),
+    ]
+    request = RouteRequest("r", "m", 10 * BT + 3, 16, (*system, 7, 8))
+    choice = _assert_same_but_ties(policy, request, cands, 110.0)
+    assert (choice.worker_id, choice.reason) == ("w2", "expand")
+
+
 class _Counting(CandidatePool):
     """A pool that says whether the policy walked the whole fleet."""
 
