@@ -369,6 +369,184 @@ static PyObject *group_keys(PyObject *self, PyObject *const *args, Py_ssize_t na
     return groups;
 }
 
+/* least_keys: sluice.dispatcher.scoring.least_keys_pure, the reference. Each group keeps its
+ * m least (key, worker) in a sorted array (m is small: a shortlist's), compared as Python
+ * compares the tuples (the key, then the worker id), and counts the rest. */
+PyDoc_STRVAR(least_keys_doc,
+             "least_keys(workers, blocks_of, skip, moved_key, keys, m, /) -> dict\n\n"
+             "Per index entries held, the m least (load key, worker) of the candidates among "
+             "workers, and how many there are (see sluice.dispatcher.scoring.least_keys_pure).");
+
+#define LEAST_MAX 64
+
+typedef struct {
+    long long blocks;
+    Py_ssize_t count;
+    int n;
+    double key[LEAST_MAX];
+    PyObject *keyobj[LEAST_MAX]; /* owned */
+    PyObject *w[LEAST_MAX];      /* owned */
+} Least;
+
+/* (k1, w1) < (k2, w2), as Python compares the tuples; -1 on error. */
+static int pair_less(double k1, PyObject *w1, double k2, PyObject *w2) {
+    if (k1 != k2) return k1 < k2;
+    int c = PyUnicode_Compare(w1, w2);
+    if (c == -1 && PyErr_Occurred()) return -1;
+    return c < 0;
+}
+
+static int least_add(Least *g, int m, double key, PyObject *keyobj, PyObject *w) {
+    g->count++;
+    int at = g->n;
+    while (at > 0) {
+        int lt = pair_less(key, w, g->key[at - 1], g->w[at - 1]);
+        if (lt < 0) return -1;
+        if (!lt) break;
+        at--;
+    }
+    if (at >= m) return 0; /* not among the m least */
+    if (g->n == m) {       /* the largest leaves */
+        Py_DECREF(g->keyobj[m - 1]);
+        Py_DECREF(g->w[m - 1]);
+        g->n--;
+    }
+    for (int i = g->n; i > at; i--) {
+        g->key[i] = g->key[i - 1];
+        g->keyobj[i] = g->keyobj[i - 1];
+        g->w[i] = g->w[i - 1];
+    }
+    g->key[at] = key;
+    g->keyobj[at] = Py_NewRef(keyobj);
+    g->w[at] = Py_NewRef(w);
+    g->n++;
+    return 0;
+}
+
+static void least_free(Least *gs, int ng) {
+    for (int i = 0; i < ng; i++)
+        for (int j = 0; j < gs[i].n; j++) {
+            Py_DECREF(gs[i].keyobj[j]);
+            Py_DECREF(gs[i].w[j]);
+        }
+    PyMem_Free(gs);
+}
+
+/* The key of a candidate (new reference), NULL without an error if it is none. */
+static PyObject *key_of(PyObject *w, PyObject *moved_key, PyObject *keys, double *v) {
+    PyObject *key = get_item(moved_key, w);
+    if (key == NULL) {
+        if (PyErr_Occurred()) return NULL;
+        key = get_item(keys, w);
+        if (key == NULL) return NULL;
+        if (as_double(key, v) < 0) {
+            Py_DECREF(key);
+            return NULL;
+        }
+        return key;
+    }
+    if (as_double(key, v) < 0 || *v == Py_HUGE_VAL) { /* inf: full for the rest of the plan */
+        Py_DECREF(key);
+        return NULL;
+    }
+    return key;
+}
+
+static PyObject *least_result(Least *gs, int ng) {
+    PyObject *out = PyDict_New();
+    if (out == NULL) return NULL;
+    for (int i = 0; i < ng; i++) {
+        PyObject *list = PyList_New(gs[i].n);
+        if (list == NULL) goto fail;
+        for (int j = 0; j < gs[i].n; j++) {
+            PyObject *pair = PyTuple_Pack(2, gs[i].keyobj[j], gs[i].w[j]);
+            if (pair == NULL) {
+                Py_DECREF(list);
+                goto fail;
+            }
+            PyList_SET_ITEM(list, j, pair);
+        }
+        PyObject *entry = Py_BuildValue("(Nn)", list, gs[i].count);
+        PyObject *blocks = entry ? PyLong_FromLongLong(gs[i].blocks) : NULL;
+        int rc = blocks ? PyDict_SetItem(out, blocks, entry) : -1;
+        Py_XDECREF(blocks);
+        Py_XDECREF(entry);
+        if (rc < 0) goto fail;
+    }
+    return out;
+fail:
+    Py_DECREF(out);
+    return NULL;
+}
+
+static PyObject *least_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) {
+        PyErr_Format(PyExc_TypeError, "least_keys() takes 6 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    PyObject *workers = args[0], *blocks_of = args[1], *skip = args[2];
+    PyObject *moved_key = args[3], *keys = args[4];
+    long long m;
+    if (as_ll(args[5], &m) < 0) return NULL;
+    if (m < 1 || m > LEAST_MAX) {
+        PyErr_Format(PyExc_ValueError, "least_keys(): m must be within [1, %d]", LEAST_MAX);
+        return NULL;
+    }
+    int cap = 8, ng = 0;
+    Least *gs = PyMem_Malloc(sizeof(Least) * cap);
+    if (gs == NULL) return PyErr_NoMemory();
+    PyObject *it = PyObject_GetIter(workers);
+    if (it == NULL) {
+        PyMem_Free(gs);
+        return NULL;
+    }
+    PyObject *w;
+    while ((w = PyIter_Next(it)) != NULL) {
+        int rc = 0;
+        if (skip != Py_None) rc = PySequence_Contains(skip, w);
+        double v;
+        PyObject *key = rc == 0 ? key_of(w, moved_key, keys, &v) : NULL;
+        if (key != NULL) {
+            long long blocks = 0;
+            PyObject *b = get_item(blocks_of, w);
+            if (b != NULL) {
+                rc = as_ll(b, &blocks);
+                Py_DECREF(b);
+            } else if (PyErr_Occurred()) {
+                rc = -1;
+            }
+            int g = 0;
+            while (rc == 0 && g < ng && gs[g].blocks != blocks) g++;
+            if (rc == 0 && g == ng) {
+                if (ng == cap) {
+                    Least *more = PyMem_Realloc(gs, sizeof(Least) * cap * 2);
+                    if (more == NULL) {
+                        PyErr_NoMemory();
+                        rc = -1;
+                    } else {
+                        gs = more;
+                        cap *= 2;
+                    }
+                }
+                if (rc == 0) {
+                    gs[ng].blocks = blocks;
+                    gs[ng].count = 0;
+                    gs[ng].n = 0;
+                    ng++;
+                }
+            }
+            if (rc == 0) rc = least_add(&gs[g], (int)m, v, key, w);
+            Py_DECREF(key);
+        }
+        Py_DECREF(w);
+        if (rc < 0 || PyErr_Occurred()) break;
+    }
+    Py_DECREF(it);
+    PyObject *out = PyErr_Occurred() ? NULL : least_result(gs, ng);
+    least_free(gs, ng);
+    return out;
+}
+
 /* held_at_least: sluice.dispatcher.scoring.held_at_least_pure, the reference. */
 PyDoc_STRVAR(held_at_least_doc,
              "held_at_least(matches, need, exclude, /) -> list\n\n"
@@ -411,6 +589,7 @@ fail:
 static PyMethodDef methods[] = {
     {"held_at_least", (PyCFunction)(void (*)(void))held_at_least, METH_FASTCALL,
      held_at_least_doc},
+    {"least_keys", (PyCFunction)(void (*)(void))least_keys, METH_FASTCALL, least_keys_doc},
     {"score_into", (PyCFunction)(void (*)(void))score_into, METH_FASTCALL, score_into_doc},
     {"group_keys", (PyCFunction)(void (*)(void))group_keys, METH_FASTCALL, group_keys_doc},
     {NULL, NULL, 0, NULL},

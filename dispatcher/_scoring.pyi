@@ -34,3 +34,12 @@ def group_keys(
 def held_at_least(
     matches: dict[str, int], need: int, exclude: Container[str] | None, /
 ) -> list[str]: ...
+def least_keys(
+    workers: Iterable[str],
+    blocks_of: Mapping[str, int],
+    skip: Container[str] | None,
+    moved_key: Mapping[str, float],
+    keys: Mapping[str, float],
+    m: int,
+    /,
+) -> dict[int, tuple[list[tuple[float, str]], int]]: ...

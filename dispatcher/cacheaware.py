@@ -303,14 +303,13 @@ class CacheAware:
         pool: CandidatePool,
         now_s: float,
         explores: bool,
-        left: list[tuple[int, list[tuple[float, str]]]] | None = None,
+        left: list[tuple[int, _Rest]] | None = None,
         walk: Iterator[tuple[float, str]] | None = None,
-        left_reps: list[tuple[int, list[tuple[float, str]]]] | None = None,
+        left_reps: list[tuple[int, _Rest]] | None = None,
     ) -> list[Candidate]:
         """The shortlist; ``left`` (``left_reps``) gets, per match length, the holders (the
-        replicas) left off it as a heap of (load key, worker), and the least loaded are
-        taken from ``walk`` (the pool's load order), which :meth:`_beyond` then goes on
-        with."""
+        replicas) left off it (:class:`_Rest`), and the least loaded are taken from ``walk``
+        (the pool's load order), which :meth:`_beyond` then goes on with."""
         picked: dict[str, Candidate] = {}
         matches = ctx.matches
         if len(ctx.reps) <= self.config.shortlist_workers:
@@ -320,9 +319,9 @@ class CacheAware:
         else:
             # Many replicas (a hot prefix, a system prompt every worker caches): grouped by
             # how much of the prompt they hold, as the holders are, k of each group here.
-            self._groups(pool.keyed_groups(ctx.reps, matches), pool, picked, left_reps)
+            self._groups(ctx.reps, matches, None, pool, picked, left_reps)
         if ctx.others:
-            self._groups(pool.keyed_groups(matches, matches, ctx.rep_set), pool, picked, left)
+            self._groups(matches, matches, ctx.rep_set, pool, picked, left)
         if explores:
             # Only a request that explores needs every new worker (and how many there are).
             # A little early, so that the exact test in choose() decides who is new.
@@ -340,29 +339,34 @@ class CacheAware:
 
     def _groups(
         self,
-        groups: dict[int, list[tuple[float, str]]],
+        workers: Iterable[str],
+        matches: dict[str, int],
+        skip: frozenset[str] | None,
         pool: CandidatePool,
         picked: dict[str, Candidate],
-        left: list[tuple[int, list[tuple[float, str]]]] | None,
+        left: list[tuple[int, _Rest]] | None,
     ) -> None:
-        """Into ``picked``: of each group of workers (index entries of the prompt they hold
-        -> their (load key, worker)) that hold as much of the prompt (they differ only in
-        load, unless their speeds do), the k least loaded; ``left`` gets the rest of each
-        group as a heap of (load key, worker). Those holding nothing are the group
-        least_loaded() gives."""
+        """Into ``picked``: of each group of ``workers`` but ``skip`` that hold as much of the
+        prompt (they differ only in load, unless their speeds do), the k least loaded;
+        ``left`` gets the rest of each group (:class:`_Rest`). The pool lists only the 2k
+        least of each group: a group may be the whole fleet, and a decision rarely looks
+        past them. Those holding nothing are the group least_loaded() gives."""
         k = self.config.shortlist_workers
-        for blocks, keyed in groups.items():
-            if len(keyed) > k:
-                # The k least loaded; the rest stays a heap (least loaded on top), walked
-                # only as far as a bound could still win: a group may be the whole fleet.
-                heapq.heapify(keyed)
-                first = [heapq.heappop(keyed) for _ in range(k)]
-                if left is not None:
-                    left.append((blocks, keyed))
-                keyed = first
-            for _, w in keyed:
+        for blocks, (least, count) in pool.least_groups(workers, matches, skip, 2 * k).items():
+            for _, w in least[:k]:
                 if w not in picked and (cand := pool.get(w)) is not None:
                     picked[w] = cand
+            if count > k and left is not None:
+                more = None
+                if count > len(least):
+
+                    def more(b: int = blocks, after: tuple[float, str] = least[-1]) -> _Heap:
+                        group = pool.keyed_groups(workers, matches, skip).get(b, [])
+                        rest = [kw for kw in group if kw > after]
+                        heapq.heapify(rest)
+                        return rest
+
+                left.append((blocks, _Rest(least[k:], more)))
 
     def load_key(self, booked: int, capacity: int, unreported_prefill_tokens: int) -> float:
         """The queue term (``queue`` of :class:`Scored`) of a worker with this work whose
@@ -391,8 +395,8 @@ class CacheAware:
         scored: list[Candidate] = []
         if isinstance(candidates, CandidatePool) and 0 < 2 * c.shortlist_workers < n:
             # (A fleet of twice the shortlist or fewer costs less scored whole.)
-            left: list[tuple[int, list[tuple[float, str]]]] = []
-            left_reps: list[tuple[int, list[tuple[float, str]]]] = []
+            left: list[tuple[int, _Rest]] = []
+            left_reps: list[tuple[int, _Rest]] = []
             walk = candidates.ids_by_load()
             short = self._shortlist(ctx, candidates, now_s, explores, left, walk, left_reps)
             scored.extend(short)
@@ -489,9 +493,9 @@ class CacheAware:
         pool: CandidatePool,
         seen: set[str],
         scored: list[Candidate],
-        left: list[tuple[int, list[tuple[float, str]]]],
+        left: list[tuple[int, _Rest]],
         walk: Iterator[tuple[float, str]],
-        left_reps: list[tuple[int, list[tuple[float, str]]]] | None = None,
+        left_reps: list[tuple[int, _Rest]] | None = None,
     ) -> Iterator[Candidate]:
         """Candidates off the shortlist that could still win (:class:`_Bounds`), in load
         order, to the first that cannot (the bound grows with the key). Ties with the best
@@ -589,21 +593,41 @@ class CacheAware:
         return PolicyStats(len(self.index), len(counts), max(counts, default=0), sets)
 
 
+_Heap = list[tuple[float, str]]
+"""(load key, worker) pairs in heap order (least on top); a sorted list is one."""
+
+
+class _Rest:
+    """The workers of a group a shortlist left off, least loaded first: a heap of those the
+    pool listed and, if it listed only the least of the group, how to get the others."""
+
+    __slots__ = ("heap", "more")
+
+    def __init__(self, heap: _Heap, more: Callable[[], _Heap] | None) -> None:
+        self.heap, self.more = heap, more
+
+    def peek(self) -> tuple[float, str] | None:
+        """The least loaded left, or None."""
+        if not self.heap and self.more is not None:
+            self.heap, self.more = self.more(), None
+        return self.heap[0] if self.heap else None
+
+
 def _walk_groups(
-    groups: Iterable[tuple[int, list[tuple[float, str]]]],
+    groups: Iterable[tuple[int, _Rest]],
     could_win: Callable[[float, int], bool],
     pool: CandidatePool,
     seen: set[str],
     scored: list[Candidate],
 ) -> Iterator[Candidate]:
-    """Of each group (index entries held, a heap of (load key, worker)), the candidates in
-    load order up to the first that cannot win."""
-    for blocks, keyed in groups:
-        while keyed:
-            key, w = keyed[0]
+    """Of each group (index entries held, the workers left off), the candidates in load order
+    up to the first that cannot win."""
+    for blocks, rest in groups:
+        while (top := rest.peek()) is not None:
+            key, w = top
             if not could_win(key, blocks):
                 break
-            heapq.heappop(keyed)
+            heapq.heappop(rest.heap)
             if (cand := pool.get(w)) is not None:
                 seen.add(w)
                 scored.append(cand)

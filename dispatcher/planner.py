@@ -23,7 +23,7 @@ from sluice.dispatcher.pool import FreeWorkers
 from sluice.dispatcher.queues import Queues
 from sluice.dispatcher.quotas import Level, Quotas
 from sluice.dispatcher.routing import Candidate, CandidatePool, Choice, LoadKey, RoutingPolicy
-from sluice.dispatcher.scoring import group_keys
+from sluice.dispatcher.scoring import LEAST_MAX, group_keys, least_keys
 from sluice.dispatcher.shares import BandMeter, ShareKind
 from sluice.dispatcher.work import Dispatch, Request, WorkerInfo
 
@@ -272,6 +272,18 @@ class _Pool(CandidatePool):
         return group_keys(
             worker_ids, blocks_of, skip, self._s.moved_key, self._state.free.keys(self._model)
         )
+
+    def least_groups(
+        self,
+        worker_ids: Iterable[str],
+        blocks_of: Mapping[str, int],
+        skip: Container[str] | None,
+        m: int,
+    ) -> dict[int, tuple[list[tuple[float, str]], int]]:
+        if m > LEAST_MAX:
+            return super().least_groups(worker_ids, blocks_of, skip, m)
+        keys = self._state.free.keys(self._model)
+        return least_keys(worker_ids, blocks_of, skip, self._s.moved_key, keys, m)
 
     def ids_by_load(self) -> Iterator[tuple[float, str]]:
         # The plan's own bookings moved some workers in the order: merge those (kept sorted

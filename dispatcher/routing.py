@@ -96,6 +96,18 @@ class CandidatePool(Sequence[Candidate], abc.ABC):
                 groups.setdefault(blocks_of.get(w, 0), []).append((key, w))
         return groups
 
+    def least_groups(
+        self,
+        worker_ids: Iterable[str],
+        blocks_of: Mapping[str, int],
+        skip: Container[str] | None,
+        m: int,
+    ) -> dict[int, tuple[list[tuple[float, str]], int]]:
+        """:meth:`keyed_groups`, each group as its ``m`` least (load key, worker), least
+        first, and how many it has."""
+        groups = self.keyed_groups(worker_ids, blocks_of, skip)
+        return {b: (sorted(g)[:m], len(g)) for b, g in groups.items()}
+
     @abc.abstractmethod
     def ids_by_load(self) -> Iterator[tuple[float, str]]:
         """(load key, worker) of every candidate in load order (lowest key first), without

@@ -225,6 +225,43 @@ class HeldAtLeast(Protocol):
     ) -> list[str]: ...
 
 
+LEAST_MAX = 64
+"""The most :func:`least_keys` keeps per group (the native loop's bound)."""
+
+
+def least_keys_pure(
+    workers: Iterable[str],
+    blocks_of: Mapping[str, int],
+    skip: Container[str] | None,
+    moved_key: Mapping[str, float],
+    keys: Mapping[str, float],
+    m: int,
+    /,
+) -> dict[int, tuple[list[tuple[float, str]], int]]:
+    """:func:`group_keys_pure`'s groups, each as its ``m`` least (load key, worker), least
+    first, and how many it has: a decision takes the k least of each and looks further only
+    as far as a bound could still win, so a group of a whole fleet is never listed."""
+    if not 1 <= m <= LEAST_MAX:
+        raise ValueError(f"least_keys(): m must be within [1, {LEAST_MAX}]")
+    groups = group_keys_pure(workers, blocks_of, skip, moved_key, keys)
+    return {b: (sorted(g)[:m], len(g)) for b, g in groups.items()}
+
+
+class LeastKeys(Protocol):
+    """The signature :func:`least_keys_pure` and the native loop share."""
+
+    def __call__(
+        self,
+        workers: Iterable[str],
+        blocks_of: Mapping[str, int],
+        skip: Container[str] | None,
+        moved_key: Mapping[str, float],
+        keys: Mapping[str, float],
+        m: int,
+        /,
+    ) -> dict[int, tuple[list[tuple[float, str]], int]]: ...
+
+
 class GroupKeys(Protocol):
     """The signature :func:`group_keys_pure` and the native loop share."""
 
@@ -240,22 +277,26 @@ class GroupKeys(Protocol):
 
 
 NATIVE: bool
-"""Whether :func:`score_into`, :func:`group_keys` and :func:`held_at_least` are the native
-loops (else the references)."""
+"""Whether :func:`score_into`, :func:`group_keys`, :func:`least_keys` and
+:func:`held_at_least` are the native loops (else the references)."""
 score_into: ScoreInto
 group_keys: GroupKeys
 held_at_least: HeldAtLeast
+least_keys: LeastKeys
 try:
     from sluice.dispatcher._scoring import group_keys as _native_groups
     from sluice.dispatcher._scoring import held_at_least as _native_held
+    from sluice.dispatcher._scoring import least_keys as _native_least
     from sluice.dispatcher._scoring import score_into as _native
 
     score_into = _native
     group_keys = _native_groups
     held_at_least = _native_held
+    least_keys = _native_least
     NATIVE = True
 except ImportError:  # installed without a C compiler: the references
     score_into = score_into_pure
     group_keys = group_keys_pure
     held_at_least = held_at_least_pure
+    least_keys = least_keys_pure
     NATIVE = False

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from sluice.dispatcher.routing import Candidate
 from sluice.dispatcher.scoring import (
+    LEAST_MAX,
     NATIVE,
     Best,
     Weights,
@@ -21,6 +22,8 @@ from sluice.dispatcher.scoring import (
     held_at_least,
     held_at_least_pure,
     keep,
+    least_keys,
+    least_keys_pure,
     score_into,
     score_into_pure,
 )
@@ -307,3 +310,44 @@ def test_bad_input_to_the_native_holders_is_a_type_error() -> None:
         held_at_least({"w0": "many"}, 1, None)  # type: ignore[dict-item]
     with pytest.raises(TypeError):
         held_at_least({"w0": 1}, 1, 5)  # type: ignore[arg-type]
+
+
+@given(
+    workers=st.lists(st.sampled_from(_WORKERS), max_size=20),
+    blocks=st.dictionaries(st.sampled_from(_WORKERS), st.integers(0, 3), max_size=12),
+    skip=st.none() | st.frozensets(st.sampled_from(_WORKERS), max_size=6),
+    moved=st.dictionaries(st.sampled_from(_WORKERS), _KEY | st.just(float("inf")), max_size=6),
+    keys=st.dictionaries(st.sampled_from(_WORKERS), _KEY, max_size=12),
+    m=st.integers(1, 5),
+    view=st.booleans(),
+)
+@settings(max_examples=300, deadline=None)
+def test_the_native_least_keys_are_the_reference(
+    workers: list[str],
+    blocks: dict[str, int],
+    skip: frozenset[str] | None,
+    moved: dict[str, float],
+    keys: dict[str, float],
+    m: int,
+    view: bool,
+) -> None:
+    """Each group's m least (load key, worker), least first (equal keys by worker id, as
+    tuples compare), and its size: the grouping's groups, cut."""
+    expected = least_keys_pure(workers, blocks, skip, moved, keys, m)
+    full = group_keys_pure(workers, blocks, skip, moved, keys)
+    assert expected == {b: (sorted(g)[:m], len(g)) for b, g in full.items()}
+    held: Mapping[str, float] = _View(keys) if view else keys
+    assert least_keys(workers, blocks, skip, moved, held, m) == expected
+
+
+@pytest.mark.skipif(not NATIVE, reason="the native loop was not built")
+def test_bad_input_to_the_native_least_keys_is_an_error() -> None:
+    for m in (0, LEAST_MAX + 1):
+        with pytest.raises(ValueError):
+            least_keys([], {}, None, {}, {}, m)
+    with pytest.raises(TypeError):
+        least_keys(["w0"], {}, None, {"w0": "fast"}, {}, 2)  # type: ignore[dict-item]
+    with pytest.raises(TypeError):
+        least_keys(["w0"], {"w0": "all"}, None, {}, {"w0": 0.5}, 2)  # type: ignore[dict-item]
+    with pytest.raises(TypeError):
+        least_keys([5, 6], {}, None, {}, {5: 0.5, 6: 0.5}, 2)  # type: ignore[list-item, dict-item]
