@@ -248,18 +248,10 @@ class _Pool(CandidatePool):
 
     def load_keys(self, worker_ids: Iterable[str]) -> list[tuple[float, str]]:
         # load_key() for many workers at once (a decision asks for every holder of its
-        # prefix): the same answers, from the model's key map, without a call per worker.
-        moved_key, keys, out = self._s.moved_key, self._state.free.keys(self._model), []
-        for w in worker_ids:
-            key = moved_key.get(w)
-            if key is None:
-                key = keys.get(w)
-                if key is None:
-                    continue
-            elif key == _INF:
-                continue
-            out.append((key, w))
-        return out
+        # prefix): the same answers, from the model's key map, in the native loop (one group:
+        # none holds anything of an empty map), in the order asked.
+        keys = self._state.free.keys(self._model)
+        return group_keys(worker_ids, _EMPTY, None, self._s.moved_key, keys).get(0, [])
 
     def keyed_groups(
         self,
@@ -376,8 +368,8 @@ class _Pool(CandidatePool):
 
 
 _NEVER = float("-inf")
+_EMPTY: dict[str, int] = {}
 _NO_MOVES: list[tuple[float, str]] = []
-_INF = float("inf")
 
 
 def _decide(

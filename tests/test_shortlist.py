@@ -64,7 +64,17 @@ def _fleet_policy(data: st.DataObject, n: int) -> tuple[CacheAware, list[tuple[i
     return policy, prefixes
 
 
-def _candidates(data: st.DataObject, n: int, now_s: float) -> list[Candidate]:
+def _candidates(
+    data: st.DataObject,
+    n: int,
+    now_s: float,
+    reported: Sequence[int] = (0, 0, 500, 20_000),
+    unreported: Sequence[int] = (0, 0, 300, 9_000),
+    ages: Sequence[float] = (0.0, 0.5, 3.0),
+    joined: Sequence[float] = (-1e9, -1e9, -5.0),
+) -> list[Candidate]:
+    """Random candidates ``w0``..: their reported and unreported prefill, report ages and
+    join times (relative to ``now_s``; -1e9: long ago) drawn from the given choices."""
     out = []
     for w in range(n):
         cap = data.draw(st.integers(1, 8))
@@ -74,10 +84,10 @@ def _candidates(data: st.DataObject, n: int, now_s: float) -> list[Candidate]:
                 capacity=cap,
                 booked=data.draw(st.integers(0, cap - 1)),
                 booked_tokens=data.draw(st.integers(0, 50_000)),
-                reported_prefill_tokens=data.draw(st.sampled_from([0, 0, 500, 20_000])),
-                unreported_prefill_tokens=data.draw(st.sampled_from([0, 0, 300, 9_000])),
-                report_age_s=data.draw(st.sampled_from([0.0, 0.5, 3.0])),
-                joined_s=data.draw(st.sampled_from([-1e9, -1e9, now_s - 5.0])),
+                reported_prefill_tokens=data.draw(st.sampled_from(reported)),
+                unreported_prefill_tokens=data.draw(st.sampled_from(unreported)),
+                report_age_s=data.draw(st.sampled_from(ages)),
+                joined_s=now_s + data.draw(st.sampled_from(joined)),
             )
         )
     return out
@@ -163,20 +173,9 @@ def test_the_bounded_choice_among_replicas_everywhere_is_the_exhaustive_one(
         past = RouteRequest(f"p{i}", "m", 9 * BT, 8, (*system, 1000 + i))
         policy.observe(past, f"w{data.draw(st.integers(0, n - 1))}", 100.0)
     now = 110.0
-    candidates = []
-    for w in range(n):
-        cap = data.draw(st.integers(2, 8))
-        candidates.append(
-            Candidate(
-                worker_id=f"w{w}",
-                capacity=cap,
-                booked=data.draw(st.integers(0, cap - 1)),
-                booked_tokens=data.draw(st.integers(0, 20_000)),
-                reported_prefill_tokens=data.draw(st.sampled_from([0, 2_000, 30_000, 90_000])),
-                unreported_prefill_tokens=data.draw(st.sampled_from([0, 300, 4_000])),
-                report_age_s=data.draw(st.sampled_from([0.0, 0.2, 1.0])),
-            )
-        )
+    candidates = _candidates(
+        data, n, now, (0, 2_000, 30_000, 90_000), (0, 300, 4_000), (0.0, 0.2, 1.0), (-1e9,)
+    )
     request = RouteRequest("r", "m", 10 * BT + 3, 16, (*system, 7, 8))
     _assert_same_but_ties(policy, request, candidates, now)
 
