@@ -287,24 +287,35 @@ static PyObject *get_item(PyObject *map, PyObject *key) {
     return v;
 }
 
+/* The key of a candidate (new reference), NULL without an error if it is none. */
+static PyObject *key_of(PyObject *w, PyObject *moved_key, PyObject *keys, double *v) {
+    PyObject *key = get_item(moved_key, w);
+    if (key == NULL) {
+        if (PyErr_Occurred()) return NULL;
+        key = get_item(keys, w);
+        if (key == NULL) return NULL;
+        if (as_double(key, v) < 0) {
+            Py_DECREF(key);
+            return NULL;
+        }
+        return key;
+    }
+    if (as_double(key, v) < 0 || *v == Py_HUGE_VAL) { /* inf: full for the rest of the plan */
+        Py_DECREF(key);
+        return NULL;
+    }
+    return key;
+}
+
 static int group_one(PyObject *w, PyObject *blocks_of, PyObject *skip, PyObject *moved_key,
                      PyObject *keys, PyObject *groups) {
     if (skip != Py_None) {
         int in = PySequence_Contains(skip, w);
         if (in != 0) return in < 0 ? -1 : 0;
     }
-    PyObject *key = get_item(moved_key, w);
-    if (key == NULL) {
-        if (PyErr_Occurred()) return -1;
-        key = get_item(keys, w);
-        if (key == NULL) return PyErr_Occurred() ? -1 : 0;
-    } else {
-        double v;
-        if (as_double(key, &v) < 0 || v == Py_HUGE_VAL) { /* inf: full for the rest of the plan */
-            Py_DECREF(key);
-            return PyErr_Occurred() ? -1 : 0;
-        }
-    }
+    double v;
+    PyObject *key = key_of(w, moved_key, keys, &v);
+    if (key == NULL) return PyErr_Occurred() ? -1 : 0;
     PyObject *blocks = get_item(blocks_of, w);
     if (blocks == NULL) {
         if (PyErr_Occurred()) {
@@ -430,26 +441,6 @@ static void least_free(Least *gs, int ng) {
             Py_DECREF(gs[i].w[j]);
         }
     PyMem_Free(gs);
-}
-
-/* The key of a candidate (new reference), NULL without an error if it is none. */
-static PyObject *key_of(PyObject *w, PyObject *moved_key, PyObject *keys, double *v) {
-    PyObject *key = get_item(moved_key, w);
-    if (key == NULL) {
-        if (PyErr_Occurred()) return NULL;
-        key = get_item(keys, w);
-        if (key == NULL) return NULL;
-        if (as_double(key, v) < 0) {
-            Py_DECREF(key);
-            return NULL;
-        }
-        return key;
-    }
-    if (as_double(key, v) < 0 || *v == Py_HUGE_VAL) { /* inf: full for the rest of the plan */
-        Py_DECREF(key);
-        return NULL;
-    }
-    return key;
 }
 
 static PyObject *least_result(Least *gs, int ng) {

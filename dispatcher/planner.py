@@ -246,21 +246,15 @@ class _Pool(CandidatePool):
             return None
         return self._state.free.key(worker_id)
 
-    def load_keys(self, worker_ids: Iterable[str]) -> list[tuple[float, str]]:
-        # load_key() for many workers at once (a decision asks for every holder of its
-        # prefix): the same answers, from the model's key map, in the native loop (one group:
-        # none holds anything of an empty map), in the order asked.
-        keys = self._state.free.keys(self._model)
-        return group_keys(worker_ids, _EMPTY, None, self._s.moved_key, keys).get(0, [])
-
     def keyed_groups(
         self,
         worker_ids: Iterable[str],
         blocks_of: Mapping[str, int],
         skip: Container[str] | None = None,
     ) -> dict[int, list[tuple[float, str]]]:
-        # The same answers, in one native loop over the holders (a decision on a fleet that
-        # caches one system prompt everywhere has every worker among them).
+        # load_key() for many workers at once (a decision asks for every holder of its
+        # prefix): the same answers, from the model's key map, in one native loop (on a fleet
+        # that caches one system prompt everywhere, every worker is a holder).
         return group_keys(
             worker_ids, blocks_of, skip, self._s.moved_key, self._state.free.keys(self._model)
         )
@@ -368,7 +362,6 @@ class _Pool(CandidatePool):
 
 
 _NEVER = float("-inf")
-_EMPTY: dict[str, int] = {}
 _NO_MOVES: list[tuple[float, str]] = []
 
 

@@ -70,23 +70,15 @@ class CandidatePool(Sequence[Candidate], abc.ABC):
     def load_key(self, worker_id: str) -> float | None:
         """The candidate's place in the load order, or None if it is not a candidate."""
 
-    def load_keys(self, worker_ids: Iterable[str]) -> list[tuple[float, str]]:
-        """(load key, worker) of those of ``worker_ids`` that are candidates."""
-        out = []
-        for w in worker_ids:
-            key = self.load_key(w)
-            if key is not None:
-                out.append((key, w))
-        return out
-
     def keyed_groups(
         self,
         worker_ids: Iterable[str],
         blocks_of: Mapping[str, int],
         skip: Container[str] | None = None,
     ) -> dict[int, list[tuple[float, str]]]:
-        """:meth:`load_keys` of those of ``worker_ids`` not in ``skip``, grouped by
-        ``blocks_of`` (the index entries of the prompt each holds; 0 if absent)."""
+        """(load key, worker) of those of ``worker_ids`` not in ``skip`` that are candidates,
+        in the order given, grouped by ``blocks_of`` (the index entries of the prompt each
+        holds; 0 if absent)."""
         groups: dict[int, list[tuple[float, str]]] = {}
         for w in worker_ids:
             if skip is not None and w in skip:

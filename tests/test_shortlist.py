@@ -306,7 +306,7 @@ class _Checking(CacheAware):
         # a worker that is no candidate (full, or of another model).
         ids = [*candidates._state.workers, "not-a-worker"]  # type: ignore[attr-defined]
         keyed = [(k, w) for w in ids if (k := ref.load_key(w)) is not None]
-        assert candidates.load_keys(ids) == keyed
+        assert candidates.keyed_groups(ids, {}) == ({0: keyed} if keyed else {})
         # Grouped by how much of a prompt each holds (a decision's holders and replicas).
         held = {w: i % 3 for i, w in enumerate(ids)}
         for skip in (None, frozenset(ids[::2])):
@@ -534,7 +534,7 @@ class _Recording(CacheAware):
         self, request: RouteRequest, candidates: Sequence[Candidate], now_s: float
     ) -> Choice:
         assert isinstance(candidates, CandidatePool)
-        keyed = candidates.load_keys(["a", "b", "c", "gone"])
+        keyed = candidates.keyed_groups(["a", "b", "c", "gone"], {}).get(0, [])
         self.seen.append((keyed, [w for _, w in candidates.ids_by_load()]))
         return super().choose(request, candidates, now_s)
 
