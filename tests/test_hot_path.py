@@ -33,12 +33,14 @@ _PROMPT = list(range(64))
 
 
 async def test_requests_queued_together_are_offered_in_one_round(nats_url: str) -> None:
-    """Six requests wait while the dispatcher learns; its first planning round offers all six
-    before any worker's answer arrives (offered one by one, each answer would come before the
-    next offer)."""
+    """Six requests wait in the queue for a worker; once one joins, the planning round that
+    sees it offers all six before any worker's answer arrives (offered one by one, each answer
+    would come before the next offer)."""
     seen: list[tuple[str, str]] = []  # ("offer", reply subject) or ("answer", its subject)
     replies: set[str] = set()
-    kw = cluster_kwargs(workers=1, dispatcher={"learn_s": 1.5}, agent={"capacity": 8})
+    # No worker at first: the six are queued for certain before any plan can place them (a
+    # learning period that ends while they arrive, on a slow machine, would split them).
+    kw = cluster_kwargs(workers=0, agent={"capacity": 8})
     async with LocalCluster(nats_url, **kw) as cluster, Client(nats_url) as client:
 
         async def on_offer(msg: Msg) -> None:
@@ -49,12 +51,15 @@ async def test_requests_queued_together_are_offered_in_one_round(nats_url: str) 
             if msg.subject in replies:
                 seen.append(("answer", msg.subject))
 
-        await client.nc.subscribe(names.work_subject(cluster.agents[0].worker_id), cb=on_offer)
+        await client.nc.subscribe(names.work_subject("worker-0"), cb=on_offer)
         await client.nc.subscribe("_INBOX.>", cb=on_inbox)
         await client.nc.flush()
         handles = [
             await client.submit("sim", _PROMPT, max_tokens=2, band="interactive") for _ in range(6)
         ]
+        queue = cluster.dispatcher.scheduler
+        await eventually(lambda: _true(queue.queued == 6), timeout_s=10)
+        await cluster.add_agent("worker-0")
         for h in handles:
             assert (await h.result(timeout_s=20)).ok
         await eventually(lambda: _true(len(seen) >= 12))
