@@ -173,7 +173,9 @@ async def test_a_request_cancelled_before_the_dispatcher_pulled_it_never_runs(
     )
     async with LocalCluster(nats_url, **kw) as cluster, Client(nats_url) as c:
         agent = cluster.agents[0]
-        running = await c.submit("sim", _prompt(5), max_tokens=200)
+        # About a second of work: the dispatcher holds it (its one buffered request) until
+        # well after the cancel is answered, even on a slow machine.
+        running = await c.submit("sim", _prompt(5), max_tokens=800)
         await eventually(lambda: _true(agent.in_flight == 1), timeout_s=5)
         unseen = await c.submit("sim", _prompt(6), max_tokens=4)
         reply = await unseen.cancel()

@@ -127,10 +127,14 @@ async def test_dispatcher_restart_loses_nothing(nats_url: str) -> None:
     kw = cluster_kwargs(workers=2, dispatcher={"global_limit": 4})
     async with LocalCluster(nats_url, **kw) as cluster, Client(nats_url) as c:
         handles = [
-            await c.submit("sim", PROMPT, max_tokens=400, request_id=f"r{i}") for i in range(12)
+            await c.submit("sim", PROMPT, max_tokens=1000, request_id=f"r{i}") for i in range(12)
         ]
-        await asyncio.sleep(0.5)  # some run, some wait in the dispatcher
-        assert cluster.dispatcher.scheduler.running > 0
+        sched = cluster.dispatcher.scheduler
+
+        async def some_run_some_wait() -> bool:
+            return sched.running > 0 and sched.queued > 0
+
+        await eventually(some_run_some_wait)
         await cluster.dispatcher.stop()
         successor = Dispatcher(cluster.dispatcher_settings)
         cluster.dispatcher = successor

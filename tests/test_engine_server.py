@@ -299,9 +299,9 @@ def test_kv_events_in_vllm_format_and_their_replay() -> None:
         sub.connect(f"tcp://127.0.0.1:{kv}")
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
             _wait_healthy(c, proc)
-            time.sleep(0.3)  # a SUB socket misses what is published before it joined
+            _until_subscribed(c, sub)
             c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
-        seq, batch = decode_message(sub.recv_multipart())
+            seq, batch = decode_message(sub.recv_multipart())
         stored = [e for e in batch.events if isinstance(e, BlockStored)]
         assert stored and stored[0].parent_block_hash is None
         assert list(stored[0].token_ids) == PROMPT[: len(stored[0].token_ids)]
@@ -311,7 +311,7 @@ def test_kv_events_in_vllm_format_and_their_replay() -> None:
 
         dealer.setsockopt(zmq.RCVTIMEO, 10_000)
         dealer.connect(f"tcp://127.0.0.1:{kv + 1}")
-        dealer.send(encode_seq(0))
+        dealer.send(encode_seq(seq))
         replayed = []
         while True:
             frame_seq, payload = dealer.recv_multipart()
@@ -324,6 +324,29 @@ def test_kv_events_in_vllm_format_and_their_replay() -> None:
         dealer.close(linger=0)
         ctx.term()
         _stop(proc)
+
+
+def _until_subscribed(c: httpx.Client, sub: Any) -> None:
+    """A SUB socket misses what is published before it joined: warm-up prompts (sharing no
+    block with ``PROMPT``) until their events arrive, then drain what they published."""
+    import zmq
+
+    sub.setsockopt(zmq.RCVTIMEO, 200)
+    for i in range(100):
+        c.post("/v1/completions", json={"prompt": [90_000 + i] * 32, "max_tokens": 1})
+        try:
+            sub.recv_multipart()
+            break
+        except zmq.Again:
+            continue
+    else:
+        raise AssertionError("no KV event reached the subscriber")
+    while True:
+        try:
+            sub.recv_multipart()
+        except zmq.Again:
+            break
+    sub.setsockopt(zmq.RCVTIMEO, 10_000)
 
 
 def test_an_engine_starved_of_its_event_loop_counts_the_clock_it_dropped() -> None:

@@ -85,11 +85,22 @@ def _prompt(i: int) -> list[int]:
     return list(range(70_000 + i * 1000, 70_000 + i * 1000 + 256))
 
 
+async def _dispatching(cluster: LocalCluster) -> None:
+    """Wait until the dispatcher is done learning and knows the worker (a request submitted
+    while it learns is held by "learning", whatever the test is about)."""
+    d = cluster.dispatcher
+
+    async def ready() -> bool:
+        return d._state.leadership.learned and all(a.worker_id in d.leases for a in cluster.agents)
+
+    await eventually(ready)
+
+
 @pytest.mark.e2e
 async def test_a_held_request_is_told_before_its_first_token(nats_url: str) -> None:
     kw = cluster_kwargs(workers=1, agent={"capacity": 1, "speed": 5.0})
     async with LocalCluster(nats_url, **kw) as cluster, Client(nats_url) as c:
-        await asyncio.sleep(cluster.dispatcher_settings.effective_learn_s + 0.1)
+        await _dispatching(cluster)
         first = await c.submit("sim", _prompt(0), max_tokens=200)
         assert await asyncio.wait_for(first.queued, 5) is None  # it started at once
         held = await c.submit("sim", _prompt(1), max_tokens=8)
@@ -113,7 +124,7 @@ async def test_the_expected_wait_is_near_the_real_wait_in_a_steady_load(nats_url
     # rate: every request waits about as long as the notice says.
     kw = cluster_kwargs(workers=1, agent={"capacity": 1, "speed": 5.0})
     async with LocalCluster(nats_url, **kw) as cluster, Client(nats_url) as c:
-        await asyncio.sleep(cluster.dispatcher_settings.effective_learn_s + 0.1)
+        await _dispatching(cluster)
         handles = [await c.submit("sim", _prompt(i), max_tokens=200) for i in range(5)]
         for i in range(5, 17):
             await asyncio.sleep(0.26)
