@@ -219,3 +219,21 @@ async def test_queue_full_retry_after_is_the_dispatchers_expected_wait(nats_url:
     assert retry != default
     assert before.expected_wait_s <= retry <= after.expected_wait_s, (before, retry, after)
     assert after.expected_wait_s - before.expected_wait_s < 0.5
+
+
+async def test_a_new_leader_is_dispatching_only_once_it_learned(nats_url: str) -> None:
+    """``Dispatcher.dispatching`` is False while a new leader learns the fleet (it leads and
+    hands off nothing) and True once it hands off. Fails if it says only whether it leads
+    (return ``st.leading()`` alone): the first check sees a leader still learning."""
+    kw = cluster_kwargs(workers=1, dispatcher={"learn_s": 2.0, "leader_settle_s": 2.0})
+    async with LocalCluster(nats_url, **kw) as cluster, Client(nats_url) as c:
+        d = cluster.dispatcher
+
+        async def leads() -> bool:
+            return d.leading
+
+        await eventually(leads)
+        assert not d.dispatching  # it learns for 2 s after it began to lead
+        handle = await c.submit("sim", list(range(32)), max_tokens=2)
+        assert (await handle.result(timeout_s=20)).ok
+        assert d.dispatching

@@ -91,7 +91,7 @@ async def _dispatching(cluster: LocalCluster) -> None:
     d = cluster.dispatcher
 
     async def ready() -> bool:
-        return d._state.leadership.learned and all(a.worker_id in d.leases for a in cluster.agents)
+        return d.dispatching and all(a.worker_id in d.leases for a in cluster.agents)
 
     await eventually(ready)
 

@@ -120,6 +120,12 @@ class Dispatcher:
         return self._state.leading()
 
     @property
+    def dispatching(self) -> bool:
+        """Whether it leads and is done learning the fleet for this term: it hands off."""
+        st = self._state
+        return st.leading() and st.leadership.learned
+
+    @property
     def epoch(self) -> int:
         """Its leadership epoch (of its current or last term; 0 if it never led)."""
         return self._state.leadership.epoch
