@@ -93,6 +93,25 @@ def _candidates(
     return out
 
 
+def _assert_same_but_ties(
+    policy: CacheAware, request: RouteRequest, candidates: list[Candidate], now: float
+) -> Choice:
+    """The bounded choice on a pool is the exhaustive one, but for a tie on the rule's key
+    with a worker left off (beyond the shortlist, the load bounds find any worker that beats
+    it); returns the bounded choice."""
+    exhaustive = policy.choose(request, candidates, now)
+    bounded = policy.choose(request, ListPool(candidates, policy.load_key), now)
+    if bounded != exhaustive:
+        assert bounded.reason == exhaustive.reason
+        terms = {s.candidate.worker_id: s for s in policy.score(request, candidates, now)[0]}
+        b, e = terms[bounded.worker_id], terms[exhaustive.worker_id]
+        if bounded.reason == "expand":
+            assert round(b.queue, 2) == round(e.queue, 2)
+        else:
+            assert b.score == e.score
+    return bounded
+
+
 @given(st.data())
 @settings(max_examples=300, deadline=None)
 def test_the_bounded_choice_is_the_exhaustive_one_whenever_that_is_on_the_shortlist(
@@ -107,9 +126,9 @@ def test_the_bounded_choice_is_the_exhaustive_one_whenever_that_is_on_the_shortl
     hashes = base[: data.draw(st.integers(0, len(base)))] + own
     request = RouteRequest("r", "m", max(1, len(hashes)) * BT + 3, 16, hashes)
 
+    bounded = _assert_same_but_ties(policy, request, candidates, now)
     exhaustive = policy.choose(request, candidates, now)
     pool = ListPool(candidates, policy.load_key)
-    bounded = policy.choose(request, pool, now)
     shortlist = {c.worker_id for c in policy.shortlist(request, pool, now)}
     k = policy.config.shortlist_workers
     assert len(shortlist) <= len(policy._context(request, n, now).reps) + k * (
@@ -117,36 +136,8 @@ def test_the_bounded_choice_is_the_exhaustive_one_whenever_that_is_on_the_shortl
     ) + sum(1 for c in candidates if now - c.joined_s < policy.config.explore_window_s)
     if exhaustive.worker_id in shortlist:
         assert bounded == exhaustive
-    # Beyond the shortlist, the load bounds find any worker that beats it: the choices
-    # differ only where the exhaustive winner ties with the bounded one on the rule's key.
-    if bounded != exhaustive:
-        assert bounded.reason == exhaustive.reason
-        terms = {s.candidate.worker_id: s for s in policy.score(request, candidates, now)[0]}
-        b, e = terms[bounded.worker_id], terms[exhaustive.worker_id]
-        if bounded.reason == "expand":
-            assert round(b.queue, 2) == round(e.queue, 2)
-        else:
-            assert b.score == e.score
     # Exhaustive mode (shortlist_workers=0) scores the pool as a list: the exhaustive choice.
     assert policy.choose(request, list(pool), now) == exhaustive
-
-
-def _assert_same_but_ties(
-    policy: CacheAware, request: RouteRequest, candidates: list[Candidate], now: float
-) -> Choice:
-    """The bounded choice on a pool is the exhaustive one, but for a tie on the rule's key
-    with a worker left off; returns the bounded choice."""
-    exhaustive = policy.choose(request, candidates, now)
-    bounded = policy.choose(request, ListPool(candidates, policy.load_key), now)
-    if bounded != exhaustive:
-        assert bounded.reason == exhaustive.reason
-        terms = {s.candidate.worker_id: s for s in policy.score(request, candidates, now)[0]}
-        b, e = terms[bounded.worker_id], terms[exhaustive.worker_id]
-        if bounded.reason == "expand":
-            assert round(b.queue, 2) == round(e.queue, 2)
-        else:
-            assert b.score == e.score
-    return bounded
 
 
 @given(st.data())
