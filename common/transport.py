@@ -80,6 +80,7 @@ async def connect(
     *,
     connect_timeout_s: float = 5.0,
     reconnected_cb: Callable[[], Awaitable[None]] | None = None,
+    disconnected_cb: Callable[[], Awaitable[None]] | None = None,
     auth: BrokerAuth | None = None,
 ) -> NATS:
     """Connect with reconnects enabled; raises :class:`TransportError` if the first connect
@@ -104,6 +105,8 @@ async def connect(
     }
     if reconnected_cb is not None:
         options["reconnected_cb"] = reconnected_cb
+    if disconnected_cb is not None:
+        options["disconnected_cb"] = disconnected_cb
     try:
         await asyncio.wait_for(nc.connect(**options), timeout=first_connect_s)
     except (OSError, TimeoutError, ValueError, nats.errors.Error) as exc:

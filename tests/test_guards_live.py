@@ -241,3 +241,29 @@ async def test_a_new_leader_is_dispatching_only_once_it_learned(nats_url: str) -
             return d.dispatching
 
         await eventually(dispatching)
+
+
+async def test_no_lease_runs_out_between_a_reconnect_and_the_leases_renewal(nats_url: str) -> None:
+    """From a disconnect until the leases are renewed on reconnecting, the dispatcher may not
+    end a lease on the heartbeats it missed: nats-py says the connection is up a round trip
+    before its reconnected callback runs, and a pass in between expired every worker whose
+    heartbeats the cut had held back (in CI: their requests queued again and run twice). The
+    test drives the callbacks nats-py calls. Fails without the ``cut_off`` check in
+    ``HandOff.once``: the silent worker loses its lease while the dispatcher is cut off."""
+    async with LocalCluster(nats_url, **cluster_kwargs(workers=1)) as cluster:  # lease 1 s
+        d, agent = cluster.dispatcher, cluster.agents[0]
+
+        async def holds() -> bool:
+            return agent.worker_id in d.leases
+
+        await eventually(holds)
+        await d._workers.on_disconnected()
+        await agent.kill()  # silent from now on, as a worker whose heartbeats the cut held
+        await asyncio.sleep(d.settings.lease_s + 0.5)
+        assert await holds(), "a lease ran out on heartbeats missed while cut off"
+        await d._workers.on_reconnected()  # renewed: now its silence counts
+
+        async def lost() -> bool:
+            return agent.worker_id not in d.leases
+
+        await eventually(lost, timeout_s=5.0)

@@ -186,7 +186,14 @@ async def test_a_submit_published_again_across_a_leader_change_is_stored_once(
 async def test_killing_the_stream_leader_under_load_loses_no_accepted_request(
     nats3: NatsCluster, client3: Client
 ) -> None:
-    kw = cluster_kwargs(workers=3, dispatcher={"stream_replicas": 3, "global_limit": 12})
+    # The default worker lease (4 s), not the tests' 1 s: an agent connected to the killed node
+    # is cut off until it reconnects to another, and on a loaded machine that may outlast 1 s;
+    # a worker silent longer than its lease is lost by design, and its requests run again.
+    # Nothing runs twice only while the workers keep their leases. (The dispatcher's own cut
+    # is covered apart: test_no_lease_runs_out_between_a_reconnect_and_the_leases_renewal.)
+    kw = cluster_kwargs(
+        workers=3, dispatcher={"stream_replicas": 3, "global_limit": 12, "lease_s": 4.0}
+    )
     handles: list[RequestHandle] = []
     failed: list[str] = []
     killed_at: list[float] = []

@@ -172,6 +172,7 @@ class Dispatcher:
                     s.nats_url,
                     f"sluice-{s.dispatcher_id}",
                     reconnected_cb=self._workers.on_reconnected,
+                    disconnected_cb=self._workers.on_disconnected,
                     auth=s.broker_auth(),
                 )
             except TransportError as exc:

@@ -53,7 +53,7 @@ class HandOff:
     async def once(self) -> None:
         st = self.state
         now = time.monotonic()
-        if not st.nc.is_connected:
+        if st.cut_off or not st.nc.is_connected:
             return  # cut off: no heartbeats reach us, so no lease may expire; nothing to send
         for worker_id in st.leases.expired(now):
             metrics.LEASES_EXPIRED.inc()

@@ -145,6 +145,9 @@ class State:
         """Set when something changed that may let the scheduler plan."""
         self.stopping = asyncio.Event()
         self.running = False
+        self.cut_off = False
+        """From a disconnect until the leases were renewed on reconnecting: the heartbeats
+        of that time never reached us, so no lease may run out on them."""
         self.nc_or_none: NATS | None = None
         self._background: set[asyncio.Task[Any]] = set()
 

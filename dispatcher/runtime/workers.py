@@ -192,7 +192,13 @@ class WorkerTraffic:
         await self.intake.settle_requeued(requeued)
         st.kick.set()
 
+    async def on_disconnected(self) -> None:
+        """The connection dropped: no heartbeat reaches us until the leases are renewed on
+        reconnecting (nats-py reports the connection up a round trip before it says so)."""
+        self.state.cut_off = True
+
     async def on_reconnected(self) -> None:
         log.warning("reconnected to NATS; renewing every worker's lease")
         self.state.leases.renew_all(time.monotonic())
+        self.state.cut_off = False
         self.state.kick.set()
