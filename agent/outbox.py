@@ -57,6 +57,12 @@ class Outbox:
         it ran: its next attempt may run here)."""
         return _Succeeded(self._reports)
 
+    def unstored(self) -> list[str]:
+        """Request ids that succeeded here and whose result is not stored yet: the worker
+        still holds them (its heartbeat says so), so that a dispatcher that finds no result
+        for one, and it in no report, does not run it again."""
+        return [rid for rid, r in self._reports.items() if r.completion.ok and r.result is not None]
+
     def put(self, report: Report) -> None:
         self._reports[report.completion.request_id] = report
 

@@ -276,7 +276,8 @@ class Heartbeat(_Wire):
     """Agent → dispatchers on ``sluice.hb.<worker>`` about every second.
 
     ``capacity`` is how many requests the worker takes at once; ``in_flight`` are the ids it
-    holds now (the dispatcher reconciles its books against them). ``draining`` asks for no new
+    holds now: running, or finished with the result not stored yet (the dispatcher reconciles
+    its books against them, and does not run them again). ``draining`` asks for no new
     work (``state`` says how far the drain got); ``leaving`` says the worker is gone (a clean
     shutdown ends its lease at once). ``registration`` is raised each time the agent registers
     afresh (at start, and after a :class:`RemoveNotice`): a dispatcher ignores heartbeats of a

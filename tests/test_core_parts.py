@@ -30,6 +30,7 @@ from sluice.schemas.models import (
     Completion,
     Heartbeat,
     RejectReason,
+    Result,
     SubmitRequest,
     WorkerLoad,
 )
@@ -444,6 +445,18 @@ def test_the_outbox_is_full_at_max_reports_and_drops_nothing() -> None:
         box.done(rid)
     assert len(box) == 0 and not box.full and box.get("a") is None
     box.done("never-there")
+
+
+def test_the_outbox_lists_the_successes_whose_result_is_not_stored() -> None:
+    box = Outbox()
+    ok = Report(result=Result(request_id="a", ok=True, model="m"), completion=_completion("a", "w"))
+    box.put(ok)
+    box.put(_report("b"))  # its result stored already
+    failed = _completion("c", "w", ok=False)
+    box.put(Report(result=Result(request_id="c", ok=False, model="m"), completion=failed))
+    assert box.unstored() == ["a"]  # a failure's next attempt may run elsewhere
+    ok.result = None  # stored
+    assert box.unstored() == []
 
 
 # ----------------------------------------------------------------------------- 6. feed

@@ -26,6 +26,7 @@ from sluice.schemas.codec import decode, encode
 from sluice.schemas.models import (
     Assignment,
     AssignmentReply,
+    Heartbeat,
     Rejection,
     Result,
     SubmitRequest,
@@ -211,6 +212,51 @@ async def test_a_result_that_cannot_be_stored_is_retried_not_dropped(nats_url: s
         await eventually(stored, timeout_s=20)
         result = await c.fetch_result("unstored")
     assert result is not None and result.ok and len(result.output_tokens) == 20
+
+
+async def test_a_worker_holds_a_finished_request_until_its_result_is_stored(
+    nats_url: str,
+) -> None:
+    """Its heartbeats list a request that finished there but whose result is not stored yet,
+    as one it holds: a dispatcher of a new term, finding no result and the request in no
+    report, would run it again (in CI, 111 runs for 109 requests when the result stream's
+    node was killed). Fails with heartbeats that list only the running requests."""
+    beats: list[Heartbeat] = []
+    async with (
+        LocalCluster(nats_url, **cluster_kwargs(workers=1)) as cluster,
+        Client(nats_url) as c,
+    ):
+        agent = cluster.agents[0]
+
+        async def on_beat(msg: Msg) -> None:
+            beats.append(decode(msg.data, Heartbeat))
+
+        await c.nc.subscribe(names.heartbeat_subject(agent.worker_id), cb=on_beat)
+        js = c.nc.jetstream()
+        await js.delete_stream(names.RESULT_STREAM)
+        await _submit_unwatched(js, "unstored", max_tokens=20)
+
+        async def finished() -> bool:
+            return agent.completed == 1
+
+        async def next_beat_lists_it(listed: bool) -> bool:
+            seen = len(beats)
+            await eventually(lambda: _more(beats, seen))
+            return ("unstored" in beats[-1].in_flight) is listed
+
+        await eventually(finished)
+        assert await next_beat_lists_it(True), "a finished, unstored request left the reports"
+        await ensure_streams(js, cluster.dispatcher_settings)
+
+        async def stored() -> bool:
+            return await c.fetch_result("unstored") is not None
+
+        await eventually(stored, timeout_s=20)
+        await eventually(lambda: next_beat_lists_it(False))
+
+
+async def _more(items: list[Heartbeat], than: int) -> bool:
+    return len(items) > than
 
 
 async def test_request_delivered_max_deliver_times_is_dead_lettered(nats_url: str) -> None:

@@ -700,7 +700,8 @@ class Agent:
             seq=self._hb_seq,
             sent_unix_ms=int(time.time() * 1000),
             capacity=0 if full or not self.engine.available else self.settings.capacity,
-            in_flight=list(self._running),
+            # What it runs, and what ran here but is not stored yet: it still holds those.
+            in_flight=[*self._running, *self._outbox.unstored()],
             load=reports.worker_load(load, self.settings.speed),
             draining=self._draining,
             leaving=leaving,
