@@ -67,7 +67,7 @@ class Books:
         self.by_band[r.band] += 1
         self._by_worker.setdefault(w, set()).add(r.request_id)
         self._tokens[w] += r.work_tokens
-        self.usage.add(list(levels), amount)
+        self.usage.add(levels, amount)
         if not reported:
             pending = self._unreported.setdefault(w, {})
             self._unreported_sum[w] += expected_prefill_tokens - pending.get(r.request_id, 0)
@@ -85,7 +85,7 @@ class Books:
         self.by_band[r.band] -= 1
         self._by_worker.get(w, set()).discard(request_id)
         self._tokens[w] -= r.work_tokens
-        self.usage.remove(list(levels), amount)
+        self.usage.remove(levels, amount)
         self._unreported_sum[w] -= self._unreported.get(w, {}).pop(request_id, 0)
         return booking
 

@@ -206,7 +206,7 @@ def _push_next(
         heapq.heappush(heads, (key, seq, band, model, idx + 1))
 
 
-def quota_use(quotas: Quotas, r: Request) -> tuple[list[Level], int]:
+def quota_use(quotas: Quotas, r: Request) -> tuple[Sequence[Level], int]:
     """The quota levels ``r`` uses, and how much of each (in its model's unit)."""
     return quotas.use(r.model, r.band, r.tenant, r.prompt_tokens, r.max_tokens, r.engine_ms)
 
@@ -378,7 +378,9 @@ def _decide(
     return Dispatch(request, choice.worker_id, choice, share=kind, engine_s=cost)
 
 
-def _take(state: PlanInput, s: _Scratch, d: Dispatch, levels: list[Level], amount: int) -> None:
+def _take(
+    state: PlanInput, s: _Scratch, d: Dispatch, levels: Sequence[Level], amount: int
+) -> None:
     r, w = d.request, d.worker_id
     prefill = d.expected_prefill_tokens
     s.planned[w] += 1

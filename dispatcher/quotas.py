@@ -25,9 +25,9 @@ starved by smaller ones slipping past it.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 Unit = Literal["requests", "tokens", "engine_ms"]
 Level = tuple[str, ...]
@@ -68,18 +68,33 @@ class Quotas:
 
     models: Mapping[str, ModelQuota] = field(default_factory=dict)
     default: ModelQuota = field(default_factory=ModelQuota)
+    _known: dict[tuple[str, str, str], _Levels] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    """(model, band, tenant) -> its levels: every decision asks three times (plan, booking,
+    release), and the answer changes only with the quotas, which are a new object then."""
 
     def of(self, model: str) -> ModelQuota:
         return self.models.get(model, self.default)
 
-    def levels(self, model: str, band: str, tenant: str) -> list[tuple[Level, int | None]]:
+    def _levels(self, model: str, band: str, tenant: str) -> _Levels:
+        key = (model, band, tenant)
+        known = self._known.get(key)
+        if known is None:
+            q = self.of(model)
+            limits = (
+                (("model", model), q.limit),
+                (("model-band", model, band), q.band_limits.get(band)),
+                (("model-tenant", model, tenant), q.tenant_limit(tenant)),
+            )
+            if len(self._known) >= _KNOWN_MAX:  # tenants come and go: stay bounded
+                self._known.clear()
+            known = self._known[key] = _Levels(tuple(lv for lv, _ in limits), limits, q)
+        return known
+
+    def levels(self, model: str, band: str, tenant: str) -> Sequence[tuple[Level, int | None]]:
         """The levels a request of ``model``/``band``/``tenant`` uses, with their limits."""
-        q = self.of(model)
-        return [
-            (("model", model), q.limit),
-            (("model-band", model, band), q.band_limits.get(band)),
-            (("model-tenant", model, tenant), q.tenant_limit(tenant)),
-        ]
+        return self._levels(model, band, tenant).limits
 
     def use(
         self,
@@ -89,10 +104,19 @@ class Quotas:
         prompt_tokens: int,
         max_tokens: int,
         engine_ms: int = 0,
-    ) -> tuple[list[Level], int]:
+    ) -> tuple[Sequence[Level], int]:
         """The levels a request uses and how much of each (in its model's unit)."""
-        levels = [lv for lv, _ in self.levels(model, band, tenant)]
-        return levels, self.of(model).cost(prompt_tokens, max_tokens, engine_ms)
+        known = self._levels(model, band, tenant)
+        return known.levels, known.quota.cost(prompt_tokens, max_tokens, engine_ms)
+
+
+class _Levels(NamedTuple):
+    levels: tuple[Level, ...]
+    limits: tuple[tuple[Level, int | None], ...]
+    quota: ModelQuota
+
+
+_KNOWN_MAX = 65_536
 
 
 class Usage:

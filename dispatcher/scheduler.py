@@ -16,7 +16,6 @@ import bisect
 import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import replace
 
 from sluice.dispatcher.admission import AdmissionConfig, priority_key
 from sluice.dispatcher.books import Books
@@ -138,7 +137,7 @@ class Scheduler:
     def booked_on(self, worker_id: str) -> frozenset[str]:
         return frozenset(self._books.on(worker_id))
 
-    def quota_levels(self, request: Request) -> tuple[list[Level], int]:
+    def quota_levels(self, request: Request) -> tuple[Sequence[Level], int]:
         """The per-model quota levels ``request`` uses, and how much of each."""
         return quota_use(self.config.quotas, request)
 
@@ -216,7 +215,7 @@ class Scheduler:
             return EnqueueOutcome("rejected", rejection)
         if not request.engine_ms:
             cost_ms = math.ceil(self.engine_time.cost_s(request) * 1000)
-            request = replace(request, engine_ms=max(1, cost_ms))
+            request = request.priced(max(1, cost_ms))
         self._insert(request)
         worker = self._reported_on.get(rid)
         if worker is not None and self.adopt(rid, worker, now_s):
@@ -374,7 +373,7 @@ class Scheduler:
                     message=f"failed on {request.attempt} workers; giving up",
                 ),
             )
-        again = replace(request, attempt=request.attempt + 1)
+        again = request.next_attempt()
         self._insert(again)
         return again
 

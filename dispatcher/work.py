@@ -33,6 +33,31 @@ class Request:
     affinity_key: int | None = None
     """Its session's key, when the producer named a session."""
 
+    def priced(self, engine_ms: int) -> Request:
+        """The same request with its estimated engine time set."""
+        return self._copy(self.attempt, engine_ms)
+
+    def next_attempt(self) -> Request:
+        """The same request, to run as its next attempt."""
+        return self._copy(self.attempt + 1, self.engine_ms)
+
+    def _copy(self, attempt: int, engine_ms: int) -> Request:
+        # The constructor itself: dataclasses.replace() costs twice as much, once per request.
+        return Request(
+            self.request_id,
+            self.band,
+            self.model,
+            self.tenant,
+            self.prompt_tokens,
+            self.max_tokens,
+            self.arrived_s,
+            self.deadline_s,
+            self.block_hashes,
+            attempt,
+            engine_ms,
+            self.affinity_key,
+        )
+
     @property
     def work_tokens(self) -> int:
         """The work the request brings to a worker, in tokens."""
@@ -46,7 +71,7 @@ class Request:
     @cached_property
     def _route_view(self) -> RouteRequest:
         # cached_property writes the instance's __dict__, which a frozen dataclass allows;
-        # replace() makes a new instance, and with it a new view.
+        # A copy (priced(), next_attempt()) is a new instance, and with it a new view.
         return RouteRequest(
             self.request_id,
             self.model,

@@ -209,3 +209,18 @@ def test_usage_ratios_cover_every_level_with_a_limit_and_stay_bounded() -> None:
         ("model-tenant", "m/acme"): 0.6,
         ("model-tenant", "m/*"): 1.0,
     }
+
+
+def test_the_levels_remembered_per_tenant_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Levels are remembered per (model, band, tenant) for the decisions that ask again; a
+    stream of new tenants must not grow that memory without bound, nor change an answer."""
+    from sluice.dispatcher import quotas as qmod
+
+    monkeypatch.setattr(qmod, "_KNOWN_MAX", 8)
+    q = Quotas(default=ModelQuota(limit=5, tenant_limits={"t3": 2}, default_tenant_limit=1))
+    for i in range(50):
+        tenant = f"t{i % 20}"
+        limits = dict(q.levels("m", "batch", tenant))
+        assert limits[("model-tenant", "m", tenant)] == (2 if tenant == "t3" else 1)
+        assert limits[("model", "m")] == 5
+        assert len(q._known) <= 8

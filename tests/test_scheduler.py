@@ -527,3 +527,16 @@ def test_a_confirmed_booking_dates_from_its_acceptance() -> None:
     assert s.reserve(d, 0.0) and s.confirm(d, 1.5)
     booking = s.booking("r1")
     assert booking is not None and booking.booked_s == 1.5
+
+
+def test_a_priced_or_retried_request_keeps_every_other_field() -> None:
+    """``priced`` and ``next_attempt`` copy by hand (``dataclasses.replace`` cost twice as
+    much per request): a field added to ``Request`` and forgotten there would be lost."""
+    import dataclasses
+
+    r = Request("r", "batch", "m2", "t2", 7, 3, 1.5, 9.0, (4, 5), 2, 11, 42)
+    values = {f.name: getattr(r, f.name) for f in dataclasses.fields(Request)}
+    assert len(set(map(repr, values.values()))) == len(values)  # every field tells apart
+    priced, again = r.priced(99), r.next_attempt()
+    assert dataclasses.asdict(priced) == {**values, "engine_ms": 99}
+    assert dataclasses.asdict(again) == {**values, "attempt": 3}
