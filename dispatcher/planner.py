@@ -378,9 +378,7 @@ def _decide(
     return Dispatch(request, choice.worker_id, choice, share=kind, engine_s=cost)
 
 
-def _take(
-    state: PlanInput, s: _Scratch, d: Dispatch, levels: Sequence[Level], amount: int
-) -> None:
+def _take(state: PlanInput, s: _Scratch, d: Dispatch, levels: Sequence[Level], amount: int) -> None:
     r, w = d.request, d.worker_id
     prefill = d.expected_prefill_tokens
     s.planned[w] += 1
