@@ -43,6 +43,17 @@ FAST_DISPATCHER: dict[str, Any] = {
 FAST_AGENT: dict[str, Any] = {"speed": 20.0, "heartbeat_s": 0.2, "drain_timeout_s": 5.0}
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # One external server for every test: tests run at once would delete each other's streams.
+    workers = config.getoption("numprocesses", default=None)
+    if os.environ.get("SLUICE_NATS_URL") and workers:
+        raise pytest.UsageError(
+            "SLUICE_NATS_URL points every test at one server, whose Sluice streams each test "
+            "deletes: run the tests one at a time (-n 0, or make test TEST_WORKERS=0), "
+            f"not {workers} at once"
+        )
+
+
 @pytest.fixture
 def nats_url() -> Iterator[str]:
     external = os.environ.get("SLUICE_NATS_URL")
