@@ -118,8 +118,16 @@ static int score_one(PyObject *cand, PyObject *acc, PyObject *keep, PyObject *ma
     double miss = fraction >= min_hit ? 1.0 - fraction : 1.0;
     double per_token = prior_prefill, decode = prior_decode;
     if (speeds != Py_None) {
-        PyObject *sp = PyObject_CallOneArg(speeds, w);
-        if (sp == NULL) return -1;
+        /* A dict lookup for the speeds computed already; a missing one through the mapping
+         * (Calibration.table() computes and keeps it), as the reference's speeds[w]. */
+        PyObject *sp = PyDict_GetItemWithError(speeds, w);
+        if (sp != NULL) {
+            Py_INCREF(sp);
+        } else {
+            if (PyErr_Occurred()) return -1;
+            sp = PyObject_GetItem(speeds, w);
+            if (sp == NULL) return -1;
+        }
         int rc = speeds_of(sp, &per_token, &decode);
         Py_DECREF(sp);
         if (rc < 0) return -1;
@@ -215,6 +223,10 @@ static PyObject *score_into(PyObject *self, PyObject *const *args, Py_ssize_t na
              *prior = args[10];
     if (!PyDict_Check(matches)) {
         PyErr_SetString(PyExc_TypeError, "matches must be a dict");
+        return NULL;
+    }
+    if (speeds != Py_None && !PyDict_Check(speeds)) {
+        PyErr_SetString(PyExc_TypeError, "speeds must be a dict (or None)");
         return NULL;
     }
     if (!PyAnySet_Check(rep_set)) {

@@ -17,7 +17,7 @@ def score_into(
     n_indexed: int,
     prompt: int,
     rh: int,
-    speeds: Callable[[str], SpeedsLike] | None,
+    speeds: Mapping[str, SpeedsLike] | None,
     prior: SpeedsLike,
     explores: bool,
     now_s: float,

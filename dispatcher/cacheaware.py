@@ -460,7 +460,7 @@ class CacheAware:
             ctx.indexed,
             request.prompt_tokens,
             ctx.request_hash,
-            self.calibration.speeds if self.config.calibrate else None,
+            self.calibration.table() if self.config.calibrate else None,
             self.calibration.prior,
             explores,
             now_s,

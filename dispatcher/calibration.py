@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 
@@ -85,9 +85,9 @@ class Calibration:
         self._sorted_prefill: list[float] = []
         self._sorted_decode: list[float] = []
         self._count: dict[str, int] = {}
-        self._current: dict[str, Speeds] = {}
-        """Speeds computed since the last change (read for every scored candidate)."""
         self._fleet = self.prior
+        self._current = _Table(self._compute)
+        """Speeds computed since the last change (read for every scored candidate)."""
 
     def observe(
         self,
@@ -116,15 +116,23 @@ class Calibration:
                 lambda: _Quantile(self.prior.decode_s_per_token, 0.5, self.rate),
             )
         self._count[worker_id] = self._count.get(worker_id, 0) + 1
-        self._refresh()
+        self._refresh(worker_id)
 
-    def _refresh(self) -> None:
+    def _refresh(self, worker_id: str) -> None:
+        """``worker_id``'s estimate changed: forget the speeds computed with it."""
+        medians = self._median_prefill, self._median_decode
         if self._sorted_prefill:
             self._median_prefill = _median(self._sorted_prefill)
         if self._sorted_decode:
             self._median_decode = _median(self._sorted_decode)
-        self._fleet = Speeds(math.exp(self._median_prefill), math.exp(self._median_decode), 0)
-        self._current = {}
+        fleet = Speeds(math.exp(self._median_prefill), math.exp(self._median_decode), 0)
+        if medians == (self._median_prefill, self._median_decode) and fleet == self._fleet:
+            # Every other worker's speeds stand (they read only the medians and their own
+            # estimates): a completion must not make the next decision compute them all again.
+            self._current.pop(worker_id, None)
+            return
+        self._fleet = fleet
+        self._current = _Table(self._compute)
 
     def _pick(self, own: _Quantile | None, median: float) -> float:
         if own is None or abs(own.log - median) <= self._band:
@@ -133,17 +141,23 @@ class Calibration:
 
     def speeds(self, worker_id: str) -> Speeds:
         """The worker's current estimate (the prior until it has reported)."""
-        speeds = self._current.get(worker_id)
-        if speeds is None:
-            n = self._count.get(worker_id)
-            if n is None:
-                return self._fleet
-            speeds = self._current[worker_id] = Speeds(
-                self._pick(self._prefill.get(worker_id), self._median_prefill),
-                self._pick(self._decode.get(worker_id), self._median_decode),
-                n,
-            )
-        return speeds
+        return self._current[worker_id]
+
+    def table(self) -> Mapping[str, Speeds]:
+        """:meth:`speeds` of every worker, by id (a worker not computed since the last change
+        is computed on reading): what the native scoring loop reads without a call per
+        candidate. Read it again after a completion (it may be a new table then)."""
+        return self._current
+
+    def _compute(self, worker_id: str) -> Speeds:
+        n = self._count.get(worker_id)
+        if n is None:
+            return self._fleet
+        return Speeds(
+            self._pick(self._prefill.get(worker_id), self._median_prefill),
+            self._pick(self._decode.get(worker_id), self._median_decode),
+            n,
+        )
 
     def fastest(self) -> tuple[float, float]:
         """The lowest prefill and decode seconds per token of any worker (what no worker's
@@ -164,10 +178,24 @@ class Calibration:
             if q is not None:
                 del ordered[bisect.bisect_left(ordered, q.log)]
         self._count.pop(worker_id, None)
-        self._refresh()
+        self._refresh(worker_id)
 
     def workers(self) -> list[str]:
         return sorted(self._count)
+
+
+class _Table(dict[str, Speeds]):
+    """Speeds by worker, each computed on its first reading and kept until a change."""
+
+    __slots__ = ("_compute",)
+
+    def __init__(self, compute: Callable[[str], Speeds]) -> None:
+        super().__init__()
+        self._compute = compute
+
+    def __missing__(self, worker_id: str) -> Speeds:
+        speeds = self[worker_id] = self._compute(worker_id)
+        return speeds
 
 
 def _add(

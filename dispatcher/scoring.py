@@ -99,7 +99,7 @@ class ScoreInto(Protocol):
         n_indexed: int,
         prompt: int,
         rh: int,
-        speeds: Callable[[str], SpeedsLike] | None,
+        speeds: Mapping[str, SpeedsLike] | None,
         prior: SpeedsLike,
         explores: bool,
         now_s: float,
@@ -117,7 +117,7 @@ def score_into_pure(
     n_indexed: int,
     prompt: int,
     rh: int,
-    speeds: Callable[[str], SpeedsLike] | None,
+    speeds: Mapping[str, SpeedsLike] | None,
     prior: SpeedsLike,
     explores: bool,
     now_s: float,
@@ -125,8 +125,9 @@ def score_into_pure(
 ) -> None:
     """Score ``candidates`` into ``acc`` (the terms of
     :meth:`~sluice.dispatcher.cacheaware.CacheAware.score`, in one pass). ``candidates`` may
-    be a generator that reads ``acc`` between two of them; ``speeds``: a worker's learned
-    speeds, or None for ``prior`` for all."""
+    be a generator that reads ``acc`` between two of them; ``speeds``: every worker's learned
+    speeds by id (a dict, which may compute a missing one: ``Calibration.table()``), or None
+    for ``prior`` for all."""
     ibt, min_hit, scale, w_busy, w_load, w_cache, w_stable, hard_fraction, hard_ttft, window = (
         weights
     )
@@ -137,7 +138,7 @@ def score_into_pure(
         hit = min(blocks * ibt, prompt - 1) if blocks else 0
         fraction = blocks / n_indexed if n_indexed else 0.0
         miss = 1.0 - fraction if fraction >= min_hit else 1.0
-        sp = speeds(w) if speeds else prior
+        sp = speeds[w] if speeds is not None else prior
         per_token = sp.prefill_s_per_token
         ahead = cand.reported_prefill_tokens - cand.report_age_s / per_token
         ahead = (ahead if ahead > 0.0 else 0.0) + cand.unreported_prefill_tokens

@@ -7,6 +7,7 @@ import json
 import math
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -264,6 +265,50 @@ def test_calibration_without_samples_uses_the_fleet_and_then_the_prior() -> None
     assert math.isclose(cal.speeds("x").prefill_s_per_token, 2.5e-4, rel_tol=0.15)
     cal.remove_worker("y")
     assert cal.workers() == []
+
+
+_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["observe", "remove", "read"]),
+        st.sampled_from(["a", "b", "c", "d", "e"]),
+        st.integers(0, 3000),  # uncached tokens (under 256: no prefill sample)
+        st.floats(1e-5, 1e-3),  # seconds per token
+        st.integers(0, 40),  # output tokens (under 2: no decode sample)
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_OPS)
+def test_calibrations_kept_speeds_are_what_it_would_compute_afresh(ops: list[Any]) -> None:
+    """Speeds are computed once per worker and kept until a change: a completion that leaves
+    the fleet's medians where they were forgets only its own worker's. Whatever happened, every
+    kept answer (and its table, which the native scoring loop reads) is what a calibration
+    that saw the same completions computes afresh. Fails if a completion forgets nothing, or
+    one that moves the medians forgets only its own worker."""
+    cal = Calibration(prefill_tokens_per_s=8000.0, decode_step_s=0.03)
+    seen: list[tuple[str, tuple[Any, ...]]] = []
+    for op, w, uncached, per_token, out in ops:
+        if op == "observe":
+            args = (uncached, uncached * per_token, out, max(out - 1, 0) * per_token * 30)
+            seen.append((w, args))
+            cal.observe(w, uncached_tokens=args[0], prefill_s=args[1], output_tokens=args[2],
+                        decode_s=args[3])  # fmt: skip
+        elif op == "remove":
+            seen.append((w, ()))
+            cal.remove_worker(w)
+        else:
+            cal.speeds(w)  # computed now, kept
+        fresh = Calibration(prefill_tokens_per_s=8000.0, decode_step_s=0.03)
+        for fw, fargs in seen:
+            if fargs:
+                fresh.observe(fw, uncached_tokens=fargs[0], prefill_s=fargs[1],
+                              output_tokens=fargs[2], decode_s=fargs[3])  # fmt: skip
+            else:
+                fresh.remove_worker(fw)
+        for x in ("a", "b", "c", "d", "e", "never"):
+            assert cal.table()[x] == fresh.speeds(x) == cal.speeds(x), (x, op, w)
 
 
 def test_digests_and_guesses_feed_the_policy() -> None:

@@ -3,7 +3,7 @@ candidates, and what each does with bad input."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -100,6 +100,14 @@ def _case(draw: st.DrawFn) -> dict[str, Any]:
     }
 
 
+class _Learned(dict[str, Any]):
+    """Learned speeds by worker, the prior for the others (as ``Calibration.table()``
+    computes a missing one on reading)."""
+
+    def __missing__(self, worker_id: str) -> Any:
+        return _PRIOR
+
+
 def _scored(run: Any, case: dict[str, Any]) -> tuple[Best, list[tuple[Any, ...]]]:
     """Run ``run`` on the case's batches; what it kept, and every keep() call it made."""
     calls: list[tuple[Any, ...]] = []
@@ -109,9 +117,7 @@ def _scored(run: Any, case: dict[str, Any]) -> tuple[Best, list[tuple[Any, ...]]
         keep(acc, *args)
 
     learned = case["learned"]
-    speeds: Callable[[str], _Speeds] | None = (
-        None if learned is None else lambda w: learned.get(w, _PRIOR)
-    )
+    speeds = None if learned is None else _Learned(learned)
     acc = Best()
     for batch in case["batches"]:
         candidates: Any = batch
@@ -198,6 +204,7 @@ def test_an_error_in_keep_reaches_the_caller(run: Any) -> None:
         {5: ["a"]},  # replicas not a set
         {3: (1, 2)},  # weights too short
         {10: object()},  # a prior without speeds
+        {9: lambda w: _PRIOR},  # speeds not a dict
     ],
 )
 def test_bad_input_to_the_native_loop_is_a_type_error(change: dict[int, Any]) -> None:
