@@ -26,9 +26,11 @@ from sluice.testing.cluster import LocalCluster
 from sluice.testing.natsserver import EmbeddedNats
 from sluice.testing.processes import stop_processes
 
-# Fast settings for tests: short heartbeats and leases, a fast simulated clock.
+# Fast settings for tests: short heartbeats and leases, a fast simulated clock. A lease of ten
+# heartbeats: a test process starved of the CPU for a second (the suite runs several tests at
+# once on 2 cores) must not lose its in-process workers.
 FAST_DISPATCHER: dict[str, Any] = {
-    "lease_s": 1.0,
+    "lease_s": 2.0,
     "learn_s": 0.3,
     "leader_lease_s": 1.0,
     "model_grace_s": 0.5,
