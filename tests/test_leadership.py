@@ -9,6 +9,7 @@ What is measured is measured at the agents: the runs they completed, their in-fl
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import signal
 import subprocess
@@ -345,3 +346,54 @@ async def test_three_dispatchers_keep_the_global_limit(
     assert fleet.max_in_flight <= 8, f"the agents held {fleet.max_in_flight} at once (limit 8)"
     before = {x.dispatcher_id for t, x in fleet.tap.assignments if t < stopped_at}
     assert before == {"d-0"}, f"standbys dispatched: {before}"
+
+
+@pytest.mark.fault
+async def test_an_agent_heartbeats_on_while_its_completions_go_unanswered(
+    nats_url: str, dispatchers: Dispatchers, fleet: Fleet
+) -> None:
+    """A dispatcher that does not answer completions (stopped here; under load, one whose
+    acks wait for a new stream leader before it answers) leaves the finished requests in their
+    agents' outboxes, and each retry of one waits out the completion's timeout (1 s). The
+    agents' heartbeats must keep their cadence meanwhile: they keep each worker's lease and
+    list the results it still holds (else the dispatcher runs those requests again). Fails
+    when the heartbeat loop waits for the outbox's retries: silences of 4.9 s here, a second
+    per finished request (CI saw 112 runs for 104 requests after a broker node was killed).
+    The bound is 2 s (ten heartbeats), not one, for a machine that runs other tests too."""
+    a = dispatchers.start("d-a", dispatcher_env(nats_url, "d-a", global_limit=32))
+    await _leads(fleet.tap, "d-a")
+    beats: dict[str, list[float]] = {}
+
+    async def on_heartbeat(msg: Msg) -> None:
+        beats.setdefault(msg.subject, []).append(time.monotonic())
+
+    await fleet.nc.subscribe(names.HEARTBEAT_SUBJECTS, cb=on_heartbeat)
+    async with Client(nats_url) as c:
+        handles = await _submit(c, 24, max_tokens=5_000, prefix="u")
+
+        async def running() -> bool:
+            return sum(fleet.in_flight.values()) >= 24
+
+        await eventually(running, timeout_s=10)
+        os.kill(a.pid, signal.SIGSTOP)  # its subscriptions stay: completions time out
+        stopped = time.monotonic()
+
+        async def finished() -> bool:
+            return sum(len(agent._outbox) for agent in fleet.cluster.agents) >= 24
+
+        await eventually(finished, timeout_s=30)
+        # The first deliveries give up after their timeouts; then the retries, a few rounds.
+        await asyncio.sleep(6.0)
+        watched = time.monotonic()
+        os.kill(a.pid, signal.SIGCONT)
+        results = [await h.result(timeout_s=30) for h in handles]
+
+    def longest_silence(ts: list[float]) -> float:
+        points = [stopped, *(t for t in ts if stopped <= t <= watched), watched]
+        return max(t1 - t0 for t0, t1 in itertools.pairwise(points))
+
+    gaps = {subject: round(longest_silence(ts), 2) for subject, ts in beats.items()}
+    assert len(gaps) == 4, f"heartbeats seen from {sorted(beats)}"
+    assert max(gaps.values()) < 2.0, f"longest silence per worker (s): {gaps}"
+    assert all(r.ok for r in results)
+    assert fleet.runs == 24, f"{fleet.runs} runs for 24 requests"

@@ -134,6 +134,8 @@ class Agent:
         self._alive = False
         self._hb_stop = asyncio.Event()
         self._sending: set[asyncio.Task[None]] = set()
+        self._retrying: asyncio.Task[None] | None = None
+        """The outbox's retry pass in the background, while one runs (one at a time)."""
         self.completed = 0
         self.epoch = 0
         """The newest leadership epoch seen (assignments and leader announcements)."""
@@ -675,7 +677,19 @@ class Agent:
             if await wait_event(self._hb_stop, self.settings.heartbeat_s):
                 break
             await self._heartbeat_safely()
-            await self._redeliver()
+            self._retry_outbox()
+
+    def _retry_outbox(self) -> None:
+        """Retry the undelivered reports in the background, one after the other, one pass at
+        a time. A delivery may wait out its timeouts (a results stream without a leader, a
+        dispatcher whose acks wait for a new stream leader before it answers a completion),
+        and the heartbeats must not wait with it: they keep this worker's lease, and list the
+        results it still holds (else the dispatcher runs those requests again elsewhere)."""
+        if not len(self._outbox) or (self._retrying is not None and not self._retrying.done()):
+            return
+        task = self._retrying = asyncio.create_task(self._redeliver())
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
 
     async def _heartbeat_safely(self, *, leaving: bool = False) -> None:
         try:
