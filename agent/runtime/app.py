@@ -5,7 +5,8 @@ sleeps to an absolute target, so per-step timer overshoot does not accumulate). 
 coalesced (:mod:`sluice.agent.coalesce`). A finished request's result goes to JetStream
 (deduplicated by request id), then its completion to the dispatcher; both wait in the bounded
 outbox (:mod:`sluice.agent.outbox`) and are retried after every heartbeat, in the background,
-until the dispatcher confirms. What it accepts and what it reports are the pure modules beside this package.
+until the dispatcher confirms. What it accepts and what it reports are the pure modules beside
+this package.
 
 Draining: :meth:`Agent.drain` (SIGTERM, through :meth:`Agent.stop`) or an operator's
 :class:`~sluice.schemas.models.DrainRequest` (``sluice drain``) stops it taking work; it
