@@ -2,7 +2,8 @@
 
 A report is the request's result (stored in JetStream first) and its completion (then sent
 to the dispatcher, which acks the request on it). Reports wait here while the broker or the
-dispatcher is unreachable and are retried with every heartbeat.
+dispatcher is unreachable, and are retried after every heartbeat (in the background, one pass
+at a time).
 
 Overflow policy: the outbox never drops a report. At ``max_reports`` it is *full*: the agent
 refuses new assignments (reason ``outbox``) until reports get through, so only requests

@@ -48,7 +48,7 @@ FAST_AGENT: dict[str, Any] = {"speed": 20.0, "heartbeat_s": 0.2, "drain_timeout_
 def pytest_configure(config: pytest.Config) -> None:
     # One external server for every test: tests run at once would delete each other's streams.
     workers = config.getoption("numprocesses", default=None)
-    if os.environ.get("SLUICE_NATS_URL") and workers:
+    if os.environ.get("SLUICE_NATS_URL") and (isinstance(workers, str) or (workers or 0) > 1):
         raise pytest.UsageError(
             "SLUICE_NATS_URL points every test at one server, whose Sluice streams each test "
             "deletes: run the tests one at a time (-n 0, or make test TEST_WORKERS=0), "

@@ -537,6 +537,10 @@ def test_a_priced_or_retried_request_keeps_every_other_field() -> None:
     r = Request("r", "batch", "m2", "t2", 7, 3, 1.5, 9.0, (4, 5), 2, 11, 42)
     values = {f.name: getattr(r, f.name) for f in dataclasses.fields(Request)}
     assert len(set(map(repr, values.values()))) == len(values)  # every field tells apart
+    # A field added later (with a default) fails here until this test sets it, and so checks
+    # that the copy keeps it.
+    unset = [f.name for f in dataclasses.fields(Request) if getattr(r, f.name) == f.default]
+    assert not unset, f"set {unset} in this test"
     priced, again = r.priced(99), r.next_attempt()
     assert dataclasses.asdict(priced) == {**values, "engine_ms": 99}
     assert dataclasses.asdict(again) == {**values, "attempt": 3}

@@ -267,8 +267,9 @@ class Agent:
         self._alive = False
         self._wake.set()
         self._hb_stop.set()
-        await finish_tasks(self._tasks, grace_s=2.0)
-        self._tasks = []
+        retrying = [self._retrying] if self._retrying is not None else []
+        await finish_tasks([*self._tasks, *retrying], grace_s=2.0)
+        self._tasks, self._retrying = [], None
         try:
             await self.engine.close()
         except Exception:  # a broken engine must not keep the agent from stopping
@@ -669,6 +670,8 @@ class Agent:
 
     async def _redeliver(self) -> None:
         for request_id in self._outbox:
+            if not self._alive:
+                return  # shutting down
             await self._deliver(request_id)
 
     # ------------------------------------------------------------------ heartbeat
@@ -688,9 +691,16 @@ class Agent:
         results it still holds (else the dispatcher runs those requests again elsewhere)."""
         if not len(self._outbox) or (self._retrying is not None and not self._retrying.done()):
             return
-        task = self._retrying = asyncio.create_task(self._redeliver())
-        self._sending.add(task)
-        task.add_done_callback(self._sending.discard)
+        self._retrying = asyncio.create_task(self._redeliver(), name=f"retry-{self.worker_id}")
+        self._retrying.add_done_callback(self._retried)
+
+    def _retried(self, task: asyncio.Task[None]) -> None:
+        # Broker errors end in _deliver; anything else is a bug, and must not vanish with the
+        # task (the next heartbeat starts another pass).
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            internal_error(
+                log, "agent.outbox", "retrying %s's outbox failed", self.worker_id, exc=exc
+            )
 
     async def _heartbeat_safely(self, *, leaving: bool = False) -> None:
         try:
