@@ -71,6 +71,8 @@ MAX_FILE_BYTES = 200 * 1024 * 1024
 _PARSED_KEPT = 16
 """Parsed batch inputs a :class:`Batches` keeps (its most recently used)."""
 _NATS_ERRORS = (nats.errors.Error, OSError)
+_SUBJECTS_AT_ONCE = 100_000
+"""The most subjects the server lists in one stream info (it pages past that)."""
 
 Progress = Callable[[int, int], None]
 """Called with (lines submitted, valid lines) as a submitter goes."""
@@ -343,11 +345,25 @@ class Batches:
         """Every tenant's batches, newest first (for the sweeps that move batches on)."""
         return await self._records(None)
 
-    async def _records(self, tenant: str | None) -> list[BatchRecord]:
+    async def _batch_keys(self) -> list[str]:
+        """Every batch record's key, from the bucket's stream: the subjects it holds (one
+        request). nats-py's ``KeyValue.keys()`` replays the bucket through a watcher that can
+        end its replay early (nats-io/nats.py#842) and then lists some keys, or none, of a
+        bucket that holds them: a batch just created went missing from ``recent()``. The
+        server lists at most 100,000 subjects at once; past that, the watcher's listing."""
         kv, _ = await self._stores()
+        info = await self.client.nc.jetstream().stream_info(
+            names.BATCH_KV_STREAM, subjects_filter=names.BATCH_KEYS_FILTER
+        )
+        subjects = info.state.subjects or {}
+        if len(subjects) < _SUBJECTS_AT_ONCE:
+            return [s.removeprefix(names.BATCH_KV_SUBJECTS) for s in subjects]
+        # nats-py's key filters match substrings, not subjects: filter here.
+        return [k for k in await kv.keys() if k.startswith(names.BATCH_KEY_PREFIX)]
+
+    async def _records(self, tenant: str | None) -> list[BatchRecord]:
         try:
-            # nats-py's key filters match substrings, not subjects: filter here.
-            keys = [k for k in await kv.keys() if k.startswith(names.BATCH_KEY_PREFIX)]
+            keys = await self._batch_keys()
         except nats.js.errors.NoKeysError:
             return []
         except _NATS_ERRORS as exc:

@@ -179,6 +179,13 @@ FILE_STORE = "SLUICE_FILES"
 
 BATCH_KEY_PREFIX = "batch."
 
+BATCH_KV_STREAM = f"KV_{BATCH_BUCKET}"
+"""The stream behind the batch bucket (JetStream names a KV bucket's stream so)."""
+BATCH_KV_SUBJECTS = f"$KV.{BATCH_BUCKET}."
+"""The prefix of its keys' subjects in that stream."""
+BATCH_KEYS_FILTER = f"{BATCH_KV_SUBJECTS}{BATCH_KEY_PREFIX}>"
+"""Every batch record's subject in that stream."""
+
 
 def batch_key(batch_id: str) -> str:
     return f"{BATCH_KEY_PREFIX}{subject_token(batch_id)}"
