@@ -352,12 +352,14 @@ class Batches:
         bucket that holds them: a batch just created went missing from ``recent()``. The
         server lists at most 100,000 subjects at once; past that, the watcher's listing."""
         kv, _ = await self._stores()
+        bucket = names.BATCH_BUCKET
         info = await self.client.nc.jetstream().stream_info(
-            names.BATCH_KV_STREAM, subjects_filter=names.BATCH_KEYS_FILTER
+            names.kv_stream(bucket),
+            subjects_filter=names.kv_key_subject(bucket, f"{names.BATCH_KEY_PREFIX}>"),
         )
         subjects = info.state.subjects or {}
         if len(subjects) < _SUBJECTS_AT_ONCE:
-            return [s.removeprefix(names.BATCH_KV_SUBJECTS) for s in subjects]
+            return [s.removeprefix(names.kv_key_subject(bucket, "")) for s in subjects]
         # nats-py's key filters match substrings, not subjects: filter here.
         return [k for k in await kv.keys() if k.startswith(names.BATCH_KEY_PREFIX)]
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from sluice.schemas import names
+from sluice.schemas.names import kv_key_subject, kv_stream
 
 Role = Literal["producer", "agent", "dispatcher", "gateway", "operator"]
 
@@ -47,14 +48,9 @@ _JS_ACK = "$JS.ACK"
 _JS_FC = "$JS.FC"
 
 
-def kv_stream(bucket: str) -> str:
-    """The stream behind a JetStream KV bucket."""
-    return f"KV_{bucket}"
-
-
 def kv_subjects(bucket: str) -> str:
     """The subjects of a KV bucket's keys."""
-    return f"$KV.{bucket}.>"
+    return kv_key_subject(bucket, ">")
 
 
 def object_stream(bucket: str) -> str:

@@ -179,12 +179,15 @@ FILE_STORE = "SLUICE_FILES"
 
 BATCH_KEY_PREFIX = "batch."
 
-BATCH_KV_STREAM = f"KV_{BATCH_BUCKET}"
-"""The stream behind the batch bucket (JetStream names a KV bucket's stream so)."""
-BATCH_KV_SUBJECTS = f"$KV.{BATCH_BUCKET}."
-"""The prefix of its keys' subjects in that stream."""
-BATCH_KEYS_FILTER = f"{BATCH_KV_SUBJECTS}{BATCH_KEY_PREFIX}>"
-"""Every batch record's subject in that stream."""
+
+def kv_stream(bucket: str) -> str:
+    """The stream behind a JetStream KV bucket."""
+    return f"KV_{bucket}"
+
+
+def kv_key_subject(bucket: str, key: str) -> str:
+    """The subject of a KV bucket's key in its stream (``key`` may end in a wildcard)."""
+    return f"$KV.{bucket}.{key}"
 
 
 def batch_key(batch_id: str) -> str:

@@ -34,7 +34,7 @@ from typer.testing import CliRunner
 
 from sluice.cli.app import app
 from sluice.client import Cancelled, Client, ClientSettings, ServiceUnavailable
-from sluice.common.brokerroles import ack_subjects, inbox_prefix, js_api, kv_stream
+from sluice.common.brokerroles import ack_subjects, inbox_prefix, js_api
 from sluice.common.transport import BrokerAuth, TransportError, connect
 from sluice.gateway import ApiKey, GatewayServer, GatewaySettings
 from sluice.schemas import names
@@ -264,7 +264,7 @@ async def test_a_producer_cannot_act_for_another_tenant_or_a_worker(
     )
     assert await p.publish_refused(js_api("CONSUMER", "MSG", "NEXT", rs, beta_consumer))
     assert await p.publish_refused(ack_subjects(rs, beta_consumer).replace(">", "1.1.1.1.0"))
-    leader = kv_stream(names.LEADER_BUCKET)
+    leader = names.kv_stream(names.LEADER_BUCKET)
     assert await p.publish_refused(js_api("STREAM", "INFO", leader))
     assert await p.publish_refused(
         js_api("DIRECT", "GET", leader, f"$KV.{names.LEADER_BUCKET}.{names.LEADER_KEY}")

@@ -153,8 +153,8 @@ async def test_every_sluice_store_is_replicated_on_the_cluster(
             names.RESULT_STREAM,
             names.DEAD_LETTER_STREAM,
             names.ADVISORY_STREAM,
-            f"KV_{names.CONFIG_BUCKET}",
-            f"KV_{names.BATCH_BUCKET}",
+            names.kv_stream(names.CONFIG_BUCKET),
+            names.kv_stream(names.BATCH_BUCKET),
             f"OBJ_{names.FILE_STORE}",
         ]
         replicas = {}

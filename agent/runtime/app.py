@@ -686,9 +686,9 @@ class Agent:
     def _retry_outbox(self) -> None:
         """Retry the undelivered reports in the background, one after the other, one pass at
         a time. A delivery may wait out its timeouts (a results stream without a leader, a
-        dispatcher whose acks wait for a new stream leader before it answers a completion),
-        and the heartbeats must not wait with it: they keep this worker's lease, and list the
-        results it still holds (else the dispatcher runs those requests again elsewhere)."""
+        dispatcher cut off while it reconnects), and the heartbeats must not wait with it:
+        they keep this worker's lease, and list the results it still holds (else the
+        dispatcher runs those requests again elsewhere)."""
         if not len(self._outbox) or (self._retrying is not None and not self._retrying.done()):
             return
         self._retrying = asyncio.create_task(self._redeliver(), name=f"retry-{self.worker_id}")
