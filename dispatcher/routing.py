@@ -22,6 +22,8 @@ from typing import NamedTuple, Protocol, overload, runtime_checkable
 
 import xxhash
 
+from sluice.dispatcher.frozen import fast_init
+
 
 class Candidate(NamedTuple):
     """A worker that could take a request now, as the policy sees it (a named tuple: the
@@ -193,6 +195,7 @@ def default_load_key(booked: int, capacity: int, unreported_prefill_tokens: int)
     return booked / (capacity or 1) + unreported_prefill_tokens * 1e-9
 
 
+@fast_init
 @dataclass(frozen=True)
 class RouteRequest:
     """What a policy may know about a request."""
@@ -207,6 +210,7 @@ class RouteRequest:
     of its prompt prefix."""
 
 
+@fast_init
 @dataclass(frozen=True)
 class Choice:
     """A policy's decision, with what it expects and (when asked) why: the decision log."""
@@ -220,6 +224,7 @@ class Choice:
     """Per candidate: its score terms (filled only when the policy explains itself)."""
 
 
+@fast_init
 @dataclass(frozen=True)
 class Digest:
     """A worker's cache report, as a policy takes it: a numbered delta or a full snapshot of
@@ -288,6 +293,7 @@ class PolicyStats:
     """Replica-set size -> how many prefixes have a live set of that size."""
 
 
+@fast_init
 @dataclass(frozen=True)
 class Outcome:
     """What a completion tells a policy: the hit the engine found and the timings."""
