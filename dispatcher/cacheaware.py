@@ -28,8 +28,8 @@ Then the safeguards, per request (there is no fleet-wide switch):
   and ``choose`` stays free of side effects.
 
 **Who is scored**: given the planner's :class:`~sluice.dispatcher.routing.CandidatePool`, not
-the whole fleet: the ``shortlist_workers`` least-loaded replicas and holders of each match
-length, as many least-loaded other workers and, for a request that explores, the new workers;
+the whole fleet: the ``shortlist_per_group`` least-loaded replicas and holders of each match
+length, ``shortlist_workers`` least-loaded other workers and, for a request that explores, the new workers;
 then any other replica or worker whose load key (a lower bound of its load) could still beat
 the best so far. A prefix every worker caches (a shared system prompt) makes every worker a
 replica: they are walked in load order too, so a decision still scores a few. The choice is the
@@ -62,6 +62,7 @@ from sluice.dispatcher.defaults import (
     MAX_REPLICAS,
     PREFIX_MAX_KEYS,
     REPLICA_HEADROOM,
+    SHORTLIST_PER_GROUP,
     SHORTLIST_WORKERS,
     STICKY_WINDOW_S,
     key_blocks,
@@ -120,6 +121,9 @@ class CacheAwareConfig:
     shortlist_workers: int = SHORTLIST_WORKERS
     """Score only the prefix's holders and replicas, the newly joined workers and this many
     least-loaded others (0: score every candidate)."""
+    shortlist_per_group: int = SHORTLIST_PER_GROUP
+    """Of the holders (and of a prefix's many replicas) holding as much of the prompt, score
+    this many least loaded first; the rest of the group only while one could still win."""
 
     @property
     def index_stride(self) -> int:
@@ -142,6 +146,8 @@ class CacheAwareConfig:
             raise ValueError("hard_load_fraction must be within (0, 1]")
         if self.shortlist_workers < 0:
             raise ValueError("shortlist_workers must be >= 0")
+        if self.shortlist_per_group < 1:
+            raise ValueError("shortlist_per_group must be >= 1")
 
 
 @dataclass(slots=True)
@@ -348,11 +354,15 @@ class CacheAware:
         left: list[tuple[int, _Rest]] | None,
     ) -> None:
         """Into ``picked``: of each group of ``workers`` but ``skip`` that hold as much of the
-        prompt (they differ only in load, unless their speeds do), the k least loaded;
-        ``left`` gets the rest of each group (:class:`_Rest`). The pool lists only the 2k
-        least of each group: a group may be the whole fleet, and a decision rarely looks
-        past them. Those holding nothing are the group least_loaded() gives."""
-        k = self.config.shortlist_workers
+        prompt (they differ only in load, unless their speeds do), the k least loaded
+        (``shortlist_per_group``); ``left`` gets the rest of each group (:class:`_Rest`). The
+        pool lists only the 2k least of each group: a group may be the whole fleet, and a
+        decision rarely looks past them. Those holding nothing are the group least_loaded()
+        gives."""
+        # Fewer than shortlist_workers: of a group, the least loaded by its key is the likely
+        # winner, and _beyond() scores the others exactly as far as one could still beat it
+        # (at 256 workers, 2 instead of 8 cut a decision by 4-6 %: docs/BENCHMARKS.md).
+        k = self.config.shortlist_per_group
         for blocks, (least, count) in pool.least_groups(workers, matches, skip, 2 * k).items():
             for _, w in least[:k]:
                 if w not in picked and (cand := pool.get(w)) is not None:

@@ -44,3 +44,6 @@ def key_blocks(block_tokens: int, key_tokens: int = KEY_TOKENS) -> int:
 SHORTLIST_WORKERS = 8
 """Least-loaded workers a cache-aware decision scores besides the prefix's holders, its
 replicas and the newly joined workers (0: every candidate)."""
+SHORTLIST_PER_GROUP = 2
+"""Least-loaded holders (or replicas) of each match length a cache-aware decision scores
+first; the others of the group are scored only as far as one could still win."""

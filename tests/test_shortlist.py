@@ -47,6 +47,7 @@ def _fleet_policy(data: st.DataObject, n: int) -> tuple[CacheAware, list[tuple[i
             key_tokens=4 * BT,
             explore_share=explore,
             shortlist_workers=k,
+            shortlist_per_group=data.draw(st.integers(1, k + 1), label="shortlist_per_group"),
         )
     )
     rng = random.Random(data.draw(st.integers(0, 2**32 - 1), label="seed"))
@@ -130,9 +131,9 @@ def test_the_bounded_choice_is_the_exhaustive_one_whenever_that_is_on_the_shortl
     exhaustive = policy.choose(request, candidates, now)
     pool = ListPool(candidates, policy.load_key)
     shortlist = {c.worker_id for c in policy.shortlist(request, pool, now)}
-    k = policy.config.shortlist_workers
-    assert len(shortlist) <= len(policy._context(request, n, now).reps) + k * (
-        1 + len(set(policy.index.match(hashes, now).values()))
+    k, g = policy.config.shortlist_workers, policy.config.shortlist_per_group
+    assert len(shortlist) <= len(policy._context(request, n, now).reps) + k + g * len(
+        set(policy.index.match(hashes, now).values())
     ) + sum(1 for c in candidates if now - c.joined_s < policy.config.explore_window_s)
     if exhaustive.worker_id in shortlist:
         assert bounded == exhaustive
@@ -154,6 +155,7 @@ def test_the_bounded_choice_among_replicas_everywhere_is_the_exhaustive_one(
         CacheAwareConfig(
             block_tokens=BT, index_tokens=BT, key_tokens=4 * BT, explore_share=0.0,
             shortlist_workers=k, max_replicas=data.draw(st.sampled_from([1, 64])),
+            shortlist_per_group=data.draw(st.integers(1, k + 1), label="shortlist_per_group"),
         )
     )  # fmt: skip
     system = tuple(range(900, 908))
@@ -169,6 +171,31 @@ def test_the_bounded_choice_among_replicas_everywhere_is_the_exhaustive_one(
     )
     request = RouteRequest("r", "m", 10 * BT + 3, 16, (*system, 7, 8))
     _assert_same_but_ties(policy, request, candidates, now)
+
+
+@pytest.mark.parametrize("per_group", [1, 3])
+def test_a_group_of_holders_is_shortlisted_by_its_least_loaded_few(per_group: int) -> None:
+    # Twelve workers hold the same whole prompt (no replica set: nothing was routed), 40
+    # hold nothing. The shortlist takes per_group of the twelve, least loaded first, and the
+    # k least loaded of the rest; the others are scored only as far as one could still win.
+    k = 4
+    policy = CacheAware(
+        CacheAwareConfig(
+            block_tokens=BT, index_tokens=BT, key_tokens=4 * BT, explore_share=0.0,
+            shortlist_workers=k, shortlist_per_group=per_group, sticky_cached=False,
+        )
+    )  # fmt: skip
+    prompt = tuple(range(500, 508))
+    for w in range(52):
+        policy.heartbeat(f"w{w}", Digest(0, True, prompt) if w < 12 else None, 50.0)
+    cands = [Candidate(f"w{w}", 8, w % 8, 100 * (w % 8)) for w in range(52)]
+    request = RouteRequest("r", "m", 9 * BT + 3, 16, (*prompt, 1))
+    pool = ListPool(cands, policy.load_key)
+    short = [c.worker_id for c in policy.shortlist(request, pool, 110.0)]
+    holders = [w for w in short if int(w[1:]) < 12]
+    assert holders == ["w0", "w8", "w1"][:per_group]
+    assert len(short) <= per_group + k  # the k least loaded overall may include w0
+    _assert_same_but_ties(policy, request, cands, 110.0)
 
 
 def test_a_replica_left_off_with_less_of_the_prompt_still_wins_the_expand_rule() -> None:

@@ -384,6 +384,13 @@ class DispatcherSettings(BrokerSettings):
         description="Least-loaded workers a decision scores besides the prefix's holders and "
         "replicas (0: every worker).",
     )
+    routing_shortlist_per_group: int = Field(
+        default=_R.shortlist_per_group,
+        ge=1,
+        description="Least-loaded holders of each match length (and replicas, when a prefix "
+        "has more than routing_shortlist_workers) a decision scores first; the others only "
+        "while one could still win.",
+    )
     decision_log: Path | None = Field(
         default=None, description="Write one JSON line per routing decision here (off: unset)."
     )
@@ -461,6 +468,7 @@ class DispatcherSettings(BrokerSettings):
             prefix_max_keys=self.routing_prefix_max_keys,
             index_tokens=self.routing_index_tokens,
             shortlist_workers=self.routing_shortlist_workers,
+            shortlist_per_group=self.routing_shortlist_per_group,
             explain=self.decision_log is not None,
         )
 
