@@ -28,10 +28,11 @@ Then the safeguards, per request (there is no fleet-wide switch):
   and ``choose`` stays free of side effects.
 
 **Who is scored**: given the planner's :class:`~sluice.dispatcher.routing.CandidatePool`, not
-the whole fleet: the ``shortlist_per_group`` least-loaded replicas and holders of each match
-length, ``shortlist_workers`` least-loaded other workers and, for a request that explores, the new workers;
-then any other replica or worker whose load key (a lower bound of its load) could still beat
-the best so far. A prefix every worker caches (a shared system prompt) makes every worker a
+the whole fleet: its replicas (past ``shortlist_workers`` of them, the ``shortlist_per_group``
+least loaded of each match length), the ``shortlist_per_group`` least-loaded holders of each
+match length, the ``shortlist_workers`` least-loaded workers and, for a request that explores,
+the new workers; then any other replica or worker whose load key (a lower bound of its load)
+could still beat the best so far. A prefix every worker caches (a shared system prompt) makes every worker a
 replica: they are walked in load order too, so a decision still scores a few. The choice is the
 one scoring everyone would make, but for ties.
 
@@ -298,9 +299,10 @@ class CacheAware:
     def shortlist(
         self, request: RouteRequest, pool: CandidatePool, now_s: float
     ) -> list[Candidate]:
-        """The candidates a decision scores: the holders of the request's prefix, its
-        replicas, the ``shortlist_workers`` least loaded and, if the request is one that
-        explores, the newly joined workers."""
+        """The candidates a decision scores first: the prefix's replicas, the least-loaded
+        holders of each match length (``shortlist_per_group`` of each), the
+        ``shortlist_workers`` least loaded and, if the request is one that explores, the newly
+        joined workers (module docstring)."""
         ctx = self._context(request, len(pool), now_s)
         return self._shortlist(ctx, pool, now_s, self._explores(request))
 
@@ -632,10 +634,14 @@ def _walk_groups(
     scored: list[Candidate],
 ) -> Iterator[Candidate]:
     """Of each group (index entries held, the workers left off), the candidates in load order
-    up to the first that cannot win."""
+    up to the first that cannot win; those already scored are passed over (a group's worker
+    left off its group's few may be among the least loaded of all, on the shortlist)."""
     for blocks, rest in groups:
         while (top := rest.peek()) is not None:
             key, w = top
+            if w in seen:
+                heapq.heappop(rest.heap)
+                continue
             if not could_win(key, blocks):
                 break
             heapq.heappop(rest.heap)

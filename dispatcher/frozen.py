@@ -11,6 +11,7 @@ directly: the same signature, defaults and result, still frozen afterwards.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any, TypeVar
 
 _T = TypeVar("_T")
@@ -54,11 +55,13 @@ def fast_init(cls: type[_T]) -> type[_T]:
         else:
             defaults[f"_fi_default_{f.name}"] = f.default
             signature.append(f"{f.name}=_fi_default_{f.name}")
+    this = "_fi_self" if "self" in names else "self"
     body = "\n".join(f"    _fi_d[{n!r}] = {n}" for n in names) or "    pass"
-    source = f"def __init__(_fi_self, {', '.join(signature)}):\n"
-    source += ("    _fi_d = _fi_self.__dict__\n" if names else "") + body + "\n"
+    source = f"def __init__({this}, {', '.join(signature)}):\n"
+    source += (f"    _fi_d = {this}.__dict__\n" if names else "") + body + "\n"
     namespace: dict[str, Any] = dict(defaults)
-    exec(source, namespace)  # the source names only fields checked above
+    # The module's globals: the copied string annotations resolve there (get_type_hints).
+    exec(source, vars(sys.modules[cls.__module__]), namespace)  # names checked above
     init = namespace["__init__"]
     init.__qualname__ = f"{cls.__qualname__}.__init__"
     init.__module__ = cls.__module__

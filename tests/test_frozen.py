@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import typing
 from dataclasses import FrozenInstanceError, InitVar, dataclass, field
 from typing import Any
 
@@ -121,3 +122,7 @@ def test_refuses_a_constructor_that_does_more_than_store() -> None:
 def test_the_hot_values_keep_it(cls: type) -> None:
     assert getattr(cls.__init__, "__fast_init__", False), f"{cls.__name__} lost fast_init"
     assert cls.__init__.__qualname__ == f"{cls.__qualname__}.__init__"
+    # Its string annotations resolve in its module, as the generated constructor's do.
+    hints = typing.get_type_hints(cls.__init__)
+    assert set(hints) == {f.name for f in dataclasses.fields(cls)} | {"return"}
+    assert next(iter(inspect.signature(cls.__init__).parameters)) == "self"

@@ -198,6 +198,33 @@ def test_a_group_of_holders_is_shortlisted_by_its_least_loaded_few(per_group: in
     _assert_same_but_ties(policy, request, cands, 110.0)
 
 
+@given(st.data())
+@settings(max_examples=200, deadline=None)
+def test_no_worker_is_scored_twice(data: st.DataObject) -> None:
+    # A holder left off its group's few may be among the least loaded of all (on the
+    # shortlist): the walk of its group passes it over. The decision log lists each scored
+    # worker once.
+    n = data.draw(st.integers(12, 40), label="workers")
+    policy = CacheAware(
+        CacheAwareConfig(
+            block_tokens=BT, index_tokens=BT, key_tokens=4 * BT, explore_share=0.0,
+            shortlist_workers=data.draw(st.integers(1, 6), label="shortlist_workers"),
+            shortlist_per_group=data.draw(st.integers(1, 3), label="shortlist_per_group"),
+            sticky_cached=data.draw(st.booleans(), label="sticky_cached"), explain=True,
+        )
+    )  # fmt: skip
+    prompt = tuple(range(500, 508))
+    for w in range(n):
+        held = prompt[: data.draw(st.sampled_from([0, 0, 4, 8, 8]))]
+        policy.heartbeat(f"w{w}", Digest(0, True, held) if held else None, 50.0)
+    now = 110.0
+    candidates = _candidates(data, n, now, (0, 0, 100_000, 1_000_000), (0, 0), (0.0,), (-1e9,))
+    request = RouteRequest("r", "m", 9 * BT + 3, 16, (*prompt, 1))
+    choice = policy.choose(request, ListPool(candidates, policy.load_key), now)
+    workers = [t["worker"] for t in choice.terms]
+    assert len(workers) == len(set(workers)), sorted(workers)
+
+
 def test_a_replica_left_off_with_less_of_the_prompt_still_wins_the_expand_rule() -> None:
     # The prefix may gain replicas (its budget exceeds its three), so the least queue wins.
     # w2 holds less of the prompt than w0: its score's bound is over w0's score, but its
