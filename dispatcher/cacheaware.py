@@ -635,16 +635,17 @@ def _walk_groups(
 ) -> Iterator[Candidate]:
     """Of each group (index entries held, the workers left off), the candidates in load order
     up to the first that cannot win; those already scored are passed over (a group's worker
-    left off its group's few may be among the least loaded of all, on the shortlist)."""
+    left off its group's few may be among the least loaded of all, on the shortlist), but
+    their bound still ends the walk: passing over one that cannot win would read on into the
+    group's rest, which for a group of the whole fleet lists every worker."""
     for blocks, rest in groups:
         while (top := rest.peek()) is not None:
             key, w = top
-            if w in seen:
-                heapq.heappop(rest.heap)
-                continue
             if not could_win(key, blocks):
                 break
             heapq.heappop(rest.heap)
+            if w in seen:
+                continue
             if (cand := pool.get(w)) is not None:
                 seen.add(w)
                 scored.append(cand)

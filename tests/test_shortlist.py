@@ -11,7 +11,7 @@ whole fleet.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
 
 import pytest
 from hypothesis import given, settings
@@ -263,6 +263,8 @@ class _Counting(CandidatePool):
         """Candidates built."""
         self.stepped = 0
         """Steps along the load order."""
+        self.regrouped = 0
+        """Groups listed whole (a group's rest fetched after its least were listed)."""
 
     def __len__(self) -> int:
         return len(self.inner)
@@ -273,6 +275,24 @@ class _Counting(CandidatePool):
 
     def load_key(self, worker_id: str) -> float | None:
         return self.inner.load_key(worker_id)
+
+    def least_groups(
+        self,
+        worker_ids: Iterable[str],
+        blocks_of: Mapping[str, int],
+        skip: Container[str] | None,
+        m: int,
+    ) -> dict[int, tuple[list[tuple[float, str]], int]]:
+        return self.inner.least_groups(worker_ids, blocks_of, skip, m)
+
+    def keyed_groups(
+        self,
+        worker_ids: Iterable[str],
+        blocks_of: Mapping[str, int],
+        skip: Container[str] | None = None,
+    ) -> dict[int, list[tuple[float, str]]]:
+        self.regrouped += 1
+        return self.inner.keyed_groups(worker_ids, blocks_of, skip)
 
     def ids_by_load(self) -> Iterator[tuple[float, str]]:
         for kw in self.inner.ids_by_load():
@@ -532,6 +552,9 @@ def test_a_system_prompt_every_worker_caches_does_not_make_a_decision_score_them
     k = policy.config.shortlist_workers
     assert pool.asked <= 2 * k + 6
     assert pool.stepped <= 2 * k + 6
+    # The walk of the replicas left off stops at the first whose bound cannot win, also when
+    # the shortlist scored it already: it never lists the whole fleet's group.
+    assert pool.regrouped == 0
 
 
 def test_a_holder_of_part_of_the_prompt_that_is_no_replica_is_on_the_shortlist() -> None:
