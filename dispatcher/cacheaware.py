@@ -79,7 +79,7 @@ from sluice.dispatcher.routing import (
     request_hash,
     tie_rank,
 )
-from sluice.dispatcher.scoring import Best, Weights, held_at_least, keep, score_into
+from sluice.dispatcher.scoring import LEAST_MAX, Best, Weights, held_at_least, keep, score_into
 from sluice.schemas.hashing import DEFAULT_BLOCK_TOKENS, DEFAULT_INDEX_TOKENS, index_stride
 
 _U64 = float(2**64)
@@ -358,14 +358,16 @@ class CacheAware:
         """Into ``picked``: of each group of ``workers`` but ``skip`` that hold as much of the
         prompt (they differ only in load, unless their speeds do), the k least loaded
         (``shortlist_per_group``); ``left`` gets the rest of each group (:class:`_Rest`). The
-        pool lists only the 2k least of each group: a group may be the whole fleet, and a
-        decision rarely looks past them. Those holding nothing are the group least_loaded()
-        gives."""
+        pool lists only the k + ``shortlist_workers`` least of each group: a group may be the
+        whole fleet, and a decision rarely looks past them (of a group that is most of the
+        fleet, the shortlist's least loaded of all are the next few, scored already). Those
+        holding nothing are the group least_loaded() gives."""
         # Fewer than shortlist_workers: of a group, the least loaded by its key is the likely
         # winner, and _beyond() scores the others exactly as far as one could still beat it
         # (at 256 workers, 2 instead of 8 cut a decision by 4-6 %: docs/BENCHMARKS.md).
         k = self.config.shortlist_per_group
-        for blocks, (least, count) in pool.least_groups(workers, matches, skip, 2 * k).items():
+        listed = min(LEAST_MAX, k + self.config.shortlist_workers)
+        for blocks, (least, count) in pool.least_groups(workers, matches, skip, listed).items():
             for _, w in least[:k]:
                 if w not in picked and (cand := pool.get(w)) is not None:
                     picked[w] = cand
