@@ -32,9 +32,9 @@ the whole fleet: its replicas (past ``shortlist_workers`` of them, the ``shortli
 least loaded of each match length), the ``shortlist_per_group`` least-loaded holders of each
 match length, the ``shortlist_workers`` least-loaded workers and, for a request that explores,
 the new workers; then any other replica or worker whose load key (a lower bound of its load)
-could still beat the best so far. A prefix every worker caches (a shared system prompt) makes every worker a
-replica: they are walked in load order too, so a decision still scores a few. The choice is the
-one scoring everyone would make, but for ties.
+could still beat the best so far. A prefix every worker caches (a shared system prompt) makes
+every worker a replica: they are walked in load order too, so a decision still scores a few.
+The choice is the one scoring everyone would make, but for ties.
 
 ``choose`` changes nothing; ``observe`` (called by the scheduler once the worker accepted)
 records the placement. ``heartbeat``, ``completed`` and ``remove_worker`` feed the index and
