@@ -155,7 +155,9 @@ class Batches:
         kv, _ = await self._stores()
         try:
             entry = await kv.get(key)
-        except nats.js.errors.KeyNotFoundError:
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.InvalidKeyError):
+            # An id no record can have (its key escapes a byte with "~", which KV keys do not
+            # allow; the ids made here never need it): not found, as any unknown id.
             return None
         except _NATS_ERRORS as exc:
             raise ServiceUnavailable(f"cannot read {key}: {exc}") from exc

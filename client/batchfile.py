@@ -17,12 +17,12 @@ batch's window or a cancel left unrun), in input order.
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from sluice.client import jsontext
 from sluice.client.oaiformat import (
     ENDPOINT_KINDS,
     Kind,
@@ -98,9 +98,9 @@ def parse_lines(data: bytes, batch_id: str) -> tuple[list[BatchLine], list[LineE
             if len(raw) > MAX_LINE_BYTES:
                 raise _Bad(f"the line has {len(raw)} bytes, more than {MAX_LINE_BYTES}")
             try:
-                obj = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise _Bad(f"not valid JSON: {exc}", "invalid_json") from exc
+                obj = jsontext.loads(raw)
+            except jsontext.JsonTextError as exc:
+                raise _Bad(str(exc), "invalid_json") from exc
             if not isinstance(obj, dict):
                 raise _Bad("a line must be a JSON object")
             cid = obj.get("custom_id", f"line-{n}")

@@ -71,6 +71,8 @@ _PUBLISH_BACKOFF_S = (0.05, 1.0)
 """The first and the largest wait between two publishes of one submit (doubling, with
 jitter)."""
 _STREAM_LOOKUP_TIMEOUT_S = 1.0
+_HEADER_BYTES = 64
+"""A request message's header block but its message id (``NATS/1.0``, the header name)."""
 log = logging.getLogger("sluice.client")
 R = TypeVar("R", bound=BaseModel)
 
@@ -514,7 +516,22 @@ class Client:
         broker store it once however many attempts reached it. ``QueueFull`` and permanent
         errors are raised at once."""
         subject = names.request_subject(r.band, r.model, r.tenant)
-        payload = encode(r)
+        try:
+            payload = encode(r)
+        except UnicodeEncodeError as exc:  # a str holding a lone surrogate: no UTF-8 for it
+            raise InvalidRequest(
+                f"the request holds text that is not valid Unicode ({exc.reason}): "
+                f"{exc.object[exc.start : exc.end]!a}"
+            ) from None
+        limit = self.nc.max_payload
+        # The broker counts the headers too (the message id, in a NATS/1.0 header block).
+        size = len(payload) + len(r.request_id) + _HEADER_BYTES
+        if limit and size > limit:  # it would refuse it on every attempt
+            raise InvalidRequest(
+                f"the request is {size} bytes on the wire, more than the broker's max_payload "
+                f"of {limit} bytes: shorten the prompt (or raise max_payload in the NATS "
+                "server's configuration)"
+            )
         deadline = time.monotonic() + self.publish_retry_s
         backoff, most = _PUBLISH_BACKOFF_S
         while True:

@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -163,7 +163,7 @@ def guarded(endpoint: Endpoint) -> Endpoint:
             return await endpoint(request)
         except ApiError as exc:
             return exc.response()
-        except ClientGone:
+        except (ClientGone, ClientDisconnect):  # gone before its answer (or its body) was done
             return Response(status_code=CLIENT_CLOSED)
         except SluiceError as exc:
             return from_client_error(exc, "").response()

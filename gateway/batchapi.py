@@ -239,11 +239,15 @@ class BatchApi:
         if not isinstance(input_file_id, str) or not input_file_id:
             raise BadRequest("input_file_id must be a file id", param="input_file_id")
         endpoint = body.get("endpoint", "/v1/chat/completions")
-        if endpoint not in ENDPOINT_KINDS:
+        if not isinstance(endpoint, str) or endpoint not in ENDPOINT_KINDS:
             raise BadRequest(f"endpoint must be one of {sorted(ENDPOINT_KINDS)}", param="endpoint")
         window = body.get("completion_window", "24h")
+        if not isinstance(window, str):  # OpenAI's is the string "24h"; a number is no unit
+            raise BadRequest(
+                'completion_window must be a string such as "24h"', param="completion_window"
+            )
         try:
-            window_s = parse_window(str(window))
+            window_s = parse_window(window)
         except ValueError as exc:
             raise BadRequest(str(exc), param="completion_window") from exc
         metadata = body.get("metadata") or {}

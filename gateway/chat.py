@@ -14,11 +14,11 @@ and fields the gateway does not know are accepted and have no effect.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from sluice.client import jsontext
 from sluice.client.oaiformat import Kind
 from sluice.common.chat import ChatError, render_chat
 from sluice.gateway.errors import BadRequest
@@ -46,9 +46,9 @@ class Job:
 def parse_json(raw: bytes) -> dict[str, Any]:
     """The body as a JSON object; ``BadRequest`` otherwise."""
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"the body is not valid JSON: {exc}") from exc
+        body = jsontext.loads(raw)
+    except jsontext.JsonTextError as exc:
+        raise BadRequest(f"the body is {exc}") from exc
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
     return body

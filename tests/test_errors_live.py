@@ -21,7 +21,14 @@ from prometheus_client import REGISTRY
 
 from sluice.agent.runtime import Agent
 from sluice.agent.runtime.settings import AgentSettings
-from sluice.client import Client, MalformedResult, NotConnected, RejectReason, ServiceUnavailable
+from sluice.client import (
+    Client,
+    InvalidRequest,
+    MalformedResult,
+    NotConnected,
+    RejectReason,
+    ServiceUnavailable,
+)
 from sluice.dispatcher.runtime import Dispatcher
 from sluice.dispatcher.runtime.settings import DispatcherSettings
 from sluice.dispatcher.runtime.streams import result_stream
@@ -314,3 +321,20 @@ async def test_an_agent_with_a_full_outbox_refuses_work_and_announces_no_capacit
             again = await offer("third", epoch=d.epoch)  # as the leader would send it
     assert stored is not None and stored.ok and stored.worker_id == "lonely"
     assert again.accepted, again.reason
+
+
+async def test_a_prompt_no_encoder_takes_or_over_the_brokers_limit_is_invalid_at_once(
+    nats_url: str,
+) -> None:
+    """Text holding a lone surrogate (msgpack cannot encode it) and a request larger than the
+    broker's max_payload are InvalidRequest before anything is published, not a
+    UnicodeEncodeError or a ServiceUnavailable retried for publish_retry_s. Mutation:
+    Client._publish without its size check (ServiceUnavailable)."""
+    async with Client(nats_url) as c:
+        with pytest.raises(InvalidRequest, match="not valid Unicode"):
+            await c.submit("sim", "a\ud800b", band="interactive")
+        with pytest.raises(InvalidRequest, match="max_payload"):
+            await c.submit("sim", "x" * c.nc.max_payload, band="interactive")
+        with pytest.raises(InvalidRequest, match="max_payload"):
+            await c.enqueue("sim", [70_000] * (c.nc.max_payload // 3), band="batch")
+        assert not c.nc._subs  # the refused submits left no subscription behind

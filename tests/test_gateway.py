@@ -534,3 +534,53 @@ async def test_with_a_tokenizer_a_chat_is_sent_as_its_token_ids(
     assert [u.prompt_tokens for u in usages] == [len(ids), len(ids)]
     cached = [u.prompt_tokens_details.cached_tokens for u in usages]  # type: ignore[union-attr]
     assert cached[0] == 0 and cached[1] >= len(ids) - 16
+
+
+async def test_text_no_encoder_takes_and_a_prompt_over_the_brokers_limit_are_400s(
+    nats_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Bad input at the edges of JSON and of the broker's wire is a 400 in OpenAI's shape,
+    never a 500 or a retryable 503, and the gateway logs no internal error; a client gone
+    while sending its body is a quiet 499. Mutations: parse_json on json.loads again (the
+    surrogate, the digits and the nesting were 500s); Client._publish without its size check
+    (the large prompt was a 503); guarded() without ClientDisconnect (an internal error)."""
+    caplog.set_level(logging.WARNING)
+    async with (
+        LocalCluster(nats_url, **cluster_kwargs(workers=1)),
+        serving(nats_url) as (gw, oa),
+        httpx.AsyncClient(base_url=gw.url, timeout=30) as http,
+    ):
+        for body in [
+            b'{"model": "sim", "prompt": "\\ud800"}',
+            b'{"model": "sim", "prompt": "\xed\xa0\x80"}',
+            b'{"model": "sim", "prompt": "hi", "temperature": ' + b"9" * 5000 + b"}",
+            b'{"model": "sim", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+            b'{"model": "sim", "prompt": "' + b"word " * 300_000 + b'"}',  # 1.5 MB
+        ]:
+            r = await http.post("/v1/completions", content=body)
+            assert r.status_code == 400, (r.status_code, r.text[:300])
+            assert r.json()["error"]["type"] == "invalid_request_error"
+        assert "max_payload" in r.json()["error"]["message"]
+        # A surrogate pair is text, and runs.
+        pair = b'{"model": "sim", "prompt": "\\ud83d\\ude00", "max_tokens": 2}'
+        r = await http.post("/v1/completions", content=pair)
+        assert r.status_code == 200, r.text
+
+        _, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"model"'
+        )
+        await writer.drain()
+        writer.close()
+        await writer.wait_closed()
+
+        gone = 'sluice_gateway_requests_total{route="/v1/completions",status="499"}'
+
+        async def counted() -> bool:
+            return gone + " 1.0" in (await http.get("/metrics")).text
+
+        await eventually(counted, timeout_s=10)
+        assert (await oa.completions.create(model="sim", prompt="hi", max_tokens=2)).choices
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]

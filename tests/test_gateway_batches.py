@@ -169,3 +169,37 @@ async def test_a_malformed_upload_is_a_400_in_openai_shape(nats_url: str) -> Non
     for r in (broken, no_file):
         assert r.status_code == 400, r.text
         assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+async def test_odd_ids_are_404s_and_bad_create_fields_400s(nats_url: str) -> None:
+    """An id no record can have (its key would escape bytes with "~", which KV keys refuse)
+    is a 404 like any unknown id, not a 503; a create whose endpoint or window has the wrong
+    type is a 400, not a 500 or a window of 24 seconds. Mutations: Batches._read without
+    InvalidKeyError (503s); create() without its type checks (a 500, a 200)."""
+    import httpx
+
+    settings = GatewaySettings(nats_url=nats_url, port=0, keys=_keys())
+    async with LocalCluster(nats_url, **cluster_kwargs(workers=0)), GatewayServer(settings) as gw:
+        headers = {"authorization": f"Bearer {KEY_A}"}
+        async with httpx.AsyncClient(base_url=gw.url, headers=headers, timeout=30) as h:
+            missing = [
+                await h.get("/v1/files/a%20b"),
+                await h.get("/v1/files/%E6%97%A5"),
+                await h.get("/v1/batches/a.b*>"),
+                await h.post("/v1/batches", json={"input_file_id": "a.b"}),
+            ]
+            up = await h.post(
+                "/v1/files",
+                files={"file": ("in.jsonl", b'{"model": "sim", "prompt": "hi"}\n')},
+                data={"purpose": "batch"},
+            )
+            fid = up.json()["id"]
+            bad = [
+                await h.post("/v1/batches", json={"input_file_id": fid, "endpoint": ["x"]}),
+                await h.post("/v1/batches", json={"input_file_id": fid, "completion_window": 24}),
+            ]
+    for r in missing:
+        assert r.status_code == 404, (r.status_code, r.text)
+    for r, param in zip(bad, ["endpoint", "completion_window"], strict=True):
+        assert r.status_code == 400, (r.status_code, r.text)
+        assert r.json()["error"]["param"] == param
