@@ -35,6 +35,7 @@ from sluice.gateway.catalog import Catalog
 from sluice.gateway.chat import SESSION_HEADER, chat_job, completion_job, parse_json, session_of
 from sluice.gateway.errors import (
     ApiError,
+    BodyTimeout,
     InternalError,
     MethodNotAllowed,
     NotFound,
@@ -175,15 +176,22 @@ def guarded(endpoint: Endpoint) -> Endpoint:
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, at most ``limit`` bytes (``PayloadTooLarge`` beyond)."""
+    """The request body, at most ``limit`` bytes (``PayloadTooLarge`` beyond), received whole
+    within the gateway's ``body_timeout_s`` (``BodyTimeout`` after: uvicorn itself waits for
+    a body as long as the client keeps the connection open)."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"the body exceeds {limit} bytes")
     body = bytearray()
-    async for part in request.stream():
-        body += part
-        if len(body) > limit:
-            raise PayloadTooLarge(f"the body exceeds {limit} bytes")
+    timeout_s = gateway_of(request).settings.body_timeout_s
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for part in request.stream():
+                body += part
+                if len(body) > limit:
+                    raise PayloadTooLarge(f"the body exceeds {limit} bytes")
+    except TimeoutError:
+        raise BodyTimeout(f"the body was not received within {timeout_s:g} s") from None
     return bytes(body)
 
 

@@ -75,10 +75,11 @@ def _flag(body: Mapping[str, Any], key: str) -> bool:
 def _unsupported(body: Mapping[str, Any], kind: Kind) -> None:
     """Refuse what Sluice cannot honour (see the module docstring)."""
     n = body.get("n")
-    if n is not None and n != 1:
+    # (isinstance: True == 1 in Python, and JSON's true is no count.)
+    if n is not None and (n != 1 or isinstance(n, bool)):
         raise BadRequest("n must be 1: the gateway returns one choice", param="n")
     best_of = body.get("best_of")
-    if best_of is not None and best_of != 1:
+    if best_of is not None and (best_of != 1 or isinstance(best_of, bool)):
         raise BadRequest("best_of is not supported", param="best_of")
     for key in ("stop", "tools", "functions", "logprobs", "suffix", "echo", "top_logprobs"):
         if body.get(key):

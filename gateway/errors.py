@@ -7,7 +7,8 @@ library's errors (and the dispatcher's rejections) onto them.
 - 401 ``authentication_error``: a missing or unknown API key;
 - 403 ``permission_error``: ``x-sluice-priority`` names a band the key may not use;
 - 404 ``invalid_request_error``: a model the fleet does not serve (``model_not_found``), or a
-  path no route serves; 405 a wrong method; 413 a body over ``max_body_bytes``;
+  path no route serves; 405 a wrong method; 408 a body not received within
+  ``body_timeout_s``; 413 a body over ``max_body_bytes``;
 - 429 ``rate_limit_error``: the band's (or the tenant's) queue is full, with ``Retry-After``;
 - 500 ``server_error``: an unexpected error (counted and logged; the body says nothing more);
 - 502 ``server_error``: the workers failed the request ``max_attempts`` times, or its result
@@ -112,6 +113,10 @@ class MethodNotAllowed(ApiError):
 
 class PayloadTooLarge(ApiError):
     status, type, code = 413, "invalid_request_error", "body_too_large"
+
+
+class BodyTimeout(ApiError):
+    status, type, code = 408, "invalid_request_error", "body_timeout"
 
 
 class TooManyRequests(ApiError):

@@ -126,6 +126,12 @@ class GatewaySettings(BrokerSettings):
     max_body_bytes: int = Field(
         default=8 * 1024 * 1024, ge=1024, description="Largest request body (413 beyond)."
     )
+    body_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="A request body not received whole by then is refused (408): a client "
+        "that stops sending holds no connection for long.",
+    )
 
     @model_validator(mode="after")
     def _guarded(self) -> GatewaySettings:

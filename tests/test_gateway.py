@@ -584,3 +584,21 @@ async def test_text_no_encoder_takes_and_a_prompt_over_the_brokers_limit_are_400
         assert (await oa.completions.create(model="sim", prompt="hi", max_tokens=2)).choices
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert not errors, [r.getMessage() for r in errors]
+
+
+async def test_a_body_that_stops_coming_is_a_408_within_body_timeout(nats_url: str) -> None:
+    """A client that declares a body and stops sending it holds its connection for
+    body_timeout_s, then gets a 408 (uvicorn alone waits as long as the connection stays
+    open). Mutation: read_body without its timeout (no answer: the read times out here)."""
+    async with serving(nats_url, body_timeout_s=0.5) as (gw, _):
+        reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+        try:
+            writer.write(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                b'Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"model"'
+            )
+            await writer.drain()
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=10)
+            assert head.startswith(b"HTTP/1.1 408"), head
+        finally:
+            writer.close()

@@ -147,6 +147,8 @@ def test_messages_that_cannot_be_rendered(messages: object) -> None:
     [
         ({"messages": [{"role": "user", "content": "x"}]}, "model"),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": True}, "n"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "best_of": True}, None),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ["\n"]}, "stop"),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, None),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}, None),
