@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import ssl
+import urllib.parse
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -67,11 +68,32 @@ class BrokerAuth:
 def servers_of(url: str) -> list[str]:
     """The server list of a ``nats_url`` setting: one URL, or several separated by commas
     (the nodes of a cluster: ``nats://a:4222,nats://b:4222``). Raises :class:`TransportError`
-    when it names none."""
+    when it names none, or one that is no URL of a NATS server (nats-py would fail on it
+    deep inside its connect)."""
     servers = [u.strip() for u in url.split(",") if u.strip()]
     if not servers:
         raise TransportError(f"no NATS server in {url!r}")
+    for server in servers:
+        _check_server(server)
     return servers
+
+
+_SCHEMES = ("nats", "tls", "ws", "wss")
+
+
+def _check_server(server: str) -> None:
+    # nats-py takes host:port without a scheme as nats://host:port.
+    try:
+        parsed = urllib.parse.urlsplit(server if "://" in server else f"nats://{server}")
+        port = parsed.port  # ValueError when it is no number or not within 0-65535
+        host = parsed.hostname
+    except ValueError as exc:
+        raise TransportError(f"not a NATS server URL: {server!r} ({exc})") from None
+    if parsed.scheme not in _SCHEMES or not host or port == 0:
+        raise TransportError(
+            f"not a NATS server URL: {server!r} (expected nats://HOST:PORT, or tls://, ws://, "
+            "wss://)"
+        )
 
 
 async def connect(
@@ -110,7 +132,9 @@ async def connect(
     try:
         await asyncio.wait_for(nc.connect(**options), timeout=first_connect_s)
     except (OSError, TimeoutError, ValueError, nats.errors.Error) as exc:
-        with contextlib.suppress(OSError, TimeoutError, nats.errors.Error):
+        # (AssertionError: nats-py's close() of a client whose connect failed before it set
+        # itself up.)
+        with contextlib.suppress(OSError, TimeoutError, AssertionError, nats.errors.Error):
             await nc.close()
         why = str(exc) or f"no server answered within {first_connect_s:g}s"
         raise TransportError(f"cannot connect to NATS at {url}: {why}") from exc

@@ -107,6 +107,10 @@ def test_servers_of_splits_a_server_list() -> None:
         "nats://c:3",
     ]
     assert servers_of("nats://a:1") == ["nats://a:1"]
+    assert servers_of("127.0.0.1:4222") == ["127.0.0.1:4222"]  # nats-py's own shorthand
+    for bad in ["nats://127.0.0.1:99999", "nats://[bad", "http://a:1", "nats://:4222", "a:b"]:
+        with pytest.raises(TransportError, match="not a NATS server URL"):
+            servers_of(bad)
     with pytest.raises(TransportError):
         servers_of(" , ")
 
