@@ -138,7 +138,29 @@ async def connect(
             await nc.close()
         why = str(exc) or f"no server answered within {first_connect_s:g}s"
         raise TransportError(f"cannot connect to NATS at {url}: {why}") from exc
+    if (options.get("tls") is not None or any(_scheme(s) == "tls" for s in servers)) and not (
+        _on_tls(nc)
+    ):
+        # nats-py starts TLS only when the server's INFO requires it: a server (or a man in
+        # the middle) that does not would get this process's credentials in plain text.
+        with contextlib.suppress(OSError, TimeoutError, AssertionError, nats.errors.Error):
+            await nc.close()
+        raise TransportError(
+            f"cannot connect to NATS at {url}: TLS is configured (a tls:// URL or TLS files) "
+            "but the server did not start TLS; refusing a plain-text connection"
+        )
     return nc
+
+
+def _scheme(server: str) -> str:
+    return urllib.parse.urlsplit(server if "://" in server else f"nats://{server}").scheme
+
+
+def _on_tls(nc: NATS) -> bool:
+    """Whether ``nc``'s connection runs over TLS (nats-py keeps its stream writer private)."""
+    writer = getattr(getattr(nc, "_transport", None), "_io_writer", None)
+    get = getattr(writer, "get_extra_info", None)
+    return get is not None and get("ssl_object") is not None
 
 
 _RECONNECT_WAIT_S = 0.5

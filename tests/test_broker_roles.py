@@ -486,3 +486,12 @@ async def test_tls_with_a_certificate_made_here(tmp_path: Path) -> None:
         forged = BrokerAuth(user=plain.user, password=plain.password, tls_ca_file=str(other_ca))
         with pytest.raises(TransportError):  # a server the CA did not sign is not trusted
             await connect(server.url, "other-ca", connect_timeout_s=0.5, auth=forged)
+    # A server that does not start TLS (or a man in the middle posing as one) gets no
+    # plain-text connection from a process told to use TLS: nats-py alone would go on in
+    # plain text. Mutation: connect() without its check (both connected).
+    with EmbeddedNats() as server:
+        tls_url = server.url.replace("nats://", "tls://")
+        with pytest.raises(TransportError, match="did not start TLS"):
+            await connect(tls_url, "downgraded", connect_timeout_s=0.5)
+        with pytest.raises(TransportError, match="did not start TLS"):
+            await connect(server.url, "downgraded", auth=BrokerAuth(tls_ca_file=str(ca)))
