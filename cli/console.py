@@ -30,10 +30,10 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
     """Run a coroutine on uvloop (asyncio where it is missing)."""
     try:
         import uvloop
-
-        return uvloop.run(coro)
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux and macOS
         return asyncio.run(coro)
+    # (Outside the try: an ImportError the command itself raises is not a missing uvloop.)
+    return uvloop.run(coro)
 
 
 def make_client(config: Path | None) -> Any:

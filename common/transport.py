@@ -58,6 +58,13 @@ class BrokerAuth:
             out["user"] = self.user
             out["password"] = self.password or ""
         if self.creds_file is not None:
+            # nats-py reads it only when a server asks for a signature: say now that it is
+            # missing, not at the first server that needs it.
+            try:
+                with open(self.creds_file, "rb"):
+                    pass
+            except OSError as exc:
+                raise TransportError(f"cannot read the .creds file: {exc}") from exc
             out["user_credentials"] = self.creds_file
         ctx = self.tls_context()
         if ctx is not None:

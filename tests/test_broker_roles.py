@@ -495,3 +495,33 @@ async def test_tls_with_a_certificate_made_here(tmp_path: Path) -> None:
             await connect(tls_url, "downgraded", connect_timeout_s=0.5)
         with pytest.raises(TransportError, match="did not start TLS"):
             await connect(server.url, "downgraded", auth=BrokerAuth(tls_ca_file=str(ca)))
+
+
+def test_a_creds_file_that_cannot_be_read_is_an_error_at_start(tmp_path: Path) -> None:
+    """nats-py reads a .creds file only when a server asks for a signature: a missing one
+    passed a plain server silently. Mutation: BrokerAuth.options() without the check."""
+    with pytest.raises(TransportError, match=r"cannot read the \.creds file"):
+        BrokerAuth(creds_file=str(tmp_path / "missing.creds")).options()
+    creds = tmp_path / "user.creds"
+    creds.write_text("-----BEGIN NATS USER JWT-----\n")
+    assert BrokerAuth(creds_file=str(creds)).options()["user_credentials"] == str(creds)
+
+
+def test_nats_py_can_sign_with_a_creds_file() -> None:
+    """nats-py signs a server's nonce with nkeys, which it does not install itself: without
+    it a .creds file (SLUICE_NATS_CREDS) failed at connect with ModuleNotFoundError."""
+    import nkeys  # type: ignore[import-untyped]
+
+    assert callable(nkeys.from_seed)
+
+
+def test_a_commands_import_error_is_not_taken_for_a_missing_uvloop() -> None:
+    """console.run ran the coroutine again on asyncio when it raised ImportError (a missing
+    optional module of the command's own): "cannot reuse already awaited coroutine"."""
+    from sluice.cli.console import run
+
+    async def needs_a_module() -> None:
+        raise ModuleNotFoundError("No module named 'something'")
+
+    with pytest.raises(ModuleNotFoundError, match="something"):
+        run(needs_a_module())
