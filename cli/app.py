@@ -257,7 +257,12 @@ def _print_hot(hot: Any) -> None:
 @app.command()
 def nats(
     port: Annotated[
-        int, typer.Option(help="Client port (-1: any free); a cluster's nodes: PORT, PORT+1, ...")
+        int,
+        typer.Option(
+            help="Client port (-1: any free); a cluster's nodes: PORT, PORT+1, ...",
+            min=-1,
+            max=65535,
+        ),
     ] = 4222,
     store_dir: Annotated[
         Path | None, typer.Option(help="JetStream store (default: a temporary dir).")
@@ -532,8 +537,12 @@ def up(
     engines: Annotated[
         str, typer.Option(help="inproc (in the agents) or http (a sluice engine process each).")
     ] = "inproc",
-    port: Annotated[int, typer.Option(help="The gateway's port (0: any free).", min=0)] = 8080,
-    nats_port: Annotated[int, typer.Option(help="The NATS port (-1: any free).", min=-1)] = 4222,
+    port: Annotated[
+        int, typer.Option(help="The gateway's port (0: any free).", min=0, max=65535)
+    ] = 8080,
+    nats_port: Annotated[
+        int, typer.Option(help="The NATS port (-1: any free).", min=-1, max=65535)
+    ] = 4222,
     host: Annotated[str, typer.Option(help="The gateway's address.")] = "127.0.0.1",
     model: Annotated[str, typer.Option(help="The model the workers serve.")] = "demo-8b",
     speed: Annotated[float, typer.Option(help="Simulated clock speed-up.", min=0.01)] = 1.0,
@@ -868,7 +877,9 @@ def bench_broker_failover_cmd(
 
 @app.command()
 def engine(
-    port: Annotated[int | None, typer.Option(help="TCP port (with --host).", min=1)] = None,
+    port: Annotated[
+        int | None, typer.Option(help="TCP port (with --host).", min=1, max=65535)
+    ] = None,
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
     uds: Annotated[str | None, typer.Option(help="Unix socket path instead of a port.")] = None,
     model: Annotated[str, typer.Option(help="The model name it serves.")] = "sim",
@@ -1005,6 +1016,11 @@ def loadgen(
     if json_out is not None:
         json_out.write_text(text + "\n")
     console.print_json(text)
+    if out["requests"] and not out["completed"]:  # figures of nothing: no run to report
+        raise fail(
+            f"every one of the {out['requests']} requests failed: is {', '.join(url)} an "
+            "OpenAI-compatible endpoint that serves the trace's model?"
+        )
 
 
 @app.command()

@@ -253,6 +253,11 @@ def test_loadgen_rejects_bad_input_clearly(tmp_path: Path) -> None:
     assert done.returncode == 2 and "trace not found" in done.stderr
     done = _run([*base, "--synthetic", "nope"], 30)
     assert done.returncode == 2 and "unknown scenario" in done.stderr
+    # Nothing listens at port 9: every request fails, and that is no run to report with 0.
+    trace = tmp_path / "t.jsonl"
+    _shared_prefix_trace(trace, 3)
+    done = _run([*base, "--trace", str(trace), "--no-progress"], 60)
+    assert done.returncode == 2 and "every one of the 3 requests failed" in done.stderr
 
 
 def test_a_cache_flush_evicts_every_idle_block_and_keeps_pinned_ones() -> None:
