@@ -27,7 +27,9 @@ class SluiceSettings(BaseSettings):
     """Common base. Subclasses set ``toml_section`` (their table in the config file) and their
     own env prefix. Precedence: explicit arguments > environment > config file > defaults."""
 
-    model_config = SettingsConfigDict(extra="forbid", validate_default=True)
+    # allow_inf_nan: "inf" or "nan" for a duration or a rate is a mistake, not a setting (an
+    # infinite lease never expires; inf seconds overflow where they become a deadline).
+    model_config = SettingsConfigDict(extra="forbid", validate_default=True, allow_inf_nan=False)
     toml_section: ClassVar[str] = ""
     redact_inputs: ClassVar[bool] = False
     """Leave the given values out of the message of invalid settings (a part whose settings

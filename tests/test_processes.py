@@ -88,6 +88,32 @@ def test_bad_settings_fail_with_a_clear_message() -> None:
     assert out.returncode == 2 and "exactly one of" in out.stderr
 
 
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("SLUICE_DISPATCHER_LEASE_S", "inf"),  # a lease that never expires
+        ("SLUICE_DISPATCHER_ACK_WAIT_S", "inf"),  # an OverflowError at start
+        ("SLUICE_DISPATCHER_BAND_DELAY_S", '{"interactive": "nan"}'),
+        ("SLUICE_AGENT_HEARTBEAT_S", "inf"),
+    ],
+)
+def test_infinite_or_nan_settings_are_refused(
+    name: str, value: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Mutation: SluiceSettings without allow_inf_nan=False (each was taken)."""
+    from sluice.agent.runtime.settings import AgentSettings
+    from sluice.common.settings import ConfigError
+    from sluice.dispatcher.runtime.settings import DispatcherSettings
+
+    monkeypatch.setenv(name, value)
+    field = name.removeprefix("SLUICE_DISPATCHER_").removeprefix("SLUICE_AGENT_").lower()
+    with pytest.raises(ConfigError, match=field):
+        if name.startswith("SLUICE_AGENT_"):
+            AgentSettings.load(worker_id="w", engine="sim")
+        else:
+            DispatcherSettings.load()
+
+
 def test_settings_from_file_and_environment(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
