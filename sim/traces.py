@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -33,6 +34,26 @@ class TraceRequest:
     session_id: str = ""
     deadline_ms: int | None = None
 
+    def checked(self) -> TraceRequest:
+        """This request, or ``ValueError`` naming the field a replay could not run with."""
+        if not math.isfinite(self.arrival_s) or self.arrival_s < 0:
+            raise ValueError(f"timestamp must be a finite time >= 0, not {self.arrival_s}")
+        if self.input_tokens < 1:
+            raise ValueError(f"input_length must be >= 1, not {self.input_tokens}")
+        if self.block_tokens < 1:
+            raise ValueError(f"block_tokens must be >= 1, not {self.block_tokens}")
+        if any(h < 0 for h in self.block_ids):
+            raise ValueError("hash_ids must be >= 0")
+        if self.deadline_ms is not None and not 1 <= self.deadline_ms <= _MAX_DEADLINE_MS:
+            raise ValueError(
+                f"deadline_ms must be within 1..{_MAX_DEADLINE_MS}, not {self.deadline_ms}"
+            )
+        return self
+
+
+_MAX_DEADLINE_MS = 7 * 24 * 3600 * 1000
+"""A week: a deadline beyond it is a mistake in the trace (and overflows a replay's clock)."""
+
 
 def load_trace(path: str | Path, *, default_band: str = "interactive") -> list[TraceRequest]:
     """Load a ``.jsonl`` (Mooncake or ours) or ``.csv`` (Azure) trace, sorted by arrival."""
@@ -40,7 +61,10 @@ def load_trace(path: str | Path, *, default_band: str = "interactive") -> list[T
     if not p.is_file():
         raise TraceError(f"trace not found: {p}")
     reader = _azure if p.suffix == ".csv" else _jsonl
-    reqs = list(reader(p, default_band))
+    try:
+        reqs = list(reader(p, default_band))
+    except (OSError, UnicodeDecodeError) as exc:  # unreadable, or not text
+        raise TraceError(f"cannot read the trace {p}: {exc}") from exc
     if not reqs:
         raise TraceError(f"{p}: no requests")
     return sorted(reqs, key=lambda r: r.arrival_s)
@@ -64,9 +88,9 @@ def _jsonl(p: Path, default_band: str) -> Iterator[TraceRequest]:
                     model=str(obj.get("model", "sim")),
                     session_id=str(obj.get("session_id", "")),
                     deadline_ms=None if obj.get("deadline_ms") is None else int(obj["deadline_ms"]),
-                )
-            except (KeyError, ValueError, TypeError) as exc:
-                raise TraceError(f"{p}:{n}: {exc!r}") from exc
+                ).checked()
+            except (KeyError, ValueError, TypeError, OverflowError) as exc:
+                raise TraceError(f"{p}:{n}: {_why(exc)}") from exc
 
 
 def _azure(p: Path, default_band: str) -> Iterator[TraceRequest]:
@@ -83,9 +107,15 @@ def _azure(p: Path, default_band: str) -> Iterator[TraceRequest]:
                     input_tokens=max(1, int(row["ContextTokens"])),
                     output_tokens=max(1, int(row["GeneratedTokens"])),
                     band=default_band,
-                )
-            except (KeyError, ValueError, TypeError) as exc:
-                raise TraceError(f"{p}:{n}: {exc!r}") from exc
+                ).checked()
+            except (KeyError, ValueError, TypeError, OverflowError) as exc:
+                raise TraceError(f"{p}:{n}: {_why(exc)}") from exc
+
+
+def _why(exc: Exception) -> str:
+    if isinstance(exc, KeyError):
+        return f"missing field {exc.args[0]!r}"
+    return str(exc) or type(exc).__name__
 
 
 def write_jsonl(requests: Iterable[TraceRequest], path: str | Path) -> None:

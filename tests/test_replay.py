@@ -55,6 +55,40 @@ def test_bad_trace_lines_name_file_and_line(tmp_path: Path) -> None:
         load_trace(bad)
     with pytest.raises(TraceError, match="not found"):
         load_trace(tmp_path / "missing.jsonl")
+    with pytest.raises(TraceError, match=r"bad\.jsonl:2: missing field 'timestamp'"):
+        load_trace(bad)
+
+
+@pytest.mark.parametrize(
+    ("fields", "why"),
+    [
+        ('"timestamp": NaN, "input_length": 5', "timestamp must be a finite time"),
+        ('"timestamp": -1, "input_length": 5', "timestamp must be a finite time"),
+        ('"timestamp": 0, "input_length": 0', "input_length must be >= 1"),
+        ('"timestamp": 0, "input_length": 5, "hash_ids": [3, -1]', "hash_ids must be >= 0"),
+        ('"timestamp": 0, "input_length": 5, "block_tokens": 0', "block_tokens must be >= 1"),
+        ('"timestamp": 0, "input_length": 5, "deadline_ms": -1', "deadline_ms must be within"),
+        ('"timestamp": 0, "input_length": 5, "deadline_ms": 1e300', "deadline_ms must be within"),
+    ],
+)
+def test_a_trace_value_no_replay_can_run_is_a_trace_error(
+    tmp_path: Path, fields: str, why: str
+) -> None:
+    """Each was a traceback from deep in a replay (IndexError, EngineError, ValueError, an
+    AssertionError that called itself a replay bug). Mutation: TraceRequest.checked() not
+    called by the loader."""
+    bad = tmp_path / "t.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 5, "output_length": 1}\n'
+                   "{" + fields + ', "output_length": 1}\n')  # fmt: skip
+    with pytest.raises(TraceError, match=rf"t\.jsonl:2: {why}"):
+        load_trace(bad)
+
+
+def test_a_trace_that_is_not_text_or_cannot_be_read_is_a_trace_error(tmp_path: Path) -> None:
+    binary = tmp_path / "b.jsonl"
+    binary.write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(TraceError, match="cannot read the trace"):
+        load_trace(binary)
 
 
 def test_jsonl_round_trip_keeps_optional_fields(tmp_path: Path) -> None:
