@@ -21,7 +21,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
 
-from sluice.client.errors import DrainTimeout, ServiceUnavailable, UnknownWorker
+from sluice.client.errors import DrainTimeout, InvalidRequest, ServiceUnavailable, UnknownWorker
 from sluice.schemas import names
 from sluice.schemas.codec import decode, encode
 from sluice.schemas.errors import DecodeError
@@ -50,6 +50,8 @@ async def drain_worker(
     that long for a heartbeat saying it is drained (then the reply's state is ``drained``);
     raises :class:`DrainTimeout` if it is not by then, :class:`UnknownWorker` if no such
     worker answers, :class:`ServiceUnavailable` if NATS fails."""
+    if not worker_id:
+        raise InvalidRequest("a worker id cannot be empty")
     drained = asyncio.Event()
 
     async def on_heartbeat(msg: Msg) -> None:

@@ -665,7 +665,10 @@ class Client:
         """Cancel a request by its id (see :meth:`RequestHandle.cancel`); raises
         ``ServiceUnavailable`` if no dispatcher answers within ``timeout_s`` (a running
         request's worker has 4 s to stop it and store its result)."""
-        query = CancelRequest(request_id=request_id, tenant=tenant or self.tenant)
+        try:
+            query = CancelRequest(request_id=request_id, tenant=tenant or self.tenant)
+        except ValidationError as exc:  # an empty id, or characters no request id has
+            raise InvalidRequest(f"cannot cancel {request_id!r}: {_first_error(exc)}") from None
         return await self._ask(
             names.cancel_subject(query.tenant), encode(query), CancelReply, "cancel", timeout_s
         )
@@ -699,3 +702,10 @@ class Client:
             return decode(msg.data, reply)
         except DecodeError as exc:
             raise ServiceUnavailable(f"bad {what} reply: {exc}") from exc
+
+
+def _first_error(exc: ValidationError) -> str:
+    """A pydantic error as one line: the field and what is wrong with it."""
+    e = exc.errors(include_url=False)[0]
+    where = ".".join(str(p) for p in e["loc"])
+    return f"{where}: {e['msg']}" if where else str(e["msg"])

@@ -338,3 +338,18 @@ async def test_a_prompt_no_encoder_takes_or_over_the_brokers_limit_is_invalid_at
         with pytest.raises(InvalidRequest, match="max_payload"):
             await c.enqueue("sim", [70_000] * (c.nc.max_payload // 3), band="batch")
         assert not c.nc._subs  # the refused submits left no subscription behind
+
+
+async def test_an_id_no_request_or_worker_can_have_is_invalid_not_a_traceback(
+    nats_url: str,
+) -> None:
+    """sluice cancel "" and sluice drain "" printed tracebacks (a pydantic ValidationError, a
+    ValueError from the subject): InvalidRequest now, which the command line reports."""
+    from sluice.client.admin import drain_worker
+
+    async with Client(nats_url) as c:
+        for rid in ("", "a*", "a b"):
+            with pytest.raises(InvalidRequest, match="cannot cancel"):
+                await c.cancel(rid)
+        with pytest.raises(InvalidRequest, match="worker id"):
+            await drain_worker(c.nc, "")
