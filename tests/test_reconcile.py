@@ -124,14 +124,27 @@ async def test_reconciliation_corrects_injected_drift_both_ways(nats_url: str) -
         assert report.orphaned == [] and report.moved == []
 
 
-async def test_an_orphan_whose_result_is_stored_is_not_run_again(nats_url: str) -> None:
+@pytest.mark.parametrize("lookup_s", [0.0, 1.5], ids=["prompt-lookup", "slow-lookup"])
+async def test_an_orphan_whose_result_is_stored_is_not_run_again(
+    nats_url: str, lookup_s: float
+) -> None:
     """The agent stored the result, then lost the request without a report (its completion
     went astray): reconciliation finds it orphaned, sees the stored result, and acks it
     rather than run it again. Fails when reconciliation requeues without looking the result
-    up (an agent then runs it a second time)."""
+    up (an agent then runs it a second time). With a slow lookup (as on a loaded machine, where
+    CI saw it), the request stays out of the queue while it is looked up: it failed when the
+    hand-off loop could hand it out again meanwhile (seen, with the parking removed)."""
     kw = cluster_kwargs(workers=2, dispatcher={"reconcile_every_s": 0.5, "reconcile_grace_s": 0.5})
     async with LocalCluster(nats_url, **kw) as cluster, Client(nats_url) as c:
         d = cluster.dispatcher
+        answers = d._answers
+        known = answers.result_known
+
+        async def slow_known(tenant: str, request_id: str) -> bool | None:
+            await asyncio.sleep(lookup_s)
+            return await known(tenant, request_id)
+
+        answers.result_known = slow_known  # type: ignore[method-assign]
         handle = await c.submit("sim", list(range(3000, 3064)), max_tokens=60_000)
         rid = handle.request_id
 

@@ -222,33 +222,50 @@ class Intake:
 
     async def settle_requeued(self, requeued: Sequence[Request]) -> None:
         """Requests queued again because their worker was lost (or reconciliation found
-        them orphaned), their results looked up concurrently. One whose result is stored
-        finished (its completion was lost with the worker): it leaves the queue and is
-        acked. One whose result could not be looked up may have finished too: it leaves the
-        queue and is sent back, so that its redelivery looks again (as :meth:`_seen` does),
-        but on its last delivery it stays and runs. One that left the queue meanwhile (handed
-        out again) is its new worker's."""
+        them orphaned), their results looked up concurrently. They leave the queue while
+        they are looked up (call this before any await after the requeue): the hand-off loop
+        runs during the lookups and would hand one out again, to run a second time, before
+        its lookup said it had finished (seen in CI, under load). One whose result is stored
+        finished (its completion was lost with the worker): it is acked. One whose result
+        could not be looked up may have finished too: it is sent back, so that its
+        redelivery looks again (as :meth:`_seen` does), but on its last delivery it runs.
+        One without a result goes back to its place in the queue and runs."""
         st = self.state
         mine = [r for r in requeued if r.request_id in st.held]
         metrics.REQUEUED.inc(len(requeued))
         if not mine:
             return
+        parked = [st.scheduler.cancel(r.request_id) for r in mine]
         found = await asyncio.gather(
             *(self.answers.result_known(r.tenant, r.request_id) for r in mine)
         )
-        for r, exists in zip(mine, found, strict=True):
+        now = time.monotonic()
+        for r, queued, exists in zip(mine, parked, found, strict=True):
             held = st.held.get(r.request_id)
-            if exists is False or held is None:
-                continue
-            if exists is None and held.msg.metadata.num_delivered >= st.settings.max_deliver:
-                continue  # its last delivery: a duplicate run is safe, no answer is not
-            if st.scheduler.cancel(r.request_id) is None:
+            if queued is None or held is None:
+                continue  # not queued, or its message went meanwhile (it ended)
+            last = held.msg.metadata.num_delivered >= st.settings.max_deliver
+            if exists is False or (exists is None and last):
+                # Its last delivery runs: a duplicate run is safe, no answer is not.
+                await self._requeue(queued, held, now)
                 continue
             st.release_held(r.request_id)
             if exists:
                 await ack(held.msg)
             else:
                 await self._look_again(held.msg, r.request_id)
+
+    async def _requeue(self, request: Request, held: Held, now: float) -> None:
+        """Queue a parked request again, in its place (its arrival time orders it); one that
+        may not run any more (its deadline passed meanwhile) is answered and acked."""
+        st = self.state
+        outcome = st.scheduler.enqueue(request, now)
+        if outcome.status in ("queued", "adopted", "duplicate"):
+            return
+        assert outcome.rejection is not None
+        st.release_held(request.request_id)
+        if await self.answers.publish_rejection(held.request, outcome.rejection):
+            await ack(held.msg)
 
     async def _look_again(self, msg: Msg, rid: str) -> None:
         """Send back a request whose result could not be looked up, for another look."""

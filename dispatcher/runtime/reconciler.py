@@ -78,9 +78,11 @@ class Reconciler:
         return report
 
     async def _settle(self, done: Reconciliation) -> None:
+        # The requeued first: they must leave the queue before anything awaits
+        # (settle_requeued), or the hand-off loop may hand them out again meanwhile.
+        await self.intake.settle_requeued(done.requeued)
         for e in done.ended:
             await self.answers.end(e)
-        await self.intake.settle_requeued(done.requeued)
 
     async def on_request(self, msg: Msg) -> None:
         if not self.state.leading():

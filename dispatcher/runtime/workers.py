@@ -187,9 +187,11 @@ class WorkerTraffic:
         st.heartbeats.pop(worker_id, None)
         requeued, ended = feed.remove_worker(st.scheduler, worker_id)
         self._forget_counts(worker_id)
+        # The requeued first: they must leave the queue before anything awaits
+        # (settle_requeued), or the hand-off loop may hand them out again meanwhile.
+        await self.intake.settle_requeued(requeued)
         for e in ended:
             await self.answers.end(e)
-        await self.intake.settle_requeued(requeued)
         st.kick.set()
 
     async def on_disconnected(self) -> None:
