@@ -201,7 +201,7 @@ def test_demo_runs_and_leaves_no_process_behind() -> None:
 def test_demo_ctrl_c_prints_summary_and_cleans_up(to_group: bool) -> None:
     """Ctrl-C in a terminal signals the whole foreground process group: the embedded broker
     must not stop under the demo winding down on it. Mutation: the broker spawned in the
-    demo's session (the demo did not end within 60 s of the group's SIGINT)."""
+    demo's process group (the demo did not end within 60 s of the group's SIGINT)."""
     p = _demo(["--duration", "60", "--speed", "4", "--sessions", "8"], session=to_group)
     try:
         assert p.stdout is not None
