@@ -99,6 +99,10 @@ class SluiceSettings(BaseSettings):
             )
 
 
+SECTIONS = ("dispatcher", "agent", "client", "gateway")
+"""The tables of the config file, one per part (each part's ``toml_section``)."""
+
+
 class _Section(PydanticBaseSettingsSource):
     """One table of the TOML file (``[dispatcher]``, ``[agent]``, …) plus its top-level keys."""
 
@@ -114,6 +118,12 @@ class _Section(PydanticBaseSettingsSource):
 
     def __call__(self) -> dict[str, Any]:
         data = self._inner()
+        for key, value in data.items():  # a misspelled table would be ignored by every part
+            if isinstance(value, dict) and key not in SECTIONS:
+                raise ValueError(
+                    f"unknown table [{key}] in the config file: the tables are "
+                    + ", ".join(f"[{s}]" for s in SECTIONS)
+                )
         fields = set(self.settings_cls.model_fields)
         out = {k: v for k, v in data.items() if k in fields}
         table = data.get(self._section, {}) if self._section else {}

@@ -139,6 +139,15 @@ def test_settings_from_file_and_environment(
     cfg.write_text("[dispatcher]\nband_limits = { nope = 1 }\n")
     with pytest.raises(ConfigError, match="unknown bands"):
         DispatcherSettings.load(cfg)
+    # A misspelled table would be every part's to ignore: an error (mutation: the check
+    # removed from _Section; the dispatcher then started on its defaults).
+    cfg.write_text("[dispatchr]\nglobal_limit = 7\n")
+    for part in (DispatcherSettings, AgentSettings):
+        with pytest.raises(ConfigError, match=r"unknown table \[dispatchr\]"):
+            part.load(cfg)
+    cfg.write_text("[dispatcher]\nrouting_policy_extra = { a = 1 }\n")  # a map inside a table
+    with pytest.raises(ConfigError, match="routing_policy_extra"):
+        DispatcherSettings.load(cfg)
     with pytest.raises(ConfigError, match="not found"):
         DispatcherSettings.load(tmp_path / "missing.toml")
     with pytest.raises(ConfigError, match="worker_id"):
