@@ -40,7 +40,7 @@ from sluice.common.aio import wait_at_most
 from sluice.common.tokenizer import PromptTokenizer
 from sluice.common.transport import BrokerAuth, TransportError, connect
 from sluice.schemas import names
-from sluice.schemas.codec import decode, encode
+from sluice.schemas.codec import decode, encode, summarise
 from sluice.schemas.errors import DecodeError
 from sluice.schemas.models import (
     CancelReply,
@@ -668,7 +668,7 @@ class Client:
         try:
             query = CancelRequest(request_id=request_id, tenant=tenant or self.tenant)
         except ValidationError as exc:  # an empty id, or characters no request id has
-            raise InvalidRequest(f"cannot cancel {request_id!r}: {_first_error(exc)}") from None
+            raise InvalidRequest(f"cannot cancel {request_id!r}: {summarise(exc)}") from None
         return await self._ask(
             names.cancel_subject(query.tenant), encode(query), CancelReply, "cancel", timeout_s
         )
@@ -702,10 +702,3 @@ class Client:
             return decode(msg.data, reply)
         except DecodeError as exc:
             raise ServiceUnavailable(f"bad {what} reply: {exc}") from exc
-
-
-def _first_error(exc: ValidationError) -> str:
-    """A pydantic error as one line: the field and what is wrong with it."""
-    e = exc.errors(include_url=False)[0]
-    where = ".".join(str(p) for p in e["loc"])
-    return f"{where}: {e['msg']}" if where else str(e["msg"])

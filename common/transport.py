@@ -88,10 +88,14 @@ def servers_of(url: str) -> list[str]:
 _SCHEMES = ("nats", "tls", "ws", "wss")
 
 
-def _check_server(server: str) -> None:
+def _parsed(server: str) -> urllib.parse.SplitResult:
     # nats-py takes host:port without a scheme as nats://host:port.
+    return urllib.parse.urlsplit(server if "://" in server else f"nats://{server}")
+
+
+def _check_server(server: str) -> None:
     try:
-        parsed = urllib.parse.urlsplit(server if "://" in server else f"nats://{server}")
+        parsed = _parsed(server)
         port = parsed.port  # ValueError when it is no number or not within 0-65535
         host = parsed.hostname
     except ValueError as exc:
@@ -145,11 +149,13 @@ async def connect(
             await nc.close()
         why = str(exc) or f"no server answered within {first_connect_s:g}s"
         raise TransportError(f"cannot connect to NATS at {url}: {why}") from exc
-    if (options.get("tls") is not None or any(_scheme(s) == "tls" for s in servers)) and not (
-        _on_tls(nc)
+    if (options.get("tls") is not None or any(_parsed(s).scheme == "tls" for s in servers)) and (
+        not _on_tls(nc)
     ):
-        # nats-py starts TLS only when the server's INFO requires it: a server (or a man in
-        # the middle) that does not would get this process's credentials in plain text.
+        # nats-py starts TLS only when the server's INFO requires it, and checks nothing
+        # after: a server (or a man in the middle) that does not would carry this process's
+        # requests and results in plain text. (The connect itself has sent its user and
+        # password by now: nats-py offers no hook between the INFO and its CONNECT.)
         with contextlib.suppress(OSError, TimeoutError, AssertionError, nats.errors.Error):
             await nc.close()
         raise TransportError(
@@ -157,10 +163,6 @@ async def connect(
             "but the server did not start TLS; refusing a plain-text connection"
         )
     return nc
-
-
-def _scheme(server: str) -> str:
-    return urllib.parse.urlsplit(server if "://" in server else f"nats://{server}").scheme
 
 
 def _on_tls(nc: NATS) -> bool:

@@ -170,7 +170,7 @@ class Scored:
 
 class _Context(NamedTuple):
     """What a decision knows before it scores anyone (a named tuple: one per decision, and a
-    frozen dataclass costs five times as much to make)."""
+    frozen dataclass of its seven fields costs three times as much to make)."""
 
     indexed: int
     """Index entries of the request's prompt."""
@@ -364,7 +364,7 @@ class CacheAware:
         holding nothing are the group least_loaded() gives."""
         # Fewer than shortlist_workers: of a group, the least loaded by its key is the likely
         # winner, and _beyond() scores the others exactly as far as one could still beat it
-        # (at 256 workers, 2 instead of 8 cut a decision by 4-6 %: docs/BENCHMARKS.md).
+        # (docs/BENCHMARKS.md, eighteenth pass: the decision's routing phase at 256 workers).
         k = self.config.shortlist_per_group
         listed = min(LEAST_MAX, k + self.config.shortlist_workers)
         for blocks, (least, count) in pool.least_groups(workers, matches, skip, listed).items():

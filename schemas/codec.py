@@ -50,10 +50,11 @@ def decode(data: bytes, model: type[M]) -> M:
     try:
         return model.model_validate(obj)
     except ValidationError as exc:
-        raise DecodeError(f"invalid {model.__name__}: {_summarise(exc)}", obj) from exc
+        raise DecodeError(f"invalid {model.__name__}: {summarise(exc)}", obj) from exc
 
 
-def _summarise(exc: ValidationError) -> str:
+def summarise(exc: ValidationError) -> str:
+    """A validation error on one line: each field (the first three) and what is wrong."""
     parts = []
     for err in exc.errors()[:3]:
         loc = ".".join(str(p) for p in err["loc"]) or "(root)"

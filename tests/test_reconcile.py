@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sluice.client import Client
+from sluice.client import Cancelled, Client
 from sluice.dispatcher.reconcile import find_drift
 from sluice.dispatcher.scheduler import Booking, Dispatch, Request, WorkerInfo
 from sluice.schemas.models import Result
@@ -167,3 +167,40 @@ async def test_an_orphan_whose_result_is_stored_is_not_run_again(
         await asyncio.sleep(1.0)  # two reconciliations: a requeued copy would run by now
         assert all(a.in_flight == 0 and a.completed == 0 for a in cluster.agents), "run again"
         assert d.scheduler.running == 0 and not any(d.scheduler.usage().values())
+
+
+async def test_a_request_cancelled_while_its_result_is_looked_up_does_not_run(
+    nats_url: str,
+) -> None:
+    """An orphan without a stored result is out of the queue while its lookup runs: a cancel
+    then must still keep it from running (before the parking it found it queued). Mutation:
+    Intake._requeue without its cancelled check (it ran again on the other worker)."""
+    kw = cluster_kwargs(workers=2, dispatcher={"reconcile_every_s": 0.5, "reconcile_grace_s": 0.5})
+    async with LocalCluster(nats_url, **kw) as cluster, Client(nats_url) as c:
+        d = cluster.dispatcher
+        answers = d._answers
+        known = answers.result_known
+        looking = asyncio.Event()
+
+        async def slow_known(tenant: str, request_id: str) -> bool | None:
+            looking.set()
+            await asyncio.sleep(1.5)
+            return await known(tenant, request_id)
+
+        answers.result_known = slow_known  # type: ignore[method-assign]
+        handle = await c.submit("sim", list(range(3100, 3164)), max_tokens=60_000)
+        rid = handle.request_id
+
+        async def on_an_agent() -> bool:
+            return any(rid in a._running for a in cluster.agents)
+
+        await eventually(on_an_agent)
+        holder = next(a for a in cluster.agents if rid in a._running)
+        holder.engine.cancel(rid)  # lost without a word, and without a result
+        holder._running.pop(rid)
+        await asyncio.wait_for(looking.wait(), timeout=10)  # orphaned: looked up now
+        await c.cancel(rid)
+        with pytest.raises(Cancelled):
+            await handle.result(timeout_s=10)
+        await asyncio.sleep(1.0)
+        assert all(rid not in a._running for a in cluster.agents), "run again"

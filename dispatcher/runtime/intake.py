@@ -200,9 +200,7 @@ class Intake:
                 await ack(msg)
             return True
         if st.cancelled.has(rid, now):  # cancelled before it got here, or coming back
-            rejection = Rejection(reason=RejectReason.CANCELLED, message="cancelled")
-            if await self.answers.publish_result_of(req, rejection):
-                await ack(msg)
+            await self._end_cancelled(req, msg)
             return True
         if msg.metadata.num_delivered <= 1:
             return False
@@ -257,8 +255,13 @@ class Intake:
 
     async def _requeue(self, request: Request, held: Held, now: float) -> None:
         """Queue a parked request again, in its place (its arrival time orders it); one that
-        may not run any more (its deadline passed meanwhile) is answered and acked."""
+        may not run any more (cancelled, or its deadline passed, meanwhile) is answered and
+        acked."""
         st = self.state
+        if st.cancelled.has(request.request_id, now):  # cancelled while out of the queue
+            st.release_held(request.request_id)
+            await self._end_cancelled(held.request, held.msg)
+            return
         outcome = st.scheduler.enqueue(request, now)
         if outcome.status in ("queued", "adopted", "duplicate"):
             return
@@ -266,6 +269,12 @@ class Intake:
         st.release_held(request.request_id)
         if await self.answers.publish_rejection(held.request, outcome.rejection):
             await ack(held.msg)
+
+    async def _end_cancelled(self, req: SubmitRequest, msg: Msg) -> None:
+        """A request cancelled before it could run: its cancelled result, then the ack."""
+        rejection = Rejection(reason=RejectReason.CANCELLED, message="cancelled")
+        if await self.answers.publish_result_of(req, rejection):
+            await ack(msg)
 
     async def _look_again(self, msg: Msg, rid: str) -> None:
         """Send back a request whose result could not be looked up, for another look."""
