@@ -17,6 +17,7 @@ import typer
 from rich.console import Console
 
 from sluice.cli.console import err, fail, make_client, run, with_client
+from sluice.cli.params import FiniteGroup, output_file, parse_loads, write_output
 from sluice.common.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 app = typer.Typer(
+    cls=FiniteGroup,
     name="sluice",
     help="Global admission control and cache-aware routing for LLM inference fleets.",
     no_args_is_help=True,
@@ -780,13 +782,12 @@ def bench_routers_cmd(
         }.items()
         if v is not None
     }
-    try:
-        if loads is not None:
-            kw["loads"] = tuple(float(x) for x in loads.split(",") if x.strip())
-        if arms is not None:
-            kw["arms"] = tuple(a.strip() for a in arms.split(",") if a.strip())
-    except ValueError as exc:
-        raise fail(f"--loads: {exc}") from exc
+    if loads is not None:
+        kw["loads"] = parse_loads(loads)
+    if arms is not None:
+        kw["arms"] = tuple(a.strip() for a in arms.split(",") if a.strip())
+    if json_out is not None:
+        output_file(json_out, "--json")
     cfg = b.BenchConfig(trace=trace, progress=progress, **kw)
 
     def stop(*_: object) -> None:
@@ -799,7 +800,7 @@ def bench_routers_cmd(
             raise fail(str(exc)) from exc
         console.print(b.sim_table(sim))
         if json_out is not None:
-            json_out.write_text(json.dumps(sim, indent=2) + "\n")
+            write_output(json_out, json.dumps(sim, indent=2) + "\n", "--json")
         return
     signal.signal(signal.SIGTERM, stop)
     err.print(
@@ -820,7 +821,8 @@ def bench_routers_cmd(
         console.print(line)
     console.print(f"wall time {r.wall_s:.0f} s")
     if json_out is not None:
-        json_out.write_text(json.dumps(dataclasses.asdict(r), indent=2, default=str) + "\n")
+        text = json.dumps(dataclasses.asdict(r), indent=2, default=str)
+        write_output(json_out, text + "\n", "--json")
 
 
 @app.command("bench-broker-failover")
@@ -989,6 +991,8 @@ def loadgen(
     from sluice.sim.loadgen import scale_arrivals
     from sluice.sim.profiles import get_profile
 
+    if json_out is not None:
+        output_file(json_out, "--json")
     try:
         reqs = trace_slice(trace, synthetic, start=start, requests=requests, seed=seed)
         if rate_scale is None and load is None:
@@ -1014,7 +1018,7 @@ def loadgen(
         raise fail(str(exc)) from exc
     text = json.dumps(out, indent=2)
     if json_out is not None:
-        json_out.write_text(text + "\n")
+        write_output(json_out, text + "\n", "--json")
     console.print_json(text)
     if out["requests"] and not out["completed"]:  # figures of nothing: no run to report
         raise fail(

@@ -12,6 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from sluice.cli.console import err, fail, with_client
+from sluice.cli.params import output_file, write_output
 
 app = typer.Typer(
     help="Offline batches: submit a JSONL file, follow it, cancel it, get its results.",
@@ -64,13 +65,18 @@ def submit(
     """Submit a batch file in the batch band. Running it again after a crash resumes the
     same batch (same file, same id) and submits nothing twice."""
     from sluice.client.batches import batch_id_for
-    from sluice.client.batchfile import parse_window
+    from sluice.client.batchfile import parse_lines, parse_window
+    from sluice.client.oaiformat import ENDPOINT_KINDS
 
+    if endpoint not in ENDPOINT_KINDS:
+        raise fail(f"--endpoint is one of {', '.join(sorted(ENDPOINT_KINDS))}, not {endpoint!r}")
     try:
         window_s = parse_window(window)
         data = file.read_bytes()
     except (ValueError, OSError) as exc:
         raise fail(str(exc)) from exc
+    if not any(parse_lines(data, "check")):
+        raise fail(f"{file} has no request line")
 
     async def go(client: Any) -> Any:
         b = _batches(client, tenant)
@@ -149,6 +155,10 @@ def results(
     config: ConfigOpt = None,
 ) -> None:
     """Write a finished batch's output and error files (OpenAI's format, input order)."""
+    if output.resolve() == errors.resolve():
+        raise fail(f"--output and --errors are both {output}: one would overwrite the other")
+    output_file(output, "--output")
+    output_file(errors, "--errors")
 
     async def go(client: Any) -> tuple[Any, bytes, bytes]:
         b = _batches(client, tenant)
@@ -158,11 +168,8 @@ def results(
         return record, await b.content(record.output_file_id), await b.content(record.error_file_id)
 
     record, out, errs = with_client(config, go)
-    try:
-        output.write_bytes(out)
-        errors.write_bytes(errs)
-    except OSError as exc:
-        raise fail(str(exc)) from exc
+    write_output(output, out, "--output")
+    write_output(errors, errs, "--errors")
     n_out, n_err = out.count(b"\n"), errs.count(b"\n")
     err.print(f"batch {batch_id} ({record.status}): {n_out} lines to {output}, {n_err} to {errors}")
 

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sluice.cli.console import err, fail
+from sluice.cli.params import output_file, output_folder, parse_loads
 from sluice.dispatcher.decisions import DecisionLog
 from sluice.sim.errors import TraceError
 from sluice.sim.policies import ABLATIONS, POLICIES
@@ -206,6 +207,8 @@ def main(
         return
     if trace == Path():
         raise fail("--trace is required")
+    if plot is not None:
+        output_folder(plot, "--plot")
     requests, cfg, names = _setup(
         trace,
         workers,
@@ -226,13 +229,7 @@ def main(
         requests = add_batch_load(requests, batch_load, workers, cfg.profile, seed)
     if batch_share is not None or batch_limit is not None:
         cfg = replace(cfg, batch_share=batch_share, batch_limit=batch_limit)
-    log = None
-    if decisions is not None:
-        try:
-            decisions.unlink(missing_ok=True)
-            log = DecisionLog(decisions, max_bytes=1 << 40)
-        except OSError as exc:
-            raise fail(f"cannot write decisions to {decisions}: {exc}") from exc
+    log = None if decisions is None else _decision_log(decisions)
     try:
         results = _run_all(requests, cfg, names, "", log)
     finally:
@@ -254,6 +251,14 @@ def main(
     out.print(_table(doc, results))
 
 
+def _decision_log(path: Path) -> DecisionLog:
+    try:
+        path.unlink(missing_ok=True)
+        return DecisionLog(path, max_bytes=1 << 40)
+    except OSError as exc:
+        raise fail(f"cannot write decisions to {path}: {exc}") from exc
+
+
 def _plot(results: dict[str, PolicyResult], where: Path, title: str) -> None:
     from sluice.sim.errors import PlotError
     from sluice.sim.plots import plot_policies
@@ -261,7 +266,7 @@ def _plot(results: dict[str, PolicyResult], where: Path, title: str) -> None:
     try:
         for p in plot_policies(results, where, title):
             err.print(f"[dim]wrote {p}[/dim]")
-    except PlotError as exc:
+    except (PlotError, OSError) as exc:
         raise fail(str(exc)) from exc
 
 
@@ -319,8 +324,12 @@ def gen(
     make = SCENARIOS.get(scenario)
     if make is None:
         raise fail(f"unknown scenario {scenario!r}; known: {', '.join(SCENARIOS)}")
+    output_file(out_file, "--out")
     reqs = make(Shape(requests=requests, rate=rate, seed=seed))
-    write_jsonl(reqs, out_file)
+    try:
+        write_jsonl(reqs, out_file)
+    except OSError as exc:
+        raise fail(f"--out {out_file}: {exc.strerror or exc}") from exc
     err.print(f"wrote {len(reqs):,} requests ({scenario}) to {out_file}")
 
 
@@ -340,13 +349,10 @@ def sweep(
     capacity: CapOpt = None,
 ) -> None:
     """Replay at several loads; chart goodput and P99 TTFT against load, per policy."""
+    xs = list(parse_loads(loads))
+    if plot is not None:
+        output_folder(plot, "--plot")
     requests, cfg, names = _setup(trace, workers, profile, compare, seed, slo_ttft_s, capacity)
-    try:
-        xs = [float(x) for x in loads.split(",") if x.strip()]
-    except ValueError as exc:
-        raise fail("--loads takes comma-separated numbers") from exc
-    if not xs or min(xs) <= 0:
-        raise fail("--loads must be positive numbers")
     series: dict[str, list[PolicyResult]] = {n: [] for n in names}
     for x in xs:
         scaled = scale_to_load(requests, x, workers, cfg.profile)
@@ -359,7 +365,7 @@ def sweep(
         try:
             for p in plot_sweep(xs, series, plot, f"{trace.name}, {workers} workers"):
                 err.print(f"[dim]wrote {p}[/dim]")
-        except PlotError as exc:
+        except (PlotError, OSError) as exc:
             raise fail(str(exc)) from exc
     if as_json:
         by_policy = {n: [r.as_json() for r in rs] for n, rs in series.items()}
@@ -397,12 +403,9 @@ def sweep_batch(
     from sluice.sim.plots import batch_figures
 
     modes = [m.strip() for m in admissions.split(",") if m.strip()]
-    try:
-        xs = [float(x) for x in batch_loads.split(",") if x.strip()]
-    except ValueError as exc:
-        raise fail("--batch-loads takes comma-separated numbers") from exc
-    if not xs or min(xs) < 0:
-        raise fail("--batch-loads must be numbers >= 0")
+    xs = list(parse_loads(batch_loads, "--batch-loads", zero=True))
+    if plot is not None:
+        output_folder(plot, "--plot")
     series: dict[str, list[PolicyResult]] = {}
     for mode in modes:
         requests, cfg, _ = _setup(
@@ -421,7 +424,7 @@ def sweep_batch(
             title = f"{trace.name}, {workers} workers, online load {load:g}"
             for p in plot_batch_sweep(xs, series, plot, title):
                 err.print(f"[dim]wrote {p}[/dim]")
-        except PlotError as exc:
+        except (PlotError, OSError) as exc:
             raise fail(str(exc)) from exc
     if as_json:
         doc = {m: [r.as_json() | batch_figures(r) for r in rs] for m, rs in series.items()}

@@ -27,6 +27,7 @@ from sluice.schemas.codec import decode, encode
 from sluice.schemas.errors import DecodeError
 from sluice.schemas.models import (
     AdmissionOverrides,
+    DispatcherStats,
     DrainReply,
     DrainRequest,
     Heartbeat,
@@ -35,6 +36,8 @@ from sluice.schemas.models import (
 
 DRAIN_ANSWER_TIMEOUT_S = 5.0
 """How long a worker has to answer a drain request."""
+BANDS_ANSWER_TIMEOUT_S = 2.0
+"""How long a dispatcher has to answer the stats query that tells its bands."""
 
 
 async def drain_worker(
@@ -129,10 +132,30 @@ async def change_admission(
 
 
 async def set_model_quota(nc: NATS, model: str, spec: QuotaSpec) -> AdmissionOverrides:
-    """Give ``model`` this quota at run time (replacing its run-time quota, if any)."""
+    """Give ``model`` this quota at run time (replacing its run-time quota, if any).
+
+    Raises InvalidRequest if the quota names a band the dispatcher answering a stats query
+    does not have: dispatchers would ignore the whole run-time configuration, every model's
+    quota in it. With no dispatcher answering, the bands are not checked."""
+    bands = await _dispatcher_bands(nc)
+    unknown = sorted(set(spec.band_limits) - set(bands or spec.band_limits))
+    if unknown:
+        raise InvalidRequest(
+            f"quota of {model} names bands the dispatchers do not have: {unknown} "
+            f"(theirs: {', '.join(bands or ())})"
+        )
     return await change_admission(
         nc, lambda o: o.model_copy(update={"quotas": {**o.quotas, model: spec}})
     )
+
+
+async def _dispatcher_bands(nc: NATS) -> list[str] | None:
+    """The bands of the dispatcher answering a stats query; None if none answers."""
+    try:
+        msg = await nc.request(names.STATS_SUBJECT, b"", timeout=BANDS_ANSWER_TIMEOUT_S)
+        return [b.band for b in decode(msg.data, DispatcherStats).bands]
+    except (nats.errors.TimeoutError, nats.errors.NoRespondersError, DecodeError):
+        return None
 
 
 async def clear_model_quota(nc: NATS, model: str) -> AdmissionOverrides:

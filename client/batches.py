@@ -49,6 +49,7 @@ from sluice.client.errors import (
     QueueFull,
     ServiceUnavailable,
 )
+from sluice.client.oaiformat import ENDPOINT_KINDS
 from sluice.schemas import names
 from sluice.schemas.codec import decode, encode
 from sluice.schemas.errors import DecodeError
@@ -228,6 +229,10 @@ class Batches:
     ) -> BatchRecord:
         """A new batch of a stored input file (``validating``, counted; nothing submitted
         yet). An existing batch of that id is returned as it is."""
+        if endpoint not in ENDPOINT_KINDS:
+            raise InvalidRequest(
+                f"endpoint must be one of {sorted(ENDPOINT_KINDS)}, not {endpoint!r}"
+            )
         await self._check_window(window_s)
         data = await self.content(input_file_id)
         bid = batch_id or f"batch_{uuid.uuid4().hex[:24]}"

@@ -210,6 +210,10 @@ async def test_a_tenant_cannot_read_another_tenants_batch_and_a_window_must_fit(
         # Results are kept 26 h by default: a 30 h window would lose its first results.
         with pytest.raises(InvalidRequest, match="results kept"):
             await mine.create(f.id, window_s=30 * 3600)
+        # An endpoint no line can go to: no batch is made (the CLI and the gateway check too).
+        with pytest.raises(InvalidRequest, match="endpoint must be one of"):
+            await mine.create(f.id, endpoint="/v1/embeddings", batch_id="bogus")
+        assert [r.id for r in await mine.recent()] == [record.id]
 
 
 @pytestmark_e2e

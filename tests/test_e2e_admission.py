@@ -245,7 +245,8 @@ async def test_model_and_tenant_quotas_hold_at_the_agents(nats_url: str) -> None
 async def test_a_quota_change_at_run_time_takes_effect_within_a_second(nats_url: str) -> None:
     import json
 
-    from sluice.client.admin import admission_overrides, set_model_quota
+    from sluice.client import InvalidRequest
+    from sluice.client.admin import admission_overrides, change_admission, set_model_quota
     from sluice.schemas.models import QuotaSpec
 
     kw = cluster_kwargs(
@@ -305,8 +306,17 @@ async def test_a_quota_change_at_run_time_takes_effect_within_a_second(nats_url:
 
         await eventually(three, timeout_s=1.0, every_s=0.01)
 
-        # A document the dispatcher cannot use (an unknown band) is ignored, not applied.
-        await set_model_quota(c.nc, "sim", QuotaSpec(limit=7, band_limits={"gold": 1}))
+        # A band the dispatcher does not have is refused before it is written, by the client
+        # and by the CLI: the dispatchers would ignore the whole document.
+        with pytest.raises(InvalidRequest, match="gold"):
+            await set_model_quota(c.nc, "sim", QuotaSpec(limit=7, band_limits={"gold": 1}))
+        rc, _, err = await _quota_cli(nats_url, "set", "sim", "--band", "gold=1")
+        assert rc == 2 and "gold" in err and "interactive" in err, err
+        assert (await admission_overrides(c.nc))[0].quotas["sim"].limit == 3
+
+        # A document the dispatcher cannot use, written anyway, is ignored, not applied.
+        bad = QuotaSpec(limit=7, band_limits={"gold": 1})
+        await change_admission(c.nc, lambda o: o.model_copy(update={"quotas": {"sim": bad}}))
         await asyncio.sleep(0.5)
         assert sched.config.quotas.of("sim").limit == 3
         overrides, revision = await admission_overrides(c.nc)

@@ -1,0 +1,141 @@
+"""The command line refuses arguments it cannot use before it does any work: numbers that are
+not finite, lists of loads that are not loads, files and folders it could not write, batch
+options that would lose or overwrite something. Each answer is exit code 2 and one line
+saying what is wrong, never a traceback."""
+
+from __future__ import annotations
+
+import math
+import typing
+from pathlib import Path
+
+import pytest
+import typer.main
+from typer.testing import CliRunner
+
+from sluice.cli.app import app
+from sluice.cli.params import FiniteGroup, make_finite
+
+
+def _run(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(app, list(args))
+    assert not isinstance(result.exception, Exception) or isinstance(
+        result.exception, SystemExit
+    ), f"{args}: {result.exception!r}"
+    return result.exit_code, result.output
+
+
+@pytest.fixture()
+def trace(tmp_path: Path) -> Path:
+    path = tmp_path / "t.jsonl"
+    lines = [
+        f'{{"timestamp": {i * 100}, "input_length": 1024, "output_length": 8, '
+        f'"hash_ids": [{i % 3}, {100 + i}]}}'
+        for i in range(20)
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _float_params(command: object, path: str = "sluice") -> list[tuple[str, object]]:
+    found = []
+    for param in getattr(command, "params", []):
+        desc = getattr(param, "type_descriptor", None)
+        if desc is not None and float in (desc.annotation, *typing.get_args(desc.annotation)):
+            found.append((f"{path} {param.name}", param))
+    for name, sub in getattr(command, "commands", {}).items():
+        found += _float_params(sub, f"{path} {name}")
+    return found
+
+
+def test_every_float_of_the_command_line_refuses_inf_and_nan() -> None:
+    command = typer.main.get_command(app)
+    assert isinstance(command, FiniteGroup)  # its main() runs make_finite first
+    make_finite(command)
+    params = _float_params(command)
+    assert len(params) > 30, [n for n, _ in params]
+    for name, param in params:
+        check = param.callback  # type: ignore[attr-defined]
+        assert check is not None, f"{name} takes inf"
+        for bad in (math.inf, -math.inf, math.nan):
+            with pytest.raises(typer.BadParameter, match="not a finite number"):
+                check(None, param, bad)
+        assert check(None, param, 1.5) == 1.5
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["replay", "--trace", "{trace}", "--workers", "2", "--compare", "sluice",
+         "--deadline-s", "inf"],
+        ["replay", "--trace", "{trace}", "--workers", "2", "--compare", "sluice",
+         "--slow-workers", "1", "--slow-factor", "inf"],
+        ["replay", "--trace", "{trace}", "--workers", "2", "--compare", "sluice",
+         "--batch-load", "inf"],
+        ["submit", "--model", "m", "--deadline-s", "nan", "--prompt", "hi"],
+    ],
+)  # fmt: skip
+def test_a_number_that_is_not_finite_is_refused(args: list[str], trace: Path) -> None:
+    code, out = _run(*(a.replace("{trace}", str(trace)) for a in args))
+    assert code == 2 and "not a finite number" in out, out
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["replay", "sweep", "--trace", "{trace}", "--loads", "nan"], "finite numbers above zero"),
+        (["replay", "sweep", "--trace", "{trace}", "--loads", "0.5,0"], "above zero"),
+        (["replay", "sweep", "--trace", "{trace}", "--loads", "a"], "comma-separated numbers"),
+        (["replay", "sweep-batch", "--trace", "{trace}", "--batch-loads", "0,inf"],
+         "zero or more"),
+        (["bench-routers", "--trace", "{trace}", "--loads", "-1", "--simulate"], "above zero"),
+    ],
+)  # fmt: skip
+def test_loads_are_finite_and_positive(args: list[str], said: str, trace: Path) -> None:
+    code, out = _run(*(a.replace("{trace}", str(trace)) for a in args))
+    assert code == 2 and said in out, out
+
+
+def test_outputs_that_cannot_be_written_are_refused_before_the_work(
+    trace: Path, tmp_path: Path
+) -> None:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    cases = [
+        (["replay", "--trace", str(trace), "--workers", "2", "--compare", "sluice",
+          "--plot", str(a_file)], "a file, not a folder"),
+        (["replay", "sweep", "--trace", str(trace), "--loads", "1", "--plot", str(a_file)],
+         "a file, not a folder"),
+        (["replay", "gen", "--scenario", "rag", "--out", str(tmp_path)], "a folder, not a file"),
+        (["replay", "gen", "--scenario", "rag", "--out", str(tmp_path / "no" / "x.jsonl")],
+         "no folder"),
+        # Before the first request: the URL answers nothing.
+        (["loadgen", "--url", "http://127.0.0.1:9/v1", "--trace", str(trace), "--json",
+          str(tmp_path)], "a folder, not a file"),
+        (["bench-routers", "--trace", str(trace), "--simulate", "--json", str(tmp_path)],
+         "a folder, not a file"),
+    ]  # fmt: skip
+    for args, said in cases:
+        code, out = _run(*args)
+        assert code == 2 and said in out, (args, out)
+    written = tmp_path / "ok.jsonl"
+    code, out = _run("replay", "gen", "--scenario", "rag", "--requests", "5", "--out", str(written))
+    assert code == 0 and len(written.read_text().splitlines()) == 5, out
+
+
+def test_batch_options_that_would_lose_work_are_refused(tmp_path: Path) -> None:
+    """Checked before any connection: no broker runs here."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    line = tmp_path / "one.jsonl"
+    line.write_text('{"custom_id": "a", "model": "m", "prompt": "hi"}\n')
+    cases = [
+        (["batch", "results", "b1", "--output", str(tmp_path / "x"), "--errors",
+          str(tmp_path / "." / "x")], "one would overwrite the other"),
+        (["batch", "results", "b1", "--output", str(tmp_path)], "a folder, not a file"),
+        (["batch", "submit", str(empty)], "has no request line"),
+        (["batch", "submit", str(line), "--endpoint", "/v1/bogus"], "--endpoint is one of"),
+    ]  # fmt: skip
+    for args, said in cases:
+        code, out = _run(*args)
+        assert code == 2 and said in out, (args, out)
