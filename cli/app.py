@@ -62,6 +62,13 @@ def main(
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # SIGTERM is Ctrl-C: the command winds down and stops every process it started (a
+    # command serving until a signal handles both itself).
+    signal.signal(signal.SIGTERM, _as_ctrl_c)
+
+
+def _as_ctrl_c(signum: int, frame: object) -> None:
+    os.kill(os.getpid(), signal.SIGINT)
 
 
 @app.command()
@@ -535,7 +542,7 @@ def reconcile(config: ConfigOpt = None) -> None:
 
 @app.command()
 def up(
-    workers: Annotated[int, typer.Option(help="Simulated GPU workers.", min=1)] = 4,
+    workers: Annotated[int, typer.Option(help="Simulated GPU workers.", min=1, max=64)] = 4,
     engines: Annotated[
         str, typer.Option(help="inproc (in the agents) or http (a sluice engine process each).")
     ] = "inproc",
@@ -790,9 +797,6 @@ def bench_routers_cmd(
         output_file(json_out, "--json")
     cfg = b.BenchConfig(trace=trace, progress=progress, **kw)
 
-    def stop(*_: object) -> None:
-        raise KeyboardInterrupt  # SIGTERM stops every process it started, as Ctrl-C does
-
     if simulate:
         try:
             sim = b.simulate(cfg, err)
@@ -802,7 +806,6 @@ def bench_routers_cmd(
         if json_out is not None:
             write_output(json_out, json.dumps(sim, indent=2) + "\n", "--json")
         return
-    signal.signal(signal.SIGTERM, stop)
     err.print(
         f"[dim]{cfg.engines} engines at speed x{cfg.speed:g}, {cfg.requests} requests from "
         f"{cfg.start} after a warm-up of {cfg.warmup} from the {cfg.warmup_requests} before, "

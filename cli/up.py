@@ -56,6 +56,8 @@ async def run_up(cfg: UpConfig, console: Console, stop: asyncio.Event | None = N
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
+    # Bad gateway settings (a non-loopback host without keys) stop it before anything starts.
+    settings = GatewaySettings.load(None, host=cfg.host, port=cfg.port)
     nats = EmbeddedNats(port=cfg.nats_port).start()
     fleet: HttpEngineFleet | None = None
     try:
@@ -74,7 +76,7 @@ async def run_up(cfg: UpConfig, console: Console, stop: asyncio.Event | None = N
             agent={"models": [cfg.model], "speed": cfg.speed, "capacity": cfg.capacity},
             agent_for=agent_for,
         )
-        settings = GatewaySettings(nats_url=nats.url, host=cfg.host, port=cfg.port)
+        settings = settings.model_copy(update={"nats_url": nats.url})
         async with cluster, GatewayServer(settings) as gateway:
             console.print(
                 f"[bold]{READY}[/bold]: {cfg.workers} workers serving {cfg.model!r} "

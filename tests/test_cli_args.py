@@ -139,3 +139,10 @@ def test_batch_options_that_would_lose_work_are_refused(tmp_path: Path) -> None:
     for args, said in cases:
         code, out = _run(*args)
         assert code == 2 and said in out, (args, out)
+
+
+def test_up_with_settings_the_gateway_refuses_stops_before_starting_anything() -> None:
+    code, out = _run("up", "--host", "0.0.0.0", "--nats-port", "-1", "--port", "0")
+    assert code == 2 and "not a loopback address" in out and "nats-server pid" not in out, out
+    code, out = _run("up", "--workers", "100000")
+    assert code == 2 and "less than or equal to 64" in out, out

@@ -3,6 +3,7 @@ as a user runs it. Every process is stopped by its PID, also when an assertion f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -277,3 +278,51 @@ def test_sluice_nats_serves_in_the_foreground_and_stops_on_sigterm(procs: Procs)
     assert p.returncode == 0
     assert "nats-server stopped" in out
     assert not _pid_alive(server_pid)
+
+
+def _session_members(sid: int) -> list[str]:
+    """The processes of session ``sid`` still alive (their command lines)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue  # gone meanwhile
+        fields = text.rsplit(")", 1)[1].split()  # after the command's name, which may hold ")"
+        if int(fields[3]) == sid and fields[0] != "Z":
+            found.append(cmdline.replace(b"\0", b" ").decode(errors="replace"))
+    return found
+
+
+def test_sigterm_stops_a_command_and_every_process_it_started() -> None:
+    """SIGTERM to a command (a service manager's stop, ``timeout``) winds it down as Ctrl-C
+    does. Mutation: without the CLI's SIGTERM handler, ``bench-engine`` died at once and left
+    its ``sluice engine`` process running (seen)."""
+    p = subprocess.Popen(
+        [*SLUICE, "bench-engine", "--requests", "2000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own session: what it leaves behind can be found
+    )
+    try:
+        assert p.stdout is not None
+        head = ""
+        while "leads" not in head:  # its dispatcher runs: the engine process has started
+            line = p.stdout.readline()
+            assert line, head
+            head += line
+        assert any("sluice.cli engine" in c for c in _session_members(p.pid)), head
+        p.send_signal(signal.SIGTERM)
+        rest, _ = p.communicate(timeout=60)
+        assert p.returncode == 130, head + rest
+        assert "Traceback" not in rest, rest
+        deadline = time.monotonic() + 10
+        while _session_members(p.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _session_members(p.pid) == []
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait(10)
