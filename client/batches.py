@@ -58,6 +58,8 @@ from sluice.schemas.models import (
     BatchCounts,
     BatchRecord,
     FileRecord,
+    Rejection,
+    RejectReason,
     Result,
 )
 
@@ -68,7 +70,14 @@ FINALIZE_MARGIN_S = 3600.0
 """Results must be kept this much longer than a batch's window (to write its output)."""
 CANCEL_GRACE_S = 30.0
 """A cancelled batch waits this long for its running requests' cancelled results."""
+MAX_REFUSED_LINES = 1_000
+"""Lines refused before publishing (too large for the broker) a batch records one by one;
+past them it fails as a whole, so that its record stays far below any ``max_payload``."""
 MAX_FILE_BYTES = 200 * 1024 * 1024
+_CHUNK_BYTES = 128 * 1024
+"""A stored file's chunks (nats-py's default), when the broker's ``max_payload`` allows."""
+_CHUNK_HEADROOM_BYTES = 1024
+"""Left under ``max_payload`` for a chunk's subject and headers."""
 _PARSED_KEPT = 16
 """Parsed batch inputs a :class:`Batches` keeps (its most recently used)."""
 _NATS_ERRORS = (nats.errors.Error, OSError)
@@ -182,7 +191,7 @@ class Batches:
         )
         kv, obj = await self._stores()
         try:
-            await obj.put(record.id, data)
+            await obj.put(record.id, data, meta=self._chunked(record.id))
             await kv.put(names.file_key(record.id), encode(record))
         except _NATS_ERRORS as exc:
             raise ServiceUnavailable(f"cannot store {filename}: {exc}") from exc
@@ -215,6 +224,13 @@ class Batches:
         except _NATS_ERRORS as exc:
             raise ServiceUnavailable(f"cannot read file {file_id}: {exc}") from exc
         return got.data or b""
+
+    def _chunked(self, name: str) -> api.ObjectMeta:
+        """The object's meta with chunks the broker takes: nats-py's 128 KiB default is more
+        than a smaller ``max_payload`` (every upload failed under one of 64 KiB)."""
+        limit = self.client.nc.max_payload or _CHUNK_BYTES
+        size = max(1024, min(_CHUNK_BYTES, limit - _CHUNK_HEADROOM_BYTES))
+        return api.ObjectMeta(name=name, options=api.ObjectMetaOptions(max_chunk_size=size))
 
     # ---------------------------------------------------------------------- batches
 
@@ -416,9 +432,13 @@ class Batches:
             chunk = lines[start : start + CHUNK]
             # The chunk after the last record may be partly published by a submitter that
             # died: skip what has a result (what does not is deduplicated by its id).
-            await self._publish(chunk, record.band, skip_done=first and start > 0)
+            refused = await self._publish(chunk, record.band, skip_done=first and start > 0)
             first = False
             start += len(chunk)
+            if refused:
+                record = await self._refuse(batch_id, refused)
+                if record.status in TERMINAL_BATCH_STATES:
+                    return record
             record = await self._update(batch_id, _advance(start))
             if progress is not None:
                 progress(start, len(lines))
@@ -428,13 +448,39 @@ class Batches:
             )
         return await self.refresh(batch_id)
 
-    async def _publish(self, chunk: list[BatchLine], band: str, *, skip_done: bool) -> None:
-        async def one(line: BatchLine) -> None:
-            if skip_done and await self.client.fetch_result(line.request_id, tenant=self.tenant):
-                return
-            await self._enqueue(line, band)
+    async def _publish(
+        self, chunk: list[BatchLine], band: str, *, skip_done: bool
+    ) -> dict[str, str]:
+        """Publish a chunk's lines; returns the lines the client refused (request id: why)."""
 
-        await asyncio.gather(*(one(line) for line in chunk))
+        async def one(line: BatchLine) -> str | None:
+            if skip_done and await self.client.fetch_result(line.request_id, tenant=self.tenant):
+                return None
+            try:
+                await self._enqueue(line, band)
+            except InvalidRequest as exc:  # too large for the broker: it fails, not the batch
+                return f"line {line.line}: {exc}"
+            return None
+
+        got = await asyncio.gather(*(one(line) for line in chunk))
+        return {line.request_id: why for line, why in zip(chunk, got, strict=True) if why}
+
+    async def _refuse(self, batch_id: str, refused: dict[str, str]) -> BatchRecord:
+        """Record lines that could not be published: they fail in the error file. Past
+        ``MAX_REFUSED_LINES`` of them the batch fails as a whole (the record stays small)."""
+        record = await self._update(batch_id, lambda r: {"refused": {**r.refused, **refused}})
+        if len(record.refused) <= MAX_REFUSED_LINES:
+            return record
+        lines, errors = await self._lines(record)
+        await self._cancel_unfinished(
+            lines[: record.submitted + CHUNK], await self.results_of(record)
+        )
+        results = await self.results_of(record)
+        why = (
+            f"more than {MAX_REFUSED_LINES} lines could not be published (the first: "
+            f"{next(iter(record.refused.values()))})"
+        )
+        return await self._finalize(record, lines, errors, results, "failed", why=why)
 
     async def _enqueue(self, line: BatchLine, band: str) -> None:
         while True:
@@ -454,7 +500,22 @@ class Batches:
     # ---------------------------------------------------------------------- progress
 
     async def results_of(self, record: BatchRecord) -> dict[str, Result]:
-        """The last result of each of the batch's requests, by request id."""
+        """The last result of each of the batch's requests, by request id; a line refused
+        before it was published (``record.refused``) has a failed one."""
+        out = await self._stored_results(record)
+        for rid, why in record.refused.items():
+            if rid not in out:
+                rejection = Rejection(reason=RejectReason.MALFORMED, message=why)
+                out[rid] = Result(
+                    request_id=rid,
+                    ok=False,
+                    tenant=record.tenant,
+                    band=record.band,
+                    rejection=rejection,
+                )
+        return out
+
+    async def _stored_results(self, record: BatchRecord) -> dict[str, Result]:
         js = self.client.nc.jetstream()
         subject = names.results_filter(record.tenant, record.id)
         try:
@@ -535,8 +596,11 @@ class Batches:
         errors: list[LineError],
         results: dict[str, Result],
         final: str,
+        *,
+        why: str = "the input file has no valid request line",
     ) -> BatchRecord:
-        """Write the output and error files and end the batch as ``final``."""
+        """Write the output and error files and end the batch as ``final`` (``why``: the
+        error of a failed batch)."""
         now = _now()
         if final == "completed":
             record = await self._update(
@@ -547,10 +611,11 @@ class Batches:
                     else None
                 ),
             )
-        unrun = (
-            ("batch_cancelled", "the batch was cancelled before this request ran")
-            if final == "cancelled"
-            else ("batch_expired", "the batch's completion window ended before this request ran")
+        unrun = {
+            "cancelled": ("batch_cancelled", "the batch was cancelled before this request ran"),
+            "failed": ("batch_failed", f"the batch failed before this request ran: {why}"),
+        }.get(
+            final, ("batch_expired", "the batch's completion window ended before this request ran")
         )
         out: list[bytes] = []
         err: list[bytes] = []
@@ -570,7 +635,7 @@ class Batches:
             "error_file_id": error.id,
         }
         if final == "failed":
-            fields["errors"] = ["the input file has no valid request line"]
+            fields["errors"] = [why]
 
         def end(r: BatchRecord) -> dict[str, Any] | None:
             return None if r.status in TERMINAL_BATCH_STATES else fields

@@ -575,6 +575,10 @@ class BatchRecord(_Wire):
     cancelled_at: int | None = None
     errors: list[str] = Field(default_factory=list)
     """Why the batch failed as a whole (not per line: those are in the error file)."""
+    refused: dict[str, str] = Field(default_factory=dict)
+    """Lines the client could not publish (a request larger than the broker's
+    ``max_payload``), by request id: their error. They fail in the error file; at most
+    ``MAX_REFUSED_LINES`` (``sluice.client.batches``), past which the batch fails."""
     metadata: dict[str, str] = Field(default_factory=dict)
 
 

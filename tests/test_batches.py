@@ -241,3 +241,64 @@ async def test_a_cancelled_batch_and_an_expired_one_account_for_every_line(
         assert record.status == "expired" and record.expired_at is not None
         errs = _lines(await b.content(record.error_file_id or ""))
         assert len(errs) == 20 and record.counts.completed == 0
+
+
+async def test_a_line_too_large_for_the_broker_fails_in_the_error_file(tmp_path: Path) -> None:
+    """A broker with a small ``max_payload`` (64 KiB): a line whose request is larger cannot
+    be published. It fails in the error file and the rest of the batch completes. Before,
+    the submitter stopped at its chunk on every attempt and the batch never ended; without
+    the refusals recorded this test times out (seen)."""
+    from sluice.testing.natsserver import EmbeddedNats
+
+    conf = tmp_path / "small.conf"
+    conf.write_text("max_payload: 65536\n")
+    lines = [_chat(i) for i in range(1, 9)]
+    lines[2]["body"]["messages"][0]["content"] = "long " * 20_000  # 100 KB: too large
+    data = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+    with EmbeddedNats(config_file=conf) as server:
+        async with LocalCluster(server.url, **cluster_kwargs()), Client(server.url) as c:
+            assert c.nc.max_payload == 65536
+            b = Batches(c)
+            record = await b.create((await b.upload(data, "in.jsonl")).id)
+            record = await b.submit(record.id)
+            assert list(record.refused) == [request_id_of(record.id, "req-3")]
+            record = await b.wait(record.id, every_s=0.2, timeout_s=60)
+            assert record.status == "completed", record
+            assert record.counts.completed == 7 and record.counts.failed == 1
+            assert record.output_file_id and record.error_file_id
+            out = _lines(await b.content(record.output_file_id))
+            errs = _lines(await b.content(record.error_file_id))
+    assert [o["custom_id"] for o in out] == [f"req-{i}" for i in range(1, 9) if i != 3]
+    assert [e["custom_id"] for e in errs] == ["req-3"]
+    error = errs[0]["response"]["body"]["error"]
+    assert "max_payload" in error["message"] and "line 3" in error["message"], error
+
+
+async def test_too_many_lines_too_large_fail_the_batch_and_account_for_every_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past ``MAX_REFUSED_LINES`` refused lines (1 here, 1,000 by default) the batch fails as
+    a whole, its record small; every line still has its output or error line."""
+    import sluice.client.batches as batches
+    from sluice.testing.natsserver import EmbeddedNats
+
+    monkeypatch.setattr(batches, "MAX_REFUSED_LINES", 1)
+    conf = tmp_path / "small.conf"
+    conf.write_text("max_payload: 65536\n")
+    lines = [_chat(i) for i in range(1, 6)]
+    for i in (1, 3):
+        lines[i]["body"]["messages"][0]["content"] = "long " * 20_000
+    data = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+    with EmbeddedNats(config_file=conf) as server:
+        async with LocalCluster(server.url, **cluster_kwargs()), Client(server.url) as c:
+            b = Batches(c)
+            record = await b.create((await b.upload(data, "in.jsonl")).id)
+            record = await b.submit(record.id)
+            assert record.status == "failed", record
+            assert "more than 1 lines could not be published" in record.errors[0]
+            assert record.output_file_id and record.error_file_id
+            out = _lines(await b.content(record.output_file_id))
+            errs = _lines(await b.content(record.error_file_id))
+    ids = sorted(line["custom_id"] for line in out + errs)
+    assert ids == [f"req-{i}" for i in range(1, 6)]
+    assert {"req-2", "req-4"} <= {e["custom_id"] for e in errs}
