@@ -270,6 +270,7 @@ async def test_a_line_too_large_for_the_broker_fails_in_the_error_file(tmp_path:
             errs = _lines(await b.content(record.error_file_id))
     assert [o["custom_id"] for o in out] == [f"req-{i}" for i in range(1, 9) if i != 3]
     assert [e["custom_id"] for e in errs] == ["req-3"]
+    assert errs[0]["response"]["status_code"] == 400
     error = errs[0]["response"]["body"]["error"]
     assert "max_payload" in error["message"] and "line 3" in error["message"], error
 
