@@ -281,11 +281,16 @@ async def _metrics(_: Request) -> Response:
     return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
 
-async def _http_error(_: Request, exc: Exception) -> Response:
+async def _http_error(request: Request, exc: Exception) -> Response:
     """Starlette's own 404 and 405, in OpenAI's shape."""
     assert isinstance(exc, HTTPException)
     if exc.status_code == 405:
-        return MethodNotAllowed(f"method not allowed: {exc.detail}").response()
+        allowed = (exc.headers or {}).get("Allow", "")
+        message = f"{request.method} is not allowed on {request.url.path}"
+        response = MethodNotAllowed(message + (f" (use {allowed})" if allowed else "")).response()
+        if allowed:
+            response.headers["Allow"] = allowed
+        return response
     if exc.status_code == 404:
         return NotFound("no such route", code="not_found").response()
     return ApiError(str(exc.detail)).response()

@@ -144,8 +144,20 @@ def completion_job(body: Mapping[str, Any], default_max_tokens: int) -> Job:
     )
 
 
+def _utf8(header: str) -> str:
+    """A header's text as its sender wrote it: ASGI servers decode header bytes as Latin-1,
+    so a UTF-8 session id ("café") read as "cafÃ©", twice as long as sent; bytes that are
+    not UTF-8 stay as they were read."""
+    try:
+        return header.encode("latin-1").decode("utf-8")
+    except UnicodeError:
+        return header
+
+
 def session_of(header: str | None, job: Job) -> str | None:
     """The request's session: the ``x-session-id`` header, else the body's ``user``."""
+    if header is not None:
+        header = _utf8(header)
     session = header.strip() if header is not None and header.strip() else job.user
     if session is not None and len(session) > SESSION_MAX_CHARS:
         param = SESSION_HEADER if header else "user"

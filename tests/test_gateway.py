@@ -179,6 +179,11 @@ async def test_errors_are_openai_shaped_with_their_status(
         }
         r = await http.get("/v1/chat/completions", headers=auth)
         assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
+        assert (
+            r.json()["error"]["message"]
+            == ("GET is not allowed on /v1/chat/completions (use POST)")
+            and r.headers["allow"] == "POST"
+        ), r.text
 
         msg: list[Any] = [{"role": "user", "content": "hello"}]
         with pytest.raises(openai.NotFoundError) as nf:

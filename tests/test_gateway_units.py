@@ -183,6 +183,11 @@ def test_the_session_is_the_header_else_the_user_field() -> None:
     assert session_of(" ", job) == "u-1"
     with pytest.raises(BadRequest):
         session_of("x" * 129, job)
+    # ASGI servers hand headers over decoded as Latin-1: a UTF-8 id is read as it was sent,
+    # and its length counted in its own characters (100 of "é", not 200).
+    sent = "café-" + "é" * 100
+    assert session_of(sent.encode().decode("latin-1"), job) == sent
+    assert session_of("caf\xe9", job) == "caf\xe9"  # not UTF-8: kept as read
 
 
 def test_retry_after_is_whole_seconds_rounded_up_and_at_least_one() -> None:
