@@ -685,18 +685,29 @@ class _Bounds:
         """The lowest score a candidate with this load key holding ``blocks`` index entries
         of the prompt can have, moved or not aside."""
         c = self._c
-        prompt, n_indexed = self._prompt, self._indexed
+        prompt = self._prompt
         hit = min(blocks * self._ibt, prompt - 1) if blocks else 0
-        fraction = blocks / n_indexed if n_indexed else 0.0
-        miss = 1.0 - fraction if fraction >= c.min_hit_fraction else 1.0
+        miss = self._miss(blocks)
         own = prompt - hit if prompt - hit > 1 else 1
         load = self._f * key + (own * self._fast_prefill + self._fast_decode) / c.ttft_scale_s
         return c.w_load * load + c.w_cache * miss
 
-    def queue_beats(self, key: float) -> bool:
-        """Whether the queue of a candidate with this load key could beat the best queue."""
+    def _miss(self, blocks: int) -> float:
+        """The miss of a candidate holding ``blocks`` index entries of the prompt (exact: the
+        scoring's own)."""
+        n_indexed = self._indexed
+        fraction = blocks / n_indexed if n_indexed else 0.0
+        return 1.0 - fraction if fraction >= self._c.min_hit_fraction else 1.0
+
+    def queue_beats(self, key: float, blocks: int) -> bool:
+        """Whether a candidate with this load key holding ``blocks`` index entries could beat
+        the best of the expand rule: by its rounded queue, or by the same rounded queue and
+        less of a miss (not by the tie rank alone: a tie is not worth a look)."""
         expand = self._acc.expand
-        return expand is None or round(self._f * key - _SLACK, 2) < expand[0]
+        if expand is None:
+            return True
+        queue = round(self._f * key - _SLACK, 2)
+        return queue < expand[0] or (queue <= expand[0] and self._miss(blocks) < expand[1])
 
     def replica_could_win(self, key: float, blocks: int) -> bool:
         """A replica left off: while no replica under the hard limit was scored it may
@@ -706,7 +717,7 @@ class _Bounds:
         sticky = self._acc.sticky
         if sticky is None or self.score(key, blocks) < sticky[0] - _SLACK:
             return True
-        return self._may_expand and self.queue_beats(key)
+        return self._may_expand and self.queue_beats(key, blocks)
 
     def settle(self) -> None:
         """The replicas are done: a replica under the hard limit was found (the other
@@ -716,7 +727,7 @@ class _Bounds:
     def could_win(self, key: float, blocks: int) -> bool:
         """A worker that is no replica, after :meth:`settle`."""
         if self._expand:
-            return self.queue_beats(key)
+            return self.queue_beats(key, blocks)
         best = self._acc.best
         assert best is not None
         return self.score(key, blocks) + self._w_moved < best[0] - _SLACK
