@@ -270,6 +270,9 @@ class _Misbehaving:
         from starlette.routing import Route
 
         async def completions(_: Any) -> Any:
+            if mode in _BAD_ANSWERS:
+                return await _bad_answer(mode)
+
             async def body() -> AsyncIterator[bytes]:
                 if mode == "slow-first":
                     await asyncio.sleep(0.8)  # past the between-token timeout, within the first's
@@ -316,6 +319,104 @@ class _Misbehaving:
         self.server.should_exit = True
         if self.task is not None:
             await self.task
+
+
+_TOKEN = b'data: {"choices": [{"index": 0, "text": " hi"}]}\n\n'
+_BAD_ANSWERS = {
+    # A shape no OpenAI server sends: each failed the stream with an exception nothing
+    # caught (the request hung, unanswered), or crashed the agent's engine loop.
+    "choices-int": [b'data: {"choices": 5}\n\n'],
+    "text-int": [b'data: {"choices": [{"text": 5}]}\n\n'],
+    "usage-str": [_TOKEN, b'data: {"choices": [], "usage": "abc"}\n\n', b"data: [DONE]\n\n"],
+    "usage-negative": [
+        _TOKEN, b'data: {"choices": [], "usage": {"prompt_tokens": -3}}\n\n', b"data: [DONE]\n\n"
+    ],
+    "usage-inf": [
+        _TOKEN,
+        b'data: {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": Infinity}}\n\n',
+        b"data: [DONE]\n\n",
+    ],
+    # More tokens than asked for (the request asks for 5): the agent took them all, and a
+    # result too large to store was retried forever.
+    "too-many": [_TOKEN] * 10,
+    # Lines without a token do not hold off the first-token timeout.
+    "keepalive": "keepalive",
+    # No answer at all, not even its head.
+    "no-head": "no-head",
+    # An error whose body never ends.
+    "500-endless": "500-endless",
+}  # fmt: skip
+
+
+async def _bad_answer(mode: str) -> Any:
+    from starlette.responses import StreamingResponse
+
+    answer = _BAD_ANSWERS[mode]
+
+    async def body() -> AsyncIterator[bytes]:
+        if isinstance(answer, list):
+            for line in answer:
+                yield line
+            await asyncio.sleep(3600)  # no [DONE] unless the lines have it
+        elif answer == "keepalive":
+            while True:
+                yield b": ping\n\n"
+                await asyncio.sleep(0.05)
+        else:
+            yield b"the engine broke: " + b"x" * 100
+            await asyncio.sleep(3600)
+
+    if answer == "no-head":  # (not for an hour: the server's stop waits for its handlers)
+        await asyncio.sleep(2.0)
+    status = 500 if answer == "500-endless" else 200
+    return StreamingResponse(body(), status_code=status, media_type="text/event-stream")
+
+
+@pytest.mark.parametrize(
+    ("mode", "error"),
+    [
+        ("choices-int", "choices that are not a list"),
+        ("text-int", "text that is not a string"),
+        ("usage-str", "usage that is not an object"),
+        ("usage-negative", "prompt_tokens is not a token count"),
+        ("usage-inf", "completion_tokens is not a token count"),
+        ("too-many", "more than the 5 tokens asked for"),
+        ("keepalive", "no first token within first_token_timeout_s of 0.5 s"),
+        ("no-head", "no first token within first_token_timeout_s of 0.5 s"),
+        ("500-endless", "the engine answered 500: the engine broke"),
+    ],
+)
+async def test_an_engine_answering_what_no_openai_server_sends_fails_the_request(
+    mode: str, error: str
+) -> None:
+    """Each request fails with a reason (the dispatcher runs it again elsewhere), and a retry
+    of the same request on this engine starts afresh: it was refused as "already on the
+    engine" until the step after its failure."""
+    async with _Misbehaving(mode) as server:
+        engine = HttpEngine(
+            HttpEngineConfig(
+                url=f"http://127.0.0.1:{server.port}",
+                model="sim",
+                first_token_timeout_s=0.5,
+                token_timeout_s=0.5,
+                metrics_path=None,
+            )
+        )
+        await engine.open()
+        try:
+            for attempt in (1, 2):
+                engine.add("r1", 3, 5, [], 0.0, "hello")
+                events: list[Any] = []
+                for _ in range(300):
+                    events += engine.step().events
+                    if any(isinstance(e, Failed) for e in events):
+                        break
+                    await asyncio.sleep(0.01)
+                failed = [e for e in events if isinstance(e, Failed)]
+                assert len(failed) == 1 and error in failed[0].error, (attempt, events)
+                engine._healthy = True  # (a timeout marks it unhealthy until a health check)
+        finally:
+            await engine.close()
 
 
 @pytest.mark.parametrize(

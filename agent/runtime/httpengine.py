@@ -108,8 +108,10 @@ class HttpEngineConfig:
 @dataclass
 class _Run:
     prompt_tokens: int
+    max_pieces: int
     pieces: list[int] = field(default_factory=list)
     task: asyncio.Task[None] | None = None
+    failed: bool = False
 
 
 class HttpEngine:
@@ -329,9 +331,14 @@ class HttpEngine:
     ) -> None:
         if prompt is None:
             raise EngineError("an HTTP engine needs the prompt's text or token ids")
-        if request_id in self._runs:
+        old = self._runs.get(request_id)
+        if old is not None and not old.failed:
             raise EngineError(f"request {request_id} is already on the engine")
-        run = self._runs[request_id] = _Run(prompt_tokens)
+        if old is not None:  # its failure is reported: a retry here starts afresh
+            self._drop(request_id)
+            if request_id in self._ended:  # (the next step must not drop the new run)
+                self._ended.remove(request_id)
+        run = self._runs[request_id] = _Run(prompt_tokens, max(output_tokens, 1))
         body: dict[str, Any] = {
             "model": self.config.model,
             "prompt": prompt if isinstance(prompt, str) else token_list(prompt),
@@ -348,7 +355,7 @@ class HttpEngine:
             self.busy_s += now - self._last_step_s
         self._last_step_s = now
         for rid in self._ended:  # their text was read after the step that ended them
-            for i in self._runs.pop(rid, _Run(0)).pieces:
+            for i in self._runs.pop(rid, _Run(0, 1)).pieces:
                 self._text.pop(i, None)
         self._ended = []
         events, self._events = self._events, []
@@ -358,6 +365,9 @@ class HttpEngine:
         return Step(self.config.poll_s, events)
 
     def cancel(self, request_id: str) -> bool:
+        return self._drop(request_id)
+
+    def _drop(self, request_id: str) -> bool:
         run = self._runs.pop(request_id, None)
         if run is None:
             return False
@@ -408,71 +418,84 @@ class HttpEngine:
     # ------------------------------------------------------------------ streaming
 
     async def _stream(self, rid: str, body: dict[str, Any]) -> None:
+        c = self.config
+        loop = asyncio.get_running_loop()
         t0 = time.monotonic()
         t_first: float | None = None
+        watch: _Watch | None = None
         try:
-            async with self._http.post(
-                f"{self._base}/v1/completions", json=body, timeout=self._stream_timeout
-            ) as r:
-                if r.status != 200:
-                    detail = (await r.read())[:300].decode(errors="replace")
-                    raise EngineError(f"the engine answered {r.status}: {detail}")
-                usage: dict[str, Any] | None = None
-                async for chunk in self._chunks(r):
-                    if chunk.get("usage"):
-                        usage = chunk["usage"]
-                    for choice in chunk.get("choices") or ():
-                        text = choice.get("text") if isinstance(choice, dict) else None
-                        if text:
-                            if t_first is None:
-                                t_first = time.monotonic()
-                            self._piece(rid, text, first=not self._has(rid))
+            async with asyncio.timeout(None) as deadline:
+                # One timer per stream, not a timeout per read: a token only notes its time.
+                # It runs from the request (the wait for the answer's head counts) to the
+                # first token, then between tokens: lines without text (keep-alive comments,
+                # empty chunks) do not hold it off.
+                watch = _Watch(loop, deadline, c.first_token_timeout_s, c.token_timeout_s)
+                try:
+                    async with self._http.post(
+                        f"{self._base}/v1/completions", json=body, timeout=self._stream_timeout
+                    ) as r:
+                        if r.status != 200:
+                            # A bounded read: an error body may be huge, or never end.
+                            detail = (await r.content.read(_ERROR_BYTES)).decode(errors="replace")
+                            raise EngineError(f"the engine answered {r.status}: {detail}")
+                        usage: dict[str, Any] | None = None
+                        async for chunk in self._chunks(r):
+                            if chunk.get("usage") is not None:
+                                usage = chunk["usage"]
+                            for text in _texts(chunk):
+                                watch.token(loop.time())
+                                if t_first is None:
+                                    t_first = time.monotonic()
+                                self._piece(rid, text, first=not self._has(rid))
+                finally:
+                    watch.stop()
             if usage is None:
                 raise EngineError("the stream ended without usage")
             self._finished(rid, usage, t0, t_first)
         except asyncio.CancelledError:
             raise
-        except (aiohttp.ClientError, EngineError, TimeoutError, ValueError) as exc:
-            self.failures += 1
-            if isinstance(exc, _GONE):
-                # The engine is gone or hangs: take no more work until a health check passes
-                # (its agent refuses assignments and heartbeats no free capacity meanwhile).
-                self._healthy = False
-            if rid in self._runs:
-                self._emit(Failed(rid, f"engine {self.config.url}: {exc!r}"))
+        except TimeoutError as exc:
+            why = watch.why() if watch is not None and watch.fired else ""
+            self._fail(rid, exc, gone=True, why=why)
+        except (aiohttp.ClientError, EngineError, ValueError) as exc:
+            self._fail(rid, exc, gone=isinstance(exc, _GONE))
+        except Exception as exc:  # an answer nothing above expects: the request fails, typed
+            log.warning("engine at %s answered %s unexpectedly: %r", c.url, rid, exc)
+            self._fail(rid, exc, gone=False)
+
+    def _fail(self, rid: str, exc: BaseException, *, gone: bool, why: str = "") -> None:
+        self.failures += 1
+        if gone:
+            # The engine is gone or hangs: take no more work until a health check passes
+            # (its agent refuses assignments and heartbeats no free capacity meanwhile).
+            self._healthy = False
+        run = self._runs.get(rid)
+        if run is not None and not run.failed:
+            run.failed = True
+            what = f"{exc!r} ({why})" if why else repr(exc)
+            self._emit(Failed(rid, f"engine {self.config.url}: {what}"))
 
     async def _chunks(self, r: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
-        """The stream's JSON events, within the first-token and between-token timeouts;
-        raises ``EngineError`` on a malformed line or a stream cut before ``[DONE]``."""
-        c = self.config
-        loop = asyncio.get_running_loop()
-        async with asyncio.timeout(None) as deadline:
-            # One timer per stream, not a timeout per line: a line only notes its time.
-            watch = _Watch(loop, deadline, c.first_token_timeout_s, c.token_timeout_s)
+        """The stream's JSON events; raises ``EngineError`` on a malformed line or a stream
+        cut before ``[DONE]``."""
+        async for raw in r.content:
+            line = raw.strip()
+            if not line or line.startswith(b":"):
+                continue
+            if not line.startswith(b"data:"):
+                raise EngineError(f"not an SSE data line: {line[:80]!r}")
+            data = line[5:].lstrip()
+            if data == b"[DONE]":
+                return
             try:
-                async for raw in r.content:
-                    watch.last_s = loop.time()
-                    if watch.first:
-                        watch.first_line()
-                    line = raw.strip()
-                    if not line or line.startswith(b":"):
-                        continue
-                    if not line.startswith(b"data:"):
-                        raise EngineError(f"not an SSE data line: {line[:80]!r}")
-                    data = line[5:].lstrip()
-                    if data == b"[DONE]":
-                        return
-                    try:
-                        chunk = json.loads(data)
-                    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                        raise EngineError(f"a malformed SSE event: {data[:80]!r}") from exc
-                    if not isinstance(chunk, dict):
-                        raise EngineError("an SSE event that is not an object")
-                    if "error" in chunk:
-                        raise EngineError(f"the engine reported an error: {chunk['error']}")
-                    yield chunk
-            finally:
-                watch.stop()
+                chunk = json.loads(data)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise EngineError(f"a malformed SSE event: {data[:80]!r}") from exc
+            if not isinstance(chunk, dict):
+                raise EngineError("an SSE event that is not an object")
+            if "error" in chunk:
+                raise EngineError(f"the engine reported an error: {str(chunk['error'])[:300]}")
+            yield chunk
         raise EngineError("the stream ended before [DONE]")
 
     def _has(self, rid: str) -> bool:
@@ -491,6 +514,8 @@ class HttpEngine:
         run = self._runs.get(rid)
         if run is None:
             return
+        if len(run.pieces) >= run.max_pieces:  # each piece is one token or more
+            raise EngineError(f"the engine sent more than the {run.max_pieces} tokens asked for")
         i = next(self._ids)
         self._text[i] = text
         run.pieces.append(i)
@@ -500,21 +525,19 @@ class HttpEngine:
         run = self._runs.get(rid)
         if run is None:
             return
+        if not isinstance(usage, dict):
+            raise EngineError(f"usage that is not an object: {str(usage)[:80]}")
         details = usage.get("prompt_tokens_details") or {}
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
-        prompt = int(usage.get("prompt_tokens") or run.prompt_tokens)
+        prompt = _count(usage.get("prompt_tokens"), "prompt_tokens") or run.prompt_tokens
+        output = _count(usage.get("completion_tokens"), "completion_tokens") or len(run.pieces)
+        if output > run.max_pieces:
+            raise EngineError(f"the engine counted {output} tokens, {run.max_pieces} asked for")
+        # More cached than prompt tokens is no engine's count: at most the prompt was cached.
+        cached_n = min(_count(cached, "cached_tokens"), prompt)
         now = time.monotonic()
         first = t_first if t_first is not None else now
-        self._emit(
-            Finished(
-                rid,
-                prompt,
-                int(cached or 0),
-                int(usage.get("completion_tokens") or len(run.pieces)),
-                first - t0,
-                now - first,
-            )
-        )
+        self._emit(Finished(rid, prompt, cached_n, output, first - t0, now - first))
 
     def _record(self, prompt_tokens: int, hashes: Sequence[int]) -> None:
         """The digest stand-in: blocks of the prompts this engine served, most recent kept."""
@@ -533,10 +556,47 @@ class HttpEngine:
                 self._evicted.append(old)
 
 
+_ERROR_BYTES = 300
+"""What an error answer's body is read of, at most (for its message)."""
+_MOST_TOKENS = 1 << 31
+"""A token count above this is no engine's."""
+
+
+def _texts(chunk: dict[str, Any]) -> list[str]:
+    """The text of each of a chunk's choices (OpenAI's completion chunk), its shape checked:
+    an engine's garbage fails the request instead of passing for an answer."""
+    choices = chunk.get("choices")
+    if choices is None:
+        return []
+    if not isinstance(choices, list):
+        raise EngineError(f"choices that are not a list: {str(choices)[:80]}")
+    out = []
+    for choice in choices:
+        if not isinstance(choice, dict):
+            raise EngineError(f"a choice that is not an object: {str(choice)[:80]}")
+        text = choice.get("text")
+        if text is None:
+            continue
+        if not isinstance(text, str):
+            raise EngineError(f"a choice's text that is not a string: {str(text)[:80]}")
+        if text:
+            out.append(text)
+    return out
+
+
+def _count(value: Any, name: str) -> int:
+    """A token count of the engine's usage: a whole number from 0 to 2**31 (0 if absent)."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < _MOST_TOKENS:
+        raise EngineError(f"usage {name} is not a token count: {str(value)[:40]}")
+    return value
+
+
 class _Watch:
     """The first-token and between-token timeouts of one stream: a timer checks, when a
-    timeout could have passed, whether a line came since (then it waits again from that
-    line), and otherwise moves the stream's deadline to now, which cancels its read."""
+    timeout could have passed, whether a token came since (then it waits again from that
+    token), and otherwise moves the stream's deadline to now, which cancels its read."""
 
     def __init__(
         self,
@@ -546,27 +606,40 @@ class _Watch:
         between_s: float,
     ) -> None:
         self.loop, self.deadline, self.between_s = loop, deadline, between_s
+        self.first_s = first_s
+        self.fired = False
+        """The stream's deadline was moved to now: a timeout passed."""
         self.first = True
-        """No line yet: the first-token timeout runs."""
+        """No token yet: the first-token timeout runs."""
         self.last_s = loop.time()
         self._handle = loop.call_at(self.last_s + first_s, self._check)
 
-    def first_line(self) -> None:
-        """The first line came (at ``last_s``): from now on the between-token timeout runs."""
-        self.first = False
-        self._handle.cancel()
-        self._handle = self.loop.call_at(self.last_s + self.between_s, self._check)
+    def token(self, now_s: float) -> None:
+        """A token came: from now on the between-token timeout runs, from this one."""
+        self.last_s = now_s
+        if self.first:
+            self.first = False
+            self._handle.cancel()
+            self._handle = self.loop.call_at(now_s + self.between_s, self._check)
 
     def _check(self) -> None:
         now = self.loop.time()
-        if self.first:  # no line yet: the first-token timeout has passed
+        if self.first:  # no token yet: the first-token timeout has passed
+            self.fired = True
             self.deadline.reschedule(now)
             return
         due = self.last_s + self.between_s
         if due <= now:
+            self.fired = True
             self.deadline.reschedule(now)
         else:
             self._handle = self.loop.call_at(due, self._check)
 
     def stop(self) -> None:
         self._handle.cancel()
+
+    def why(self) -> str:
+        """Which timeout passed."""
+        if self.first:
+            return f"no first token within first_token_timeout_s of {self.first_s:g} s"
+        return f"no token within token_timeout_s of {self.between_s:g} s of the last"
