@@ -63,8 +63,10 @@ def main(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     # SIGTERM is Ctrl-C: the command winds down and stops every process it started (a
-    # command serving until a signal handles both itself).
-    signal.signal(signal.SIGTERM, _as_ctrl_c)
+    # command serving until a signal handles both itself). Not where SIGINT is ignored (a
+    # background job of a script): there the SIGINT would be ignored too, and so SIGTERM.
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGTERM, _as_ctrl_c)
 
 
 def _as_ctrl_c(signum: int, frame: object) -> None:

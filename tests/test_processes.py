@@ -326,3 +326,30 @@ def test_sigterm_stops_a_command_and_every_process_it_started() -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGKILL)
         p.wait(10)
+
+
+def test_sigterm_still_stops_a_command_started_with_sigint_ignored() -> None:
+    """A background job of a shell script starts with SIGINT ignored: SIGTERM turned into a
+    SIGINT was ignored with it, and the command ran on (seen)."""
+    p = subprocess.Popen(
+        [*SLUICE, "bench-engine", "--requests", "2000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its engine process is stopped with its session below
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),  # noqa: PLW1509
+    )
+    try:
+        assert p.stdout is not None
+        head = ""
+        while "leads" not in head:
+            line = p.stdout.readline()
+            assert line, head
+            head += line
+        p.send_signal(signal.SIGTERM)
+        p.wait(20)
+        assert p.returncode == -signal.SIGTERM
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait(10)
