@@ -337,7 +337,7 @@ def test_sigterm_still_stops_a_command_started_with_sigint_ignored() -> None:
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,  # its engine process is stopped with its session below
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),  # noqa: PLW1509
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )
     try:
         assert p.stdout is not None
