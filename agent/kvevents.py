@@ -107,7 +107,7 @@ def decode_batch(payload: bytes) -> EventBatch:
     """One msgpack event batch."""
     try:
         raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-    except (ValueError, msgpack.UnpackException) as exc:
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:  # (a map keyed by a list)
         raise KVEventError(f"not msgpack: {exc}") from exc
     if not isinstance(raw, list | tuple) or len(raw) < 2 or not isinstance(raw[1], list):
         raise KVEventError("an event batch is [ts, events, dp_rank]")
@@ -175,6 +175,11 @@ def _hashes(value: Any) -> tuple[EngineHash, ...]:
     return tuple(value)
 
 
+RESTART_SEQ_GAP = 1_000
+"""A live batch this many sequence numbers behind the next expected one (or a 0 after others)
+comes from a restarted publisher, not from a replay overlapping the live stream."""
+
+
 @dataclass
 class TrackerStats:
     batches: int = 0
@@ -183,6 +188,9 @@ class TrackerStats:
     """Stored blocks whose parent the tracker never saw (its chain cannot be hashed)."""
     wrong_block_size: int = 0
     unknown_events: int = 0
+    restarts: int = 0
+    """Times the live sequence went back by more than ``RESTART_SEQ_GAP``: a restarted
+    publisher (its engine's cache is empty again)."""
 
 
 @dataclass(slots=True)
@@ -219,14 +227,22 @@ class KVEventTracker:
     def apply(self, seq: int, batch: EventBatch) -> int | None:
         """Apply batch ``seq``. Returns the sequence to replay from when ``seq`` skipped some
         (the batch is applied anyway: what it stores is true), else None. An older or repeated
-        sequence (a replay overlapping what arrived live) is ignored."""
+        sequence (a replay overlapping what arrived live) is ignored; one far older (see
+        ``RESTART_SEQ_GAP``) is a restarted engine: the mirror empties, and follows it."""
         gap = None
         if self.expected_seq is not None:
-            if seq < self.expected_seq:
+            if seq < self.expected_seq - RESTART_SEQ_GAP or (seq == 0 and self.expected_seq > 1):
+                # The engine restarted (vLLM's publisher counts from 0 again): what the mirror
+                # holds is gone with it, and its new events are not a replay's overlap.
+                self.stats.restarts += 1
+                for h in list(self._blocks):
+                    self._remove(h)
+                self.expected_seq = None
+            elif seq < self.expected_seq:
                 return None
-            if seq > self.expected_seq:
-                gap = self.expected_seq
-                self.stats.gaps += 1
+        if self.expected_seq is not None and seq > self.expected_seq:
+            gap = self.expected_seq
+            self.stats.gaps += 1
         self.expected_seq = seq + 1
         self.stats.batches += 1
         self.stats.unknown_events += batch.unknown

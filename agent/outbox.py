@@ -70,9 +70,12 @@ class Outbox:
     def get(self, request_id: str) -> Report | None:
         return self._reports.get(request_id)
 
-    def done(self, request_id: str) -> None:
-        """The report was delivered."""
-        self._reports.pop(request_id, None)
+    def done(self, report: Report) -> None:
+        """The report was delivered. A newer report of the same request (its next attempt
+        here, put while this one was on its way) stays."""
+        rid = report.completion.request_id
+        if self._reports.get(rid) is report:
+            del self._reports[rid]
 
 
 class _Succeeded:

@@ -442,9 +442,26 @@ def test_the_outbox_is_full_at_max_reports_and_drops_nothing() -> None:
     box.put(_report("c"))  # full only refuses new work; a running request's report is kept
     assert len(box) == 3 and box.full and box.get("c") is not None
     for rid in box:  # delivering while iterating is allowed
-        box.done(rid)
+        report = box.get(rid)
+        assert report is not None
+        box.done(report)
     assert len(box) == 0 and not box.full and box.get("a") is None
-    box.done("never-there")
+    box.done(_report("never-there"))
+
+
+def test_a_delivered_report_does_not_take_a_newer_attempts_report_with_it() -> None:
+    """Attempt 1 failed here and its report is on its way when attempt 2 (retried on this
+    worker) fails too: delivering attempt 1 must leave attempt 2's report. It removed it by
+    request id, and the dispatcher never heard of attempt 2 (seen, by a helper's trace)."""
+    box = Outbox()
+    first = Report(None, _completion("a", "w", ok=False))
+    box.put(first)
+    second = Report(None, _completion("a", "w", ok=False, attempt=2))
+    box.put(second)
+    box.done(first)
+    assert box.get("a") is second
+    box.done(second)
+    assert box.get("a") is None
 
 
 def test_the_outbox_lists_the_successes_whose_result_is_not_stored() -> None:

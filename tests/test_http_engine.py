@@ -159,7 +159,19 @@ def test_the_load_parses_from_vllm_and_sglang_pages() -> None:
     assert parse_load(vllm) == ScrapedLoad(5, 4, 0.25)  # labels summed; the older KV name
     sglang = "sglang:num_running_reqs 7\nsglang:num_queue_reqs 1\nsglang:token_usage 0.5\n"
     assert parse_load(sglang) == ScrapedLoad(7, 1, 0.5)
-    for bad in ("no_such_metric 1\n", "vllm:num_requests_running{ 3\n", ""):
+    bad_pages = [
+        "no_such_metric 1\n",
+        "vllm:num_requests_running{ 3\n",
+        "",
+        # Values that are no load: NaN and infinities failed the rounding with an exception
+        # that ended the scraping for good (the engine then counted as saturated until the
+        # agent restarted); 1e300 running requests failed every heartbeat's encoding.
+        "vllm:num_requests_running NaN\n",
+        "vllm:num_requests_waiting +Inf\n",
+        "vllm:num_requests_running 1e300\n",
+        "vllm:kv_cache_usage_perc NaN\n",
+    ]
+    for bad in bad_pages:
         with pytest.raises(EngineMetricsError):
             parse_load(bad)
 

@@ -107,6 +107,33 @@ def test_stored_chains_become_sluice_hashes_of_the_same_tokens() -> None:
     assert t.cached_blocks() == []
 
 
+def test_a_restarted_engine_is_followed_and_its_old_blocks_evicted() -> None:
+    """vLLM's publisher counts from 0 again after a restart: every batch under the old
+    sequence was ignored as a replay's overlap, the restart's own events with it, and the
+    mirror kept the blocks the restart lost (seen, by a helper's probe)."""
+    prompt = list(range(1000, 1000 + 2 * BT))
+    t = KVEventTracker(BT)
+    stored = _stored_array([b"e1", b"e2"], None, prompt)
+    for seq in range(1500):
+        t.apply(seq, decode_batch(msgpack.packb([0.0, [stored] if seq == 0 else [], 0])))
+    t.cache_changes()
+    again = _stored_array([b"n1"], None, prompt[:BT])
+    assert t.apply(0, decode_batch(msgpack.packb([0.0, [again], 0]))) is None
+    assert t.stats.restarts == 1
+    stored_now, evicted = t.cache_changes()
+    assert sorted(evicted) == sorted(block_hashes(prompt, BT))
+    assert stored_now == block_hashes(prompt, BT)[:1]
+    assert t.cached_blocks() == block_hashes(prompt, BT)[:1]
+    assert t.apply(1, decode_batch(msgpack.packb([0.0, [], 0]))) is None  # followed on
+
+
+def test_a_batch_msgpack_decodes_but_python_cannot_is_a_kv_event_error() -> None:
+    # A map keyed by a list: valid msgpack, and a TypeError out of the decoder that ended the
+    # agent's KV event loop for good (seen).
+    with pytest.raises(KVEventError):
+        decode_batch(b"\x81\x91\x01\x02")
+
+
 def test_gaps_are_reported_and_replays_do_not_apply_twice() -> None:
     t = KVEventTracker(BT)
     empty = decode_batch(msgpack.packb([0.0, [], 0]))

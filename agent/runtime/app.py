@@ -638,18 +638,20 @@ class Agent:
         """Store the result in JetStream, *then* tell the dispatcher. The order matters: the
         dispatcher acks the request on the completion, so a completion must never get ahead
         of a result that is not stored yet (a broker outage would lose it)."""
-        report = self._outbox.get(request_id)
-        if report is None or request_id in self._delivering:
-            return
+        if request_id in self._delivering:
+            return  # that delivery also takes a report put meanwhile (the loop below)
         self._delivering.add(request_id)
         try:
-            await self._store_result(report)
-            await self.nc.request(
-                names.completion_subject(self.worker_id), encode(report.completion), timeout=1.0
-            )
-            self._outbox.done(request_id)
-            metrics.OUTBOX.labels(self.worker_id).set(len(self._outbox))
-            self._check_drained()
+            while (report := self._outbox.get(request_id)) is not None:
+                await self._store_result(report)
+                await self.nc.request(
+                    names.completion_subject(self.worker_id),
+                    encode(report.completion),
+                    timeout=1.0,
+                )
+                self._outbox.done(report)
+                metrics.OUTBOX.labels(self.worker_id).set(len(self._outbox))
+                self._check_drained()
         except _BROKER_ERRORS:
             return  # broker or dispatcher unreachable: retried with the next heartbeat
         finally:

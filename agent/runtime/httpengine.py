@@ -58,6 +58,7 @@ from sluice.agent.kvevents import (
     replay_endpoint,
 )
 from sluice.agent.runtime.scrape import EngineMetricsError, ScrapedLoad, parse_load
+from sluice.common.errors import internal_error
 from sluice.schemas.tokens import token_list
 
 log = logging.getLogger(__name__)
@@ -208,7 +209,11 @@ class HttpEngine:
         while True:
             # Jittered, so that a fleet of agents does not scrape in step.
             await asyncio.sleep(self.config.metrics_every_s * self._rng.uniform(0.8, 1.2))
-            await self._scrape()
+            try:
+                await self._scrape()
+            except Exception:  # a page nothing expects must not end the scraping for good
+                self.scrape_errors += 1
+                internal_error(log, "agent.engine-metrics", "scraping %s failed", self._metrics_at)
 
     async def _scrape(self) -> None:
         assert self._metrics_at is not None
@@ -220,7 +225,7 @@ class HttpEngine:
                 text = await r.text()
             self.scraped = parse_load(text)
             self.scraped_at_s = time.monotonic()
-        except (aiohttp.ClientError, TimeoutError, EngineMetricsError) as exc:
+        except (aiohttp.ClientError, TimeoutError, EngineMetricsError, UnicodeDecodeError) as exc:
             self.scrape_errors += 1
             log.debug("metrics of %s not read: %s", self.config.url, exc)
 
@@ -244,7 +249,16 @@ class HttpEngine:
                     self.kv_dropped += 1
                     log.debug("KV event from %s dropped: %s", c.kv_events, exc)
                     continue
+                except Exception:  # nothing the engine sends may end the following for good
+                    self.kv_dropped += 1
+                    internal_error(log, "agent.kv-events", "a KV event from %s", c.kv_events)
+                    continue
+                restarts = tracker.stats.restarts
                 gap = tracker.apply(seq, batch)
+                if tracker.stats.restarts != restarts:
+                    log.warning(
+                        "KV events of %s start again at %d: its engine restarted", c.url, seq
+                    )
                 if gap is not None:
                     await self._kv_replay(ctx, gap, seq)
         finally:

@@ -17,6 +17,7 @@ stale: figures older than their bound count as a saturated engine.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -27,6 +28,8 @@ RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
 WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
 _NAMES = RUNNING + WAITING + KV_USAGE
+MOST_REQUESTS = 1_000_000
+"""More running or waiting requests than this is no engine's count."""
 
 
 class EngineMetricsError(AgentError):
@@ -60,6 +63,15 @@ def parse_load(text: str) -> ScrapedLoad:
     running, waiting, kv = first(RUNNING), first(WAITING), first(KV_USAGE)
     if running is None and waiting is None and kv is None:
         raise EngineMetricsError("the metrics page has no vLLM or SGLang load metric")
+    for name, value, most in (
+        ("running", running, MOST_REQUESTS),
+        ("waiting", waiting, MOST_REQUESTS),
+        ("KV use", kv, 1e9),
+    ):
+        # NaN, an infinity or an absurd count is no load (it failed the rounding below, or
+        # went out in every heartbeat and failed its encoding).
+        if value is not None and not (math.isfinite(value) and value <= most):
+            raise EngineMetricsError(f"the metrics page gives {name} {value!r}")
     return ScrapedLoad(
         running=max(0, round(running or 0.0)),
         waiting=max(0, round(waiting or 0.0)),
