@@ -364,13 +364,14 @@ class Scheduler:
         for rid in now - before:
             self._reported_on[rid] = worker_id
 
-    def _retry(self, request: Request) -> Request | Ended:
+    def _retry(self, request: Request, error: str = "") -> Request | Ended:
         if request.attempt >= self.config.max_attempts:
+            last = f" (the last: {error[:300]})" if error else ""
             return Ended(
                 request,
                 Rejection(
                     reason=RejectReason.MAX_ATTEMPTS,
-                    message=f"failed on {request.attempt} workers; giving up",
+                    message=f"{request.attempt} attempts failed; giving up{last}",
                 ),
             )
         again = request.next_attempt()
@@ -520,14 +521,17 @@ class Scheduler:
             return False  # a heartbeat from before its failure report
         return self.book(Dispatch(request, worker_id), now_s)
 
-    def fail(self, request_id: str, worker_id: str, attempt: int) -> Request | Ended | None:
-        """A worker reports it could not finish a request: release and retry it elsewhere."""
+    def fail(
+        self, request_id: str, worker_id: str, attempt: int, error: str = ""
+    ) -> Request | Ended | None:
+        """A worker reports it could not finish a request (``error``: why): release and retry
+        it elsewhere."""
         booking = self._books.get(request_id)
         if booking is None or booking.worker_id != worker_id or booking.request.attempt != attempt:
             return None
         self._release(request_id)
         self._failed_on[request_id] = worker_id
-        return self._retry(booking.request)
+        return self._retry(booking.request, error)
 
     def cancel(self, request_id: str) -> Request | None:
         """Remove a queued request (cancelled, or its result already exists)."""

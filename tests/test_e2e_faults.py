@@ -9,6 +9,7 @@ import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from nats.aio.msg import Msg
@@ -659,3 +660,74 @@ async def test_a_request_whose_result_is_never_seen_runs_on_its_last_delivery(
 def _deferred() -> float:
     value = REGISTRY.get_sample_value("sluice_dispatcher_lookups_deferred_total")
     return value or 0.0
+
+
+async def test_an_agent_whose_engine_crashed_stays_silent_and_takes_no_work(
+    nats_url: str,
+) -> None:
+    """A crashed engine stops the agent's heartbeats, so its lease expires and what it held
+    runs elsewhere. A dispatcher's remove notice made it heartbeat again as a fresh worker,
+    which then took work that never ran (seen, by a helper's probe)."""
+    from sluice.schemas.models import RemoveNotice
+
+    async with (
+        LocalCluster(nats_url, **cluster_kwargs(workers=1)) as cluster,
+        Client(nats_url) as c,
+    ):
+        agent = cluster.agents[0]
+
+        def broken() -> Any:
+            raise RuntimeError("the engine broke")
+
+        agent.engine.step = broken  # type: ignore[method-assign]
+        agent._wake.set()
+
+        async def dead() -> bool:
+            return not agent._alive
+
+        await eventually(dead)
+        beats: list[Msg] = []
+        sub = await c.nc.subscribe(names.heartbeat_subject(agent.worker_id), cb=_keep(beats))
+        try:
+            notice = RemoveNotice(dispatcher_id="d", registration=agent._registration)
+            await c.nc.publish(names.remove_subject(agent.worker_id), encode(notice))
+            request = SubmitRequest(
+                request_id="r1", model="sim", prompt_text="hi", max_tokens=2, submitted_unix_ms=1
+            )
+            offer = Assignment(
+                request=request, attempt=1, dispatcher_id="d", queued_s=0.0, epoch=10**9
+            )
+            reply = await c.nc.request(
+                names.work_subject(agent.worker_id), encode(offer), timeout=2.0
+            )
+            answer = decode(reply.data, AssignmentReply)
+            await asyncio.sleep(0.5)
+        finally:
+            await sub.unsubscribe()
+    assert not answer.accepted and answer.reason.startswith("stopped"), answer
+    assert beats == []
+
+
+def _keep(into: list[Msg]) -> Callable[[Msg], Awaitable[None]]:
+    async def cb(msg: Msg) -> None:
+        into.append(msg)
+
+    return cb
+
+
+async def test_a_result_too_large_for_the_broker_fails_its_attempts_instead_of_waiting(
+    tmp_path: Path,
+) -> None:
+    """A broker with a small ``max_payload`` (64 KiB) and a request whose result is larger:
+    no retry stores it. The agent retried forever, silently, and the request never ended
+    (seen, by a helper's probe); now each attempt fails, and the client gets a rejection."""
+    conf = tmp_path / "small.conf"
+    conf.write_text("max_payload: 65536\n")
+    with EmbeddedNats(config_file=conf) as server:
+        kw = cluster_kwargs(workers=1, agent={"speed": 1000.0})
+        async with LocalCluster(server.url, **kw), Client(server.url) as c:
+            handle = await c.submit("sim", PROMPT, max_tokens=30_000)
+            with pytest.raises(Rejected) as rejected:
+                await handle.result(timeout_s=60)
+    assert rejected.value.reason == RejectReason.MAX_ATTEMPTS
+    assert "cannot be stored" in str(rejected.value), rejected.value

@@ -66,6 +66,9 @@ log = logging.getLogger("sluice.agent")
 Observer = Callable[[str, int], None]
 """Called with ``(worker_id, in_flight)`` whenever the agent's in-flight count changes."""
 
+_NEVER_STORED = (nats.errors.MaxPayloadError, OverflowError)
+"""What storing a result raises that no retry changes: more than the broker's ``max_payload``,
+a number the encoding cannot hold."""
 _BROKER_ERRORS = (nats.errors.Error, OSError, TimeoutError)
 """What a publish or request may raise while the broker or the peer is away (nats-py's
 JetStream errors derive from ``nats.errors.Error``): expected, retried, not internal errors."""
@@ -301,6 +304,10 @@ class Agent:
             return
         req = assignment.request
         rid = req.request_id
+        if not self._alive:  # its engine crashed, or it is stopping
+            metrics.ASSIGNMENTS_REFUSED.labels(self.worker_id, "stopped").inc()
+            await self._reply(msg, rid, False, "stopped: the agent's engine is not running")
+            return
         verdict = review(
             assignment,
             running=self._running,
@@ -460,7 +467,8 @@ class Agent:
             len(dropped),
         )
         self._changed()
-        await self._heartbeat_safely()
+        if self._alive:  # (a crashed engine's agent stays silent: its lease must expire)
+            await self._heartbeat_safely()
 
     async def _answer_stop(self, msg: Msg, reply: StopWorkReply) -> None:
         if not msg.reply:
@@ -643,7 +651,16 @@ class Agent:
         self._delivering.add(request_id)
         try:
             while (report := self._outbox.get(request_id)) is not None:
-                await self._store_result(report)
+                try:
+                    await self._store_result(report)
+                except _NEVER_STORED as exc:
+                    # No retry stores it: its attempt fails, and the dispatcher decides.
+                    log.error("the result of %s cannot be stored: %r", request_id, exc)
+                    error = f"its result cannot be stored: {exc!r}"
+                    attempt = report.completion.attempt
+                    failed = reports.failure(self.worker_id, request_id, attempt, error)
+                    self._outbox.put(Report(None, failed))
+                    continue
                 await self.nc.request(
                     names.completion_subject(self.worker_id),
                     encode(report.completion),
