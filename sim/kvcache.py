@@ -35,6 +35,12 @@ class KVCache:
     def used_blocks(self) -> int:
         return len(self._pinned) + len(self._idle) + self._reserved
 
+    @property
+    def busy_blocks(self) -> int:
+        """Blocks that running requests hold (pinned or reserved); the idle cached ones are
+        free to evict, as vLLM and SGLang count them in their KV usage figures."""
+        return len(self._pinned) + self._reserved
+
     def __contains__(self, block_hash: object) -> bool:
         return block_hash in self._pinned or block_hash in self._idle
 

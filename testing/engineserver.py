@@ -31,8 +31,10 @@ model's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
+import logging
 import signal
 import subprocess
 import sys
@@ -191,6 +193,8 @@ class SimServer:
         self._ids = itertools.count(1)
         self._task: asyncio.Task[None] | None = None
         self.requests_total = 0
+        self.requests_finished_total = 0
+        """Requests that ran to their end (not those aborted: vLLM's request_success)."""
         self.generation_tokens_total = 0
         self.clock_dropped_s_total = 0.0
         """Wall seconds the stepping loop fell behind its clock and dropped (a starved
@@ -321,6 +325,7 @@ class SimServer:
                     self.generation_tokens_total += ev.count
                     yield self.engine.detokenize(tokens), None
                 else:
+                    self.requests_finished_total += 1
                     yield "", ev
                     return
         finally:
@@ -354,7 +359,9 @@ class SimServer:
         if (
             isinstance(value, list)
             and value
-            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+            and all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in value
+            )
         ):
             return Prompt(len(value), tuple(block_hashes(value, bt)), tuple(value))
         raise BadRequest(f"{param} must be a non-empty string or list of token ids", param)
@@ -365,7 +372,8 @@ class SimServer:
         """The engine's figures under vLLM's and SGLang's metric names (Prometheus text)."""
         e, m = self.engine, self.model
         load = e.load()
-        kv = load.kv_blocks_used / load.kv_blocks_total if load.kv_blocks_total else 0.0
+        # As vLLM's and SGLang's: blocks held by running requests (cached idle ones are free).
+        kv = e.cache.busy_blocks / e.cache.capacity_blocks if e.cache.capacity_blocks else 0.0
         hit = e.cached_tokens_total / e.prompt_tokens_total if e.prompt_tokens_total else 0.0
         lab = f'{{model_name="{m}"}}'
         rows = [
@@ -377,7 +385,7 @@ class SimServer:
             ("vllm:generation_tokens_total", "counter", self.generation_tokens_total),
             ("vllm:prefix_cache_queries_total", "counter", e.prompt_tokens_total),
             ("vllm:prefix_cache_hits_total", "counter", e.cached_tokens_total),
-            ("vllm:request_success_total", "counter", self.requests_total),
+            ("vllm:request_success_total", "counter", self.requests_finished_total),
             ("sglang:num_running_reqs", "gauge", load.running),
             ("sglang:num_queue_reqs", "gauge", load.waiting),
             ("sglang:token_usage", "gauge", kv),
@@ -432,6 +440,11 @@ class SimServer:
 # ------------------------------------------------------------------------------- HTTP face
 
 
+log = logging.getLogger(__name__)
+_DISCONNECT_POLL_S = 0.25
+"""How often a whole answer's wait looks whether its client is still there."""
+
+
 def _bad_request(message: str, param: str | None = None) -> JSONResponse:
     error = {"message": message, "type": "invalid_request_error", "param": param, "code": None}
     return JSONResponse({"error": error}, status_code=400)
@@ -440,7 +453,7 @@ def _bad_request(message: str, param: str | None = None) -> JSONResponse:
 async def _json(request: Request) -> dict[str, Any]:
     try:
         body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # (JSON errors; an int of over 4,300 digits)
         raise BadRequest(f"the body is not JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
@@ -479,7 +492,7 @@ class _OpenAI:
     async def completions(self, request: Request) -> Response:
         body = await _json(request)
         prompt = self.server.prompt(body.get("prompt"), "prompt")
-        return await self._answer(body, prompt, chat=False)
+        return await self._answer(request, body, prompt, chat=False)
 
     async def chat(self, request: Request) -> Response:
         body = await _json(request)
@@ -487,11 +500,16 @@ class _OpenAI:
             text = render_chat(body.get("messages"))
         except ChatError as exc:
             raise BadRequest(str(exc), exc.param) from exc
-        return await self._answer(body, self.server.prompt(text, "messages"), chat=True)
+        prompt = self.server.prompt(text, "messages")
+        return await self._answer(request, body, prompt, chat=True)
 
-    async def _answer(self, body: Mapping[str, Any], prompt: Prompt, *, chat: bool) -> Response:
+    async def _answer(
+        self, request: Request, body: Mapping[str, Any], prompt: Prompt, *, chat: bool
+    ) -> Response:
         s = self.server
-        key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
+        # vLLM's: max_completion_tokens or max_tokens (a null one is not given).
+        given = chat and body.get("max_completion_tokens") is not None
+        key = "max_completion_tokens" if given else "max_tokens"
         max_tokens = _positive_int(body, key, MAX_TOKENS_DEFAULT)
         options = body.get("stream_options") or {}
         if not isinstance(options, dict):
@@ -506,7 +524,16 @@ class _OpenAI:
         if body.get("stream"):
             gen = self._stream(rid, stream, head, chat, bool(options.get("include_usage")))
             return StreamingResponse(gen, media_type="text/event-stream")
-        text, fin = await s.collect(rid, stream)
+        collecting = asyncio.ensure_future(s.collect(rid, stream))
+        # A client that leaves aborts its request, as in vLLM (a stream's does when its
+        # next write fails; a whole answer's is watched for).
+        while not (await asyncio.wait({collecting}, timeout=_DISCONNECT_POLL_S))[0]:
+            if await request.is_disconnected():
+                collecting.cancel()  # its stream's end releases it from the engine
+                with contextlib.suppress(asyncio.CancelledError):
+                    await collecting
+                return Response(status_code=499)
+        text, fin = collecting.result()
         choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
@@ -596,19 +623,28 @@ def _meta(rid: str, fin: Finished, completion: int) -> dict[str, Any]:
     }
 
 
+def _guarded(handler: Any) -> Any:
+    """``handler`` answering a client's mistake 400 and anything else a JSON 500."""
+
+    async def run(request: Request) -> Response:
+        try:
+            result: Response = await handler(request)
+        except BadRequest as exc:
+            return _bad_request(str(exc), exc.param)
+        except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800") in the text
+            return _bad_request(f"text that is not valid Unicode: {exc.reason}")
+        except Exception:  # answered, in JSON, on a connection that stays open
+            log.exception("the engine server failed a request")
+            error = {"message": "internal error", "type": "server_error", "param": None}
+            return JSONResponse({"error": {**error, "code": None}}, status_code=500)
+        return result
+
+    return run
+
+
 def build_app(server: SimServer) -> Starlette:
     """The ASGI app of ``server`` (its engine starts and stops with the app)."""
     openai, sglang = _OpenAI(server), _SGLang(server)
-
-    def guarded(handler: Any) -> Any:
-        async def run(request: Request) -> Response:
-            try:
-                result: Response = await handler(request)
-            except BadRequest as exc:
-                return _bad_request(str(exc), exc.param)
-            return result
-
-        return run
 
     async def health(_: Request) -> Response:
         return PlainTextResponse("ok")
@@ -631,9 +667,9 @@ def build_app(server: SimServer) -> Starlette:
         return PlainTextResponse(server.metrics_text(), media_type="text/plain; version=0.0.4")
 
     routes = [
-        Route("/v1/completions", guarded(openai.completions), methods=["POST"]),
-        Route("/v1/chat/completions", guarded(openai.chat), methods=["POST"]),
-        Route("/generate", guarded(sglang.generate), methods=["POST"]),
+        Route("/v1/completions", _guarded(openai.completions), methods=["POST"]),
+        Route("/v1/chat/completions", _guarded(openai.chat), methods=["POST"]),
+        Route("/generate", _guarded(sglang.generate), methods=["POST"]),
         Route("/health", health),
         Route("/v1/models", models),
         Route("/server_info", server_info),

@@ -216,12 +216,20 @@ def test_info_endpoints_and_metrics_in_vllm_and_sglang_names(engine: httpx.Clien
         ("/v1/completions", {"prompt": [1, -2]}, "prompt"),
         ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages"),
         ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": "many"}}, None),
+        # These were 500s (a traceback in the log, and the connection closed under the
+        # client's next request): a token id past 2**32 in a prompt of a block or more, a lone
+        # surrogate, an integer of over 4,300 digits.
+        ("/v1/completions", {"prompt": [2**32] * 20, "max_tokens": 2}, "prompt"),
+        ("/generate", {"input_ids": [2**40] * 20}, "input_ids"),
+        ("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}', None),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', None),
+        ("/v1/completions", b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", None),
     ],
 )
 def test_bad_requests_get_an_openai_shaped_400(
-    engine: httpx.Client, path: str, body: dict[str, Any], param: str | None
+    engine: httpx.Client, path: str, body: dict[str, Any] | bytes, param: str | None
 ) -> None:
-    r = engine.post(path, json=body)
+    r = engine.post(path, content=body) if isinstance(body, bytes) else engine.post(path, json=body)
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["message"]
@@ -230,6 +238,43 @@ def test_bad_requests_get_an_openai_shaped_400(
     r = engine.post(path, content=b"{not json")
     assert r.status_code == 400 and "not JSON" in r.json()["error"]["message"]
     assert engine.get("/health").status_code == 200  # it keeps serving
+
+
+def test_a_client_that_leaves_a_whole_answer_cancels_its_request(engine: httpx.Client) -> None:
+    """As vLLM: a non-streaming request whose client left is aborted (it ran on, holding its
+    slot and keeping /flush_cache refused, for minutes: seen, by a helper's probe)."""
+    body = {"prompt": PROMPT, "max_tokens": 100_000}
+    with pytest.raises(httpx.ReadTimeout):
+        engine.post("/v1/completions", json=body, timeout=1.0)
+    deadline = time.monotonic() + 10
+    while engine.get("/v1/loads").json()["num_running_reqs"] != 0:
+        assert time.monotonic() < deadline, "the abandoned request kept running"
+        time.sleep(0.05)
+
+
+def test_idle_cached_blocks_are_free_in_the_kv_usage_and_aborts_are_no_successes(
+    engine: httpx.Client,
+) -> None:
+    """vLLM and SGLang count an idle engine's cached blocks as free: a warm idle engine read
+    as full (0.99997). request_success counts requests that finished, not those aborted."""
+
+    def figures() -> dict[str, float]:
+        page = engine.get("/metrics").text
+        return {s.name: s.value for f in text_string_to_metric_families(page) for s in f.samples}
+
+    for i in range(3):
+        engine.post("/v1/completions", json={"prompt": f"{i} " + "word " * 400, "max_tokens": 2})
+    before = figures()
+    assert before["vllm:kv_cache_usage_perc"] == 0.0 and before["sglang:token_usage"] == 0.0
+    body = {"prompt": "other " * 400, "max_tokens": 100_000, "stream": True}
+    with engine.stream("POST", "/v1/completions", json=body) as r:
+        assert next(r.iter_lines()).startswith("data: ")
+        assert figures()["vllm:kv_cache_usage_perc"] > 0.0  # a running request's blocks
+    deadline = time.monotonic() + 10
+    while engine.get("/v1/loads").json()["num_running_reqs"] != 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert figures()["vllm:request_success_total"] == before["vllm:request_success_total"]
 
 
 def test_a_client_that_leaves_mid_stream_cancels_its_request(engine: httpx.Client) -> None:
