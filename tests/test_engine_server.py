@@ -269,7 +269,10 @@ def test_idle_cached_blocks_are_free_in_the_kv_usage_and_aborts_are_no_successes
     body = {"prompt": "other " * 400, "max_tokens": 100_000, "stream": True}
     with engine.stream("POST", "/v1/completions", json=body) as r:
         assert next(r.iter_lines()).startswith("data: ")
-        assert figures()["vllm:kv_cache_usage_perc"] > 0.0  # a running request's blocks
+        # Read together: under a loaded CPU the request was once seen gone at this point.
+        now = figures()
+        usage, running = now["vllm:kv_cache_usage_perc"], now["vllm:num_requests_running"]
+        assert usage > 0.0 or running == 0.0  # a running request's blocks are used
     deadline = time.monotonic() + 10
     while engine.get("/v1/loads").json()["num_running_reqs"] != 0:
         assert time.monotonic() < deadline
