@@ -976,6 +976,10 @@ def loadgen(
         list[str] | None,
         typer.Option(help="An engine's /metrics URL, for the hit rate (repeatable)."),
     ] = None,
+    timeout_s: Annotated[
+        float | None,
+        typer.Option(help="A request's whole answer may take this long (300 s).", min=0.001),
+    ] = None,
     max_output_tokens: Annotated[
         int | None, typer.Option(help="Cap each request's output tokens.", min=1)
     ] = None,
@@ -1015,6 +1019,7 @@ def loadgen(
             max_output_tokens=max_output_tokens,
             seed=seed,
             progress=progress,
+            **({} if timeout_s is None else {"timeout_s": timeout_s}),
         )
         out = run(run_loadgen(reqs, cfg, err))
     except KeyError as exc:

@@ -191,12 +191,16 @@ async def read_counters(urls: Sequence[str]) -> EngineReading:
                 r.raise_for_status()
             except httpx.HTTPError as exc:
                 raise LoadgenRunError(f"cannot read engine metrics {url}: {exc}") from exc
-            got = cache_counters(r.text)
+            try:
+                got = cache_counters(r.text)
+                latencies = engine_histograms(r.text)
+            except (ValueError, TypeError, KeyError, IndexError) as exc:
+                raise LoadgenRunError(f"engine metrics {url} do not parse: {exc}") from exc
             if got is None:
                 raise LoadgenRunError(f"{url} has no prefix-cache counters ({HITS[0]} ...)")
             total.hits += got[0]
             total.queries += got[1]
-            for k, h in engine_histograms(r.text).items():
+            for k, h in latencies.items():
                 total.latencies[k] = total.latencies[k] + h if k in total.latencies else h
     return total
 
@@ -217,31 +221,50 @@ def _body(cfg: LoadgenConfig, r: TraceRequest, prompt: str) -> dict[str, Any]:
     return body
 
 
+class _BadChunk(Exception):
+    """A streamed event no OpenAI server sends: its request fails (not the run)."""
+
+
 def _chunk(line: str) -> tuple[bool, int | None]:
-    """(whether a streamed line carries text, its usage's completion tokens if it has one)."""
+    """(whether a streamed line carries text, its usage's completion tokens if it has one);
+    raises ``_BadChunk`` for an event of the wrong shape."""
     if not line.startswith("data: {"):
         return False, None
     try:
         obj = json.loads(line[6:])
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
         return False, None
+    if not isinstance(obj, dict):
+        raise _BadChunk(f"an event that is not an object: {line[:80]}")
     usage = obj.get("usage") or {}
     tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    choices = obj.get("choices") or []
+    if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+        raise _BadChunk(f"choices that are not a list of objects: {line[:80]}")
     text = False
-    for c in obj.get("choices") or ():
-        piece = c.get("text") or (c.get("delta") or {}).get("content")
-        text = text or bool(piece)
-    return text, tokens if isinstance(tokens, int) else None
+    for c in choices:
+        delta = c.get("delta") or {}
+        piece = c.get("text") or (delta.get("content") if isinstance(delta, dict) else None)
+        text = text or (isinstance(piece, str) and bool(piece))
+    good = isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0
+    return text, tokens if good else None
 
 
 async def _one(
-    http: httpx.AsyncClient, path: str, body: dict[str, Any], due_s: float, t0: float
+    http: httpx.AsyncClient,
+    path: str,
+    body: dict[str, Any],
+    due_s: float,
+    t0: float,
+    timeout_s: float,
 ) -> Outcome:
     sent = time.monotonic() - t0
     first: float | None = None
     chunks, usage_tokens, done = 0, None, False
     try:
-        async with http.stream("POST", path, json=body) as resp:
+        # The whole request within timeout_s (httpx's own timeout is per read: a server
+        # trickling a byte at a time held a request for ever).
+        async with asyncio.timeout(timeout_s), http.stream("POST", path, json=body) as resp:
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")[:200]
                 end = time.monotonic() - t0
@@ -254,7 +277,10 @@ async def _one(
                         first = time.monotonic() - t0
                 usage_tokens = tokens if tokens is not None else usage_tokens
                 done = done or line == "data: [DONE]"
-    except httpx.HTTPError as exc:
+    except TimeoutError:
+        error = f"no whole answer within {timeout_s:g} s"
+        return Outcome(due_s, sent, first, time.monotonic() - t0, False, error=error)
+    except (httpx.HTTPError, _BadChunk) as exc:
         return Outcome(due_s, sent, first, time.monotonic() - t0, False, error=repr(exc))
     end = time.monotonic() - t0
     if not done:
@@ -262,15 +288,26 @@ async def _one(
     return Outcome(due_s, sent, first, end, first is not None, usage_tokens or chunks)
 
 
+def _check(cfg: LoadgenConfig) -> None:
+    if not cfg.urls:
+        raise LoadgenRunError("no URL to send to")
+    if cfg.api not in ("completions", "chat"):
+        raise LoadgenRunError(f"api is completions or chat, not {cfg.api!r}")
+    for url in (*cfg.urls, *cfg.engine_metrics):
+        try:
+            parsed = httpx.URL(url)
+        except httpx.InvalidURL as exc:
+            raise LoadgenRunError(f"not a URL: {url!r} ({exc})") from exc
+        if parsed.scheme not in ("http", "https") or not parsed.host:
+            raise LoadgenRunError(f"not an http(s) URL: {url!r}")
+
+
 async def run_loadgen(
     trace: Sequence[TraceRequest], cfg: LoadgenConfig, console: Console | None = None
 ) -> dict[str, Any]:
     """Send ``trace`` (arrivals already scaled, from 0) open loop; the figures of
     :func:`sluice.sim.loadgen.summarize`, plus the errors seen (at most 5)."""
-    if not cfg.urls:
-        raise LoadgenRunError("no URL to send to")
-    if cfg.api not in ("completions", "chat"):
-        raise LoadgenRunError(f"api is completions or chat, not {cfg.api!r}")
+    _check(cfg)
     book = PromptBook(cfg.seed)
     bodies = [_body(cfg, r, book.prompt(r, i)) for i, r in enumerate(trace)]
     path = "/v1/chat/completions" if cfg.api == "chat" else "/v1/completions"
@@ -302,15 +339,22 @@ async def run_loadgen(
                 if delay > 0:
                     await asyncio.sleep(delay)
                 http = next(spread[i % len(cfg.urls)])
-                task = asyncio.create_task(_one(http, path, bodies[i], r.arrival_s, t0))
+                one = _one(http, path, bodies[i], r.arrival_s, t0, cfg.timeout_s)
+                task = asyncio.create_task(one)
                 task.add_done_callback(lambda _: progress.advance(bar))
                 tasks.append(task)
             outcomes = await asyncio.gather(*tasks)
     finally:
         await asyncio.gather(*(c.aclose() for c in clients))
     delta = None
+    unread = None
     if before is not None:
-        delta = await read_counters(cfg.engine_metrics) - before
+        try:
+            delta = await read_counters(cfg.engine_metrics) - before
+        except LoadgenRunError as exc:  # the run's own figures stand; the hit rate is unknown
+            unread = str(exc)
+            if console is not None:
+                console.print(f"[yellow]warning:[/yellow] {exc}: no hit rate", markup=True)
     out = summarize(
         outcomes,
         slo_ttft_s=cfg.slo_ttft_s,
@@ -320,6 +364,8 @@ async def run_loadgen(
     if delta is not None:
         out.update(delta.figures())
     out["errors"] = [o.error for o in outcomes if o.error][:5]
+    if unread is not None:
+        out["engine_metrics_error"] = unread
     return out
 
 

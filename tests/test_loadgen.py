@@ -9,7 +9,7 @@ import json
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
@@ -25,6 +25,8 @@ from sluice.sim.profiles import REFERENCE
 from sluice.sim.replay import scale_to_load
 from sluice.sim.traces import TraceRequest, earlier_turns, hit_ceiling, write_jsonl
 from sluice.testing.fleet import HttpEngineFleet
+
+from .conftest import eventually
 
 ENGINE_BLOCK_TOKENS = REFERENCE.block_tokens
 
@@ -273,3 +275,109 @@ def test_a_cache_flush_evicts_every_idle_block_and_keeps_pinned_ones() -> None:
     assert 4 in cache and cache.match([1, 2, 3]) == 0
     assert [h for kind, hs in told if kind == "removed" for h in hs] == [1, 2, 3]
     assert cache.drain_digest() == ([], [1, 2, 3])
+
+
+class _Odd:
+    """A real HTTP server (uvicorn on loopback, in this loop) that answers completions as
+    ``mode`` says, and serves metrics that break once read ``metrics_good`` times."""
+
+    def __init__(self, mode: str, metrics_good: int = 1_000) -> None:
+        import asyncio
+
+        import uvicorn
+        from starlette.applications import Starlette
+        from starlette.responses import PlainTextResponse, StreamingResponse
+        from starlette.routing import Route
+
+        self.metrics_reads = 0
+
+        async def completions(_: object) -> StreamingResponse:
+            async def body() -> AsyncIterator[bytes]:
+                if mode == "bad-chunk":
+                    yield b'data: {"choices": "abc"}\n\n'
+                    yield b"data: [DONE]\n\n"
+                elif mode == "trickle":  # a byte now and then, never an answer
+                    while True:
+                        yield b": ping\n\n"
+                        await asyncio.sleep(0.1)
+                else:
+                    yield b'data: {"choices": [{"text": "hi"}]}\n\n'
+                    yield b'data: {"choices": [], "usage": {"completion_tokens": 1}}\n\n'
+                    yield b"data: [DONE]\n\n"
+
+            return StreamingResponse(body(), media_type="text/event-stream")
+
+        async def metrics(_: object) -> PlainTextResponse:
+            self.metrics_reads += 1
+            if self.metrics_reads > metrics_good:
+                return PlainTextResponse("gone", status_code=500)
+            if mode == "garbage-metrics":
+                return PlainTextResponse("vllm:prefix_cache_hits_total{ 1\n")
+            return PlainTextResponse(
+                "vllm:prefix_cache_hits_total 0\nvllm:prefix_cache_queries_total 10\n"
+            )
+
+        app = Starlette(
+            routes=[
+                Route("/v1/completions", completions, methods=["POST"]),
+                Route("/metrics", metrics),
+            ]
+        )
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error")
+        )
+
+    async def __aenter__(self) -> _Odd:
+        import asyncio
+
+        self.task = asyncio.create_task(self.server.serve())
+
+        async def started() -> bool:
+            return bool(self.server.started)
+
+        await eventually(started)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        await self.task
+
+
+def _reqs(n: int) -> list[TraceRequest]:
+    return [TraceRequest(0.01 * i, 64, 2) for i in range(n)]
+
+
+async def test_a_run_survives_odd_answers_and_metrics_gone_after_it() -> None:
+    """Each was a traceback and no figures (seen, by a helper's probe): a chunk of the wrong
+    shape failed the whole run; a server trickling bytes held a request past its timeout (per
+    read in httpx) for ever; metrics unreadable after the run threw the run's figures away;
+    a page that does not parse and a URL that is none were tracebacks."""
+    from sluice.cli.loadgen import LoadgenConfig, LoadgenRunError, run_loadgen
+
+    async with _Odd("bad-chunk") as odd:
+        out = await run_loadgen(_reqs(2), LoadgenConfig(urls=(odd.url,), progress=False))
+    assert out["failed"] == 2 and "choices that are not a list" in out["errors"][0]
+
+    async with _Odd("trickle") as odd:
+        cfg = LoadgenConfig(urls=(odd.url,), progress=False, timeout_s=0.5)
+        out = await run_loadgen(_reqs(1), cfg)
+    assert out["failed"] == 1 and "no whole answer within 0.5 s" in out["errors"][0]
+
+    async with _Odd("good", metrics_good=1) as odd:
+        cfg = LoadgenConfig(urls=(odd.url,), engine_metrics=(f"{odd.url}/metrics",))
+        out = await run_loadgen(_reqs(2), LoadgenConfig(**{**cfg.__dict__, "progress": False}))
+    assert out["completed"] == 2 and out["hit_rate"] is None
+    assert "cannot read engine metrics" in out["engine_metrics_error"]
+
+    async with _Odd("garbage-metrics") as odd:
+        cfg = LoadgenConfig(urls=(odd.url,), engine_metrics=(f"{odd.url}/metrics",))
+        with pytest.raises(LoadgenRunError, match="do not parse"):
+            await run_loadgen(_reqs(1), cfg)
+    with pytest.raises(LoadgenRunError, match="not a URL"):
+        await run_loadgen(_reqs(1), LoadgenConfig(urls=("http://[::1",)))
