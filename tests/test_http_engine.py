@@ -357,6 +357,8 @@ _BAD_ANSWERS = {
     "no-head": "no-head",
     # An error whose body never ends.
     "500-endless": "500-endless",
+    # Too busy, come back in a second.
+    "busy": "busy",
 }  # fmt: skip
 
 
@@ -380,6 +382,10 @@ async def _bad_answer(mode: str) -> Any:
 
     if answer == "no-head":  # (not for an hour: the server's stop waits for its handlers)
         await asyncio.sleep(2.0)
+    if answer == "busy":
+        from starlette.responses import JSONResponse
+
+        return JSONResponse({"error": "busy"}, status_code=429, headers={"Retry-After": "1"})
     status = 500 if answer == "500-endless" else 200
     return StreamingResponse(body(), status_code=status, media_type="text/event-stream")
 
@@ -427,6 +433,34 @@ async def test_an_engine_answering_what_no_openai_server_sends_fails_the_request
                 failed = [e for e in events if isinstance(e, Failed)]
                 assert len(failed) == 1 and error in failed[0].error, (attempt, events)
                 engine._healthy = True  # (a timeout marks it unhealthy until a health check)
+        finally:
+            await engine.close()
+
+
+async def test_an_engine_that_says_it_is_busy_takes_no_work_for_its_retry_after() -> None:
+    """A 429 (or 503) with Retry-After: the request fails (it runs again where there is room)
+    and the engine takes no new work for that long. It stayed available, and a one-engine
+    fleet spent a request's every attempt on it within 0.3 s (seen, by a helper's probe)."""
+    async with _Misbehaving("busy") as server:
+        engine = HttpEngine(
+            HttpEngineConfig(url=f"http://127.0.0.1:{server.port}", model="sim", metrics_path=None)
+        )
+        await engine.open()
+        try:
+            engine.add("r1", 3, 5, [], 0.0, "hello")
+            events: list[Any] = []
+            while not any(isinstance(e, Failed) for e in events):
+                events += engine.step().events
+                await asyncio.sleep(0.01)
+            assert "answered 429" in next(e for e in events if isinstance(e, Failed)).error
+            assert not engine.available
+            t0 = time.monotonic()
+
+            async def available() -> bool:
+                return engine.available
+
+            await eventually(available, timeout_s=5.0)
+            assert 0.5 <= time.monotonic() - t0 <= 1.5
         finally:
             await engine.close()
 

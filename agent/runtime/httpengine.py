@@ -65,6 +65,9 @@ log = logging.getLogger(__name__)
 
 KEEPALIVE_S = 2.0
 """Seconds an idle connection to the engine is kept for the next request."""
+BUSY_S = (1.0, 30.0)
+"""How long an engine that answered 429 or 503 takes no new work: its ``Retry-After``, at least
+the first and at most the second (1 s without one)."""
 _GONE = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError)
 """Errors that say the engine is gone or hangs (not that it answered badly)."""
 
@@ -153,6 +156,7 @@ class HttpEngine:
         self._stored: list[int] = []
         self._evicted: list[int] = []
         self._healthy = True
+        self._busy_until_s = -math.inf
         self._health: asyncio.Task[None] | None = None
         self._scraper: asyncio.Task[None] | None = None
         self.scraped: ScrapedLoad | None = None
@@ -316,8 +320,22 @@ class HttpEngine:
 
     @property
     def available(self) -> bool:
-        """Healthy, and its load known (stale metrics count as a saturated engine)."""
-        return self._healthy and not self.metrics_stale
+        """Healthy, not backing off (a 429 or 503 said it is busy), and its load known (stale
+        metrics count as a saturated engine)."""
+        return self._healthy and time.monotonic() >= self._busy_until_s and not self.metrics_stale
+
+    def _back_off(self, retry_after: str | None) -> None:
+        """The engine said it is busy: take no work for its ``Retry-After`` (seconds), within
+        ``BUSY_S``; the request that heard it fails and runs again where there is room."""
+        try:
+            wait_s = float(retry_after) if retry_after is not None else BUSY_S[0]
+        except ValueError:
+            wait_s = BUSY_S[0]  # (an HTTP date, or garbage)
+        if not math.isfinite(wait_s):
+            wait_s = BUSY_S[0]
+        wait_s = min(max(wait_s, BUSY_S[0]), BUSY_S[1])
+        self._busy_until_s = max(self._busy_until_s, time.monotonic() + wait_s)
+        log.warning("engine at %s is busy: no new work for %.1f s", self.config.url, wait_s)
 
     # ------------------------------------------------------------------ the protocol
 
@@ -448,6 +466,8 @@ class HttpEngine:
                     async with self._http.post(
                         f"{self._base}/v1/completions", json=body, timeout=self._stream_timeout
                     ) as r:
+                        if r.status in (429, 503):  # busy: no new work here for a while
+                            self._back_off(r.headers.get("Retry-After"))
                         if r.status != 200:
                             # A bounded read: an error body may be huge, or never end.
                             detail = (await r.content.read(_ERROR_BYTES)).decode(errors="replace")
