@@ -48,7 +48,7 @@ from typing import Any
 import msgpack
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -633,6 +633,8 @@ def _guarded(handler: Any) -> Any:
             return _bad_request(str(exc), exc.param)
         except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800") in the text
             return _bad_request(f"text that is not valid Unicode: {exc.reason}")
+        except ClientDisconnect:  # gone before its body was read: nobody to answer
+            return Response(status_code=499)
         except Exception:  # answered, in JSON, on a connection that stays open
             log.exception("the engine server failed a request")
             error = {"message": "internal error", "type": "server_error", "param": None}
