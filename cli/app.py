@@ -63,10 +63,13 @@ def main(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     # SIGTERM is Ctrl-C: the command winds down and stops every process it started (a
-    # command serving until a signal handles both itself). Not where SIGINT is ignored (a
-    # background job of a script): there the SIGINT would be ignored too, and so SIGTERM.
+    # command serving until a signal handles both itself). Where SIGINT is ignored (a
+    # background job of a script) a SIGINT would be ignored too: SIGTERM raises the
+    # KeyboardInterrupt itself there.
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGTERM, _as_ctrl_c)
+    else:
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
 
 
 def _as_ctrl_c(signum: int, frame: object) -> None:

@@ -65,7 +65,7 @@ def submit(
     """Submit a batch file in the batch band. Running it again after a crash resumes the
     same batch (same file, same id) and submits nothing twice."""
     from sluice.client.batches import batch_id_for
-    from sluice.client.batchfile import parse_lines, parse_window
+    from sluice.client.batchfile import parse_window
     from sluice.client.oaiformat import ENDPOINT_KINDS
 
     if endpoint not in ENDPOINT_KINDS:
@@ -75,7 +75,7 @@ def submit(
         data = file.read_bytes()
     except (ValueError, OSError) as exc:
         raise fail(str(exc)) from exc
-    if not any(parse_lines(data, "check")):
+    if not data.strip():
         raise fail(f"{file} has no request line")
 
     async def go(client: Any) -> Any:

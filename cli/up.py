@@ -10,8 +10,11 @@ import contextlib
 import signal
 from dataclasses import dataclass
 
+from pydantic import ValidationError
 from rich.console import Console
 
+from sluice.common.errors import ConfigError
+from sluice.schemas.codec import summarise
 from sluice.testing.cluster import LocalCluster
 from sluice.testing.fleet import HttpEngineFleet
 from sluice.testing.natsserver import EmbeddedNats
@@ -57,7 +60,12 @@ async def run_up(cfg: UpConfig, console: Console, stop: asyncio.Event | None = N
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
     # Bad gateway settings (a non-loopback host without keys) stop it before anything starts.
-    settings = GatewaySettings.load(None, host=cfg.host, port=cfg.port)
+    # From the environment only, as before: a config file's broker settings (TLS, creds) are
+    # for another broker than the embedded one.
+    try:
+        settings = GatewaySettings(host=cfg.host, port=cfg.port)
+    except ValidationError as exc:
+        raise ConfigError(f"invalid gateway settings: {summarise(exc)}") from exc
     nats = EmbeddedNats(port=cfg.nats_port).start()
     fleet: HttpEngineFleet | None = None
     try:

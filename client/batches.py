@@ -70,6 +70,10 @@ FINALIZE_MARGIN_S = 3600.0
 """Results must be kept this much longer than a batch's window (to write its output)."""
 CANCEL_GRACE_S = 30.0
 """A cancelled batch waits this long for its running requests' cancelled results."""
+DEFAULT_MAX_PAYLOAD = 1 << 20
+"""nats-server's default ``max_payload`` (for a connection that does not say)."""
+_REFUSAL_CHARS = 120
+"""What a refused line's record keeps of its error."""
 MAX_REFUSED_LINES = 1_000
 """Lines refused before publishing (too large for the broker) a batch records one by one;
 past them it fails as a whole, so that its record stays far below any ``max_payload``."""
@@ -459,7 +463,7 @@ class Batches:
             try:
                 await self._enqueue(line, band)
             except InvalidRequest as exc:  # too large for the broker: it fails, not the batch
-                return f"line {line.line}: {exc}"
+                return f"line {line.line}: {str(exc)[:_REFUSAL_CHARS]}"
             return None
 
         got = await asyncio.gather(*(one(line) for line in chunk))
@@ -467,19 +471,22 @@ class Batches:
 
     async def _refuse(self, batch_id: str, refused: dict[str, str]) -> BatchRecord:
         """Record lines that could not be published: they fail in the error file. Past
-        ``MAX_REFUSED_LINES`` of them the batch fails as a whole (the record stays small)."""
-        record = await self._update(batch_id, lambda r: {"refused": {**r.refused, **refused}})
-        if len(record.refused) <= MAX_REFUSED_LINES:
-            return record
+        ``MAX_REFUSED_LINES`` of them, or past a quarter of the broker's ``max_payload`` in
+        the record, the batch fails as a whole (its record must stay storable: that broker
+        is a small one)."""
+        record = await self.get(batch_id)
+        new = {**record.refused, **refused}
+        room = (self.client.nc.max_payload or DEFAULT_MAX_PAYLOAD) // 4
+        grown = record.model_copy(update={"refused": new})
+        if len(new) <= MAX_REFUSED_LINES and len(encode(grown)) <= room:
+            return await self._update(batch_id, lambda r: {"refused": {**r.refused, **refused}})
+        first = next(iter(new.values()))
         lines, errors = await self._lines(record)
         await self._cancel_unfinished(
             lines[: record.submitted + CHUNK], await self.results_of(record)
         )
         results = await self.results_of(record)
-        why = (
-            f"more than {MAX_REFUSED_LINES} lines could not be published (the first: "
-            f"{next(iter(record.refused.values()))})"
-        )
+        why = f"{len(new)} lines could not be published (the first: {first})"
         return await self._finalize(record, lines, errors, results, "failed", why=why)
 
     async def _enqueue(self, line: BatchLine, band: str) -> None:

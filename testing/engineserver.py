@@ -525,14 +525,17 @@ class _OpenAI:
             gen = self._stream(rid, stream, head, chat, bool(options.get("include_usage")))
             return StreamingResponse(gen, media_type="text/event-stream")
         collecting = asyncio.ensure_future(s.collect(rid, stream))
-        # A client that leaves aborts its request, as in vLLM (a stream's does when its
-        # next write fails; a whole answer's is watched for).
-        while not (await asyncio.wait({collecting}, timeout=_DISCONNECT_POLL_S))[0]:
-            if await request.is_disconnected():
+        try:
+            # A client that leaves aborts its request, as in vLLM (a stream's does when its
+            # next write fails; a whole answer's is watched for).
+            while not (await asyncio.wait({collecting}, timeout=_DISCONNECT_POLL_S))[0]:
+                if await request.is_disconnected():
+                    return Response(status_code=499)
+        finally:
+            if not collecting.done():  # (also when this handler is cancelled: a shutdown)
                 collecting.cancel()  # its stream's end releases it from the engine
                 with contextlib.suppress(asyncio.CancelledError):
                     await collecting
-                return Response(status_code=499)
         text, fin = collecting.result()
         choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
         if chat:

@@ -275,20 +275,25 @@ async def test_a_line_too_large_for_the_broker_fails_in_the_error_file(tmp_path:
     assert "max_payload" in error["message"] and "line 3" in error["message"], error
 
 
+@pytest.mark.parametrize(("limit", "big"), [(1, 2), (10_000, 120)], ids=["count", "bytes"])
 async def test_too_many_lines_too_large_fail_the_batch_and_account_for_every_line(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, limit: int, big: int
 ) -> None:
-    """Past ``MAX_REFUSED_LINES`` refused lines (1 here, 1,000 by default) the batch fails as
-    a whole, its record small; every line still has its output or error line."""
+    """Past ``MAX_REFUSED_LINES`` refused lines (``count``: 1 here, 1,000 by default), or past
+    a quarter of the broker's ``max_payload`` in the record (``bytes``: 120 refusals of a
+    64 KiB broker's), the batch fails as a whole; every line still has its output or error
+    line. Without the bytes bound the record outgrew the broker and the batch stalled (a
+    reviewer's find: about 270 refusals filled 64 KiB)."""
     import sluice.client.batches as batches
     from sluice.testing.natsserver import EmbeddedNats
 
-    monkeypatch.setattr(batches, "MAX_REFUSED_LINES", 1)
+    monkeypatch.setattr(batches, "MAX_REFUSED_LINES", limit)
     conf = tmp_path / "small.conf"
     conf.write_text("max_payload: 65536\n")
-    lines = [_chat(i) for i in range(1, 6)]
-    for i in (1, 3):
-        lines[i]["body"]["messages"][0]["content"] = "long " * 20_000
+    n = big + 3
+    lines = [_chat(i) for i in range(1, n + 1)]
+    for i in range(1, big + 1):  # the first and the last two fit
+        lines[i]["body"]["messages"][0]["content"] = "long " * 14_000
     data = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
     with EmbeddedNats(config_file=conf) as server:
         async with LocalCluster(server.url, **cluster_kwargs()), Client(server.url) as c:
@@ -296,10 +301,11 @@ async def test_too_many_lines_too_large_fail_the_batch_and_account_for_every_lin
             record = await b.create((await b.upload(data, "in.jsonl")).id)
             record = await b.submit(record.id)
             assert record.status == "failed", record
-            assert "more than 1 lines could not be published" in record.errors[0]
+            assert "lines could not be published" in record.errors[0]
             assert record.output_file_id and record.error_file_id
             out = _lines(await b.content(record.output_file_id))
             errs = _lines(await b.content(record.error_file_id))
     ids = sorted(line["custom_id"] for line in out + errs)
-    assert ids == [f"req-{i}" for i in range(1, 6)]
-    assert {"req-2", "req-4"} <= {e["custom_id"] for e in errs}
+    assert ids == sorted(f"req-{i}" for i in range(1, n + 1))
+    too_big = {f"req-{i + 1}" for i, x in enumerate(lines) if len(json.dumps(x)) > 65536}
+    assert len(too_big) == big and too_big <= {e["custom_id"] for e in errs}

@@ -323,7 +323,8 @@ class Agent:
             self.epoch = max(self.epoch, assignment.epoch)
         if verdict.action == "run" and not self.engine.available:
             metrics.ASSIGNMENTS_REFUSED.labels(self.worker_id, "engine-unavailable").inc()
-            await self._reply(msg, rid, False, "engine-unavailable: it fails its health check")
+            why = "engine-unavailable: unhealthy, busy (429/503) or its metrics stale"
+            await self._reply(msg, rid, False, why)
             return
         if verdict.action == "confirm":
             if rid in self._running:  # a repeated hand-off: keep the newest assignment
@@ -659,7 +660,8 @@ class Agent:
                     error = f"its result cannot be stored: {exc!r}"
                     attempt = report.completion.attempt
                     failed = reports.failure(self.worker_id, request_id, attempt, error)
-                    self._outbox.put(Report(None, failed))
+                    if self._outbox.get(request_id) is report:  # (not over a newer attempt's)
+                        self._outbox.put(Report(None, failed))
                     continue
                 await self.nc.request(
                     names.completion_subject(self.worker_id),

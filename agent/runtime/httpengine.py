@@ -58,7 +58,7 @@ from sluice.agent.kvevents import (
     replay_endpoint,
 )
 from sluice.agent.runtime.scrape import EngineMetricsError, ScrapedLoad, parse_load
-from sluice.common.errors import internal_error
+from sluice.common.errors import INTERNAL_ERRORS, internal_error
 from sluice.schemas.tokens import token_list
 
 log = logging.getLogger(__name__)
@@ -157,6 +157,7 @@ class HttpEngine:
         self._evicted: list[int] = []
         self._healthy = True
         self._busy_until_s = -math.inf
+        self._logged: set[str] = set()
         self._health: asyncio.Task[None] | None = None
         self._scraper: asyncio.Task[None] | None = None
         self.scraped: ScrapedLoad | None = None
@@ -217,7 +218,7 @@ class HttpEngine:
                 await self._scrape()
             except Exception:  # a page nothing expects must not end the scraping for good
                 self.scrape_errors += 1
-                internal_error(log, "agent.engine-metrics", "scraping %s failed", self._metrics_at)
+                self._unexpected("agent.engine-metrics", "scraping %s failed", self._metrics_at)
 
     async def _scrape(self) -> None:
         assert self._metrics_at is not None
@@ -255,7 +256,7 @@ class HttpEngine:
                     continue
                 except Exception:  # nothing the engine sends may end the following for good
                     self.kv_dropped += 1
-                    internal_error(log, "agent.kv-events", "a KV event from %s", c.kv_events)
+                    self._unexpected("agent.kv-events", "a KV event from %s", c.kv_events)
                     continue
                 restarts = tracker.stats.restarts
                 gap = tracker.apply(seq, batch)
@@ -295,6 +296,16 @@ class HttpEngine:
             log.warning("KV event replay from %s timed out", address)
         finally:
             sock.close(linger=0)
+
+    def _unexpected(self, site: str, message: str, *args: object) -> None:
+        """An exception nothing expects, from an engine that may repeat it every second: its
+        first logged with its traceback and counted, the rest counted (and logged at debug)."""
+        if site in self._logged:
+            INTERNAL_ERRORS.labels(site).inc()
+            log.debug("[%s] " + message, site, *args, exc_info=True)
+            return
+        self._logged.add(site)
+        internal_error(log, site, message + " (later ones: counted only)", *args)
 
     @property
     def metrics_stale(self) -> bool:
