@@ -46,6 +46,7 @@ import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import nats.errors
 import pytest
 from nats.js.client import JetStreamContext
 
@@ -257,10 +258,22 @@ async def test_a_dispatcher_started_while_the_meta_leader_is_elected_waits_for_i
         async with Dispatcher(s):
             nc = await connect(others, "probe")
             try:
-                info = await nc.jetstream().stream_info(BAND_STREAM)
+                # The cluster may still be settling after the kill: the probe asks again
+                # until a stream info answers (CI once saw its first ask time out, 5 s, after
+                # the dispatcher had set the streams up and led).
+                infos = []
+
+                async def answered() -> bool:
+                    try:
+                        infos.append(await nc.jetstream().stream_info(BAND_STREAM))
+                    except nats.errors.TimeoutError:
+                        return False
+                    return True
+
+                await eventually(answered, timeout_s=30)
             finally:
                 await nc.close()
-    assert info.config.num_replicas == 3
+    assert infos[-1].config.num_replicas == 3
     assert any("yet" in r.getMessage() for r in caplog.records), "nothing was retried"
 
 
