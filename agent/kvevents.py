@@ -195,9 +195,16 @@ class TrackerStats:
 
 @dataclass(slots=True)
 class _Block:
-    sluice: int
+    sluice: tuple[int, ...]
+    """The Sluice blocks of this engine block (one, or ``block_size / block_tokens`` for an
+    engine whose blocks are a whole multiple of Sluice's)."""
     depth: int
-    """1 for a prompt's first block."""
+    """Of its last Sluice block: 1 for a prompt's first block."""
+
+    def reported(self, stride: int) -> list[int]:
+        """Its Sluice blocks the digest carries (every ``stride``-th of the prompt)."""
+        first = self.depth - len(self.sluice) + 1
+        return [h for i, h in enumerate(self.sluice) if (first + i) % stride == 0]
 
 
 @dataclass
@@ -267,7 +274,10 @@ class KVEventTracker:
                     self._remove(h)
 
     def _store(self, ev: BlockStored) -> None:
-        if ev.block_size != self.block_tokens:
+        # An engine block of a whole multiple of Sluice's is that many Sluice blocks (vLLM
+        # run with --block-size 32 against Sluice's 16); any other size cannot be mapped.
+        k, rest = divmod(ev.block_size, self.block_tokens)
+        if rest or not k:
             self.stats.wrong_block_size += 1
             return
         if ev.parent_block_hash is None:
@@ -277,22 +287,25 @@ class KVEventTracker:
             if parent is None:
                 self.stats.orphans += 1
                 return
-            parent_hash, depth = parent.sluice, parent.depth
+            parent_hash, depth = parent.sluice[-1], parent.depth
         ours = packed_block_hashes(ev.tokens, self.block_tokens, parent_hash)
         blocks = self._blocks
-        for engine_hash, h in zip(ev.block_hashes, ours, strict=True):
-            depth += 1
+        for i, engine_hash in enumerate(ev.block_hashes):
+            depth += k
             if engine_hash not in blocks:
-                blocks[engine_hash] = _Block(h, depth)
-                if depth % self.stride == 0:
-                    self._stored.append(h)
+                block = blocks[engine_hash] = _Block(tuple(ours[i * k : (i + 1) * k]), depth)
+                if k == 1:
+                    if depth % self.stride == 0:
+                        self._stored.append(block.sluice[0])
+                else:
+                    self._stored.extend(block.reported(self.stride))
         while len(blocks) > self.max_blocks:
             self._remove(next(iter(blocks)))
 
     def _remove(self, engine_hash: EngineHash) -> None:
         block = self._blocks.pop(engine_hash, None)
-        if block is not None and block.depth % self.stride == 0:
-            self._evicted.append(block.sluice)
+        if block is not None:
+            self._evicted.extend(block.reported(self.stride))
 
     def cache_changes(self) -> tuple[list[int], list[int]]:
         """Sluice block hashes stored and evicted since the last call (for the digest)."""
@@ -302,4 +315,4 @@ class KVEventTracker:
 
     def cached_blocks(self) -> list[int]:
         """Every reported Sluice block hash the engine holds now (for a snapshot)."""
-        return [b.sluice for b in self._blocks.values() if b.depth % self.stride == 0]
+        return [h for b in self._blocks.values() for h in b.reported(self.stride)]

@@ -148,13 +148,45 @@ def test_orphans_wrong_sizes_and_strides() -> None:
     prompt = list(range(8 * BT))
     t = KVEventTracker(BT, stride=4)
     orphan = _stored_array([1], 999, prompt[:BT])
-    wrong = ["BlockStored", [2], None, prompt[:32], 32]
+    wrong = ["BlockStored", [2], None, prompt[:24], 24]  # not a whole number of Sluice blocks
     chain = _stored_array(list(range(10, 18)), None, prompt)
     t.apply(0, decode_batch(msgpack.packb([0.0, [orphan, wrong, chain], 0])))
     assert (t.stats.orphans, t.stats.wrong_block_size) == (1, 1)
     full = block_hashes(prompt, BT)
     assert t.cache_changes() == ([full[3], full[7]], [])  # every 4th block, as the index keeps
     assert t.cached_blocks() == [full[3], full[7]]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    k=st.integers(1, 4), blocks=st.integers(1, 8), cut=st.integers(0, 8), stride=st.integers(1, 3)
+)
+def test_engine_blocks_of_a_multiple_of_sluices_are_that_many_sluice_blocks(
+    k: int, blocks: int, cut: int, stride: int
+) -> None:
+    """vLLM run with ``--block-size 32`` (or 48, 64) against Sluice's 16: each engine block is
+    ``k`` Sluice blocks, the prompt's hashes the same as Sluice's own, whatever the split into
+    events; removing an engine block evicts its ``k``. Every such block was dropped as a
+    wrong size before (counted only; a helper's probe)."""
+    prompt = [(7 + i * 31) % 32_000 for i in range(blocks * k * BT)]
+    t = KVEventTracker(BT, stride=stride)
+    cut = min(cut, blocks)
+    first = [f"e{i}".encode() for i in range(cut)]
+    rest = [f"e{i}".encode() for i in range(cut, blocks)]
+    events = []
+    if first:
+        events.append(["BlockStored", first, None, prompt[: cut * k * BT], k * BT])
+    if rest:
+        parent = first[-1] if first else None
+        events.append(["BlockStored", rest, parent, prompt[cut * k * BT :], k * BT])
+    t.apply(0, decode_batch(msgpack.packb([0.0, events, 0])))
+    full = block_hashes(prompt, BT)
+    kept = [h for i, h in enumerate(full) if (i + 1) % stride == 0]
+    assert t.stats.wrong_block_size == 0
+    assert t.cache_changes() == (kept, []) and sorted(t.cached_blocks()) == sorted(kept)
+    t.apply(1, decode_batch(msgpack.packb([0.0, [["BlockRemoved", [b"e0"]]], 0])))
+    gone = [h for i, h in enumerate(full[:k]) if (i + 1) % stride == 0]
+    assert t.cache_changes() == ([], gone)
 
 
 @settings(max_examples=60, deadline=None)
