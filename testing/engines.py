@@ -47,6 +47,7 @@ def build_engine(settings: AgentSettings) -> Engine:
             metrics_stale_s=settings.engine_metrics_stale_s,
             kv_events=settings.engine_kv_events,
             kv_replay=settings.engine_kv_replay,
+            kv_topic=settings.engine_kv_topic,
             digest_min_tokens=settings.digest_min_prefix_tokens,
             block_tokens=DEFAULT_BLOCK_TOKENS,
             stride=index_stride(DEFAULT_BLOCK_TOKENS, settings.digest_index_tokens),

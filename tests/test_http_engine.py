@@ -257,6 +257,46 @@ async def test_kv_events_feed_the_digest_and_a_gap_is_replayed() -> None:
         _stop(proc)
 
 
+async def test_kv_events_of_another_topic_are_not_followed() -> None:
+    """A publisher shared by several engines or models tells them apart by topic: an agent
+    follows its own (``engine_kv_topic``). It followed every topic on the socket (a helper's
+    probe): another model's blocks went into this worker's digest."""
+    port, kv = _free_port(), _free_port_pair()
+    proc = _start(["--port", str(port), "--kv-events-port", str(kv)])  # topic "kv-events"
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+            _wait_healthy(c, proc)
+        engines = {
+            topic: HttpEngine(
+                HttpEngineConfig(
+                    url=f"http://127.0.0.1:{port}", model="sim", kv_events=f"tcp://127.0.0.1:{kv}",
+                    kv_topic=topic, digest_min_tokens=None,
+                )
+            )
+            for topic in ("kv-events", "other-model")
+        }  # fmt: skip
+        for engine in engines.values():
+            await engine.open()
+        try:
+            await asyncio.sleep(0.3)  # a SUB socket misses what is published before it joined
+            mine, theirs = engines["kv-events"], engines["other-model"]
+            mine.add("r1", len(PROMPT), 1, [], 0.0, PROMPT)
+            assert mine.kv_tracker is not None and theirs.kv_tracker is not None
+
+            async def applied() -> bool:
+                mine.step()
+                return mine.kv_tracker is not None and mine.kv_tracker.stats.batches >= 1
+
+            await eventually(applied)
+            await asyncio.sleep(0.2)  # what reached one SUB socket has reached the other
+            assert theirs.kv_tracker.stats.batches == 0 and theirs.cached_blocks() == []
+        finally:
+            for engine in engines.values():
+                await engine.close()
+    finally:
+        _stop(proc)
+
+
 async def test_the_demo_runs_through_sluice_engine_processes() -> None:
     """``sluice demo --engines http``: one engine process per agent over Unix sockets, every
     request done, prefixes reused at the engines, and every engine process stopped."""

@@ -95,6 +95,9 @@ class HttpEngineConfig:
     served record)."""
     kv_replay: str | None = None
     """Its replay socket (default: :func:`~sluice.agent.kvevents.replay_endpoint`)."""
+    kv_topic: str = ""
+    """The topic of its events to follow (a prefix, as ZeroMQ matches it; empty: all): a
+    publisher shared by several engines or models tells them apart by it."""
     poll_s: float = 0.002
     """The longest the agent's step loop waits for a delivery: a later token waits at most
     this long (plus the coalescing) to be relayed. An agent polls at half its
@@ -243,7 +246,7 @@ class HttpEngine:
         assert c.kv_events is not None and tracker is not None
         ctx = zmq.asyncio.Context()
         sub = ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.setsockopt(zmq.SUBSCRIBE, c.kv_topic.encode())
         sub.connect(c.kv_events)
         try:
             while True:

@@ -94,6 +94,13 @@ class AgentSettings(BrokerSettings):
         default=None,
         description="openai-http: its replay socket (default: port + 1, or PATH.replay).",
     )
+    engine_kv_topic: str = Field(
+        default="",
+        description=(
+            "openai-http: the topic of its KV events to follow (the publisher's `topic` in "
+            "vLLM's kv-events-config); empty: every topic on the socket."
+        ),
+    )
     engine_metrics_stale_s: float = Field(
         default=5.0, gt=0, description="openai-http: older metrics count as a saturated engine."
     )
