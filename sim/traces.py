@@ -36,12 +36,22 @@ class TraceRequest:
 
     def checked(self) -> TraceRequest:
         """This request, or ``ValueError`` naming the field a replay could not run with."""
-        if not math.isfinite(self.arrival_s) or self.arrival_s < 0:
-            raise ValueError(f"timestamp must be a finite time >= 0, not {self.arrival_s}")
-        if self.input_tokens < 1:
-            raise ValueError(f"input_length must be >= 1, not {self.input_tokens}")
-        if self.block_tokens < 1:
-            raise ValueError(f"block_tokens must be >= 1, not {self.block_tokens}")
+        if not math.isfinite(self.arrival_s) or not 0 <= self.arrival_s <= _MAX_ARRIVAL_S:
+            raise ValueError(
+                f"timestamp must be a time from 0 to {_MAX_ARRIVAL_S:g} s, not {self.arrival_s}"
+            )
+        if not 1 <= self.input_tokens <= _MAX_TOKENS:
+            raise ValueError(
+                f"input_length must be within 1..{_MAX_TOKENS}, not {self.input_tokens}"
+            )
+        if not 0 <= self.output_tokens <= _MAX_TOKENS:
+            raise ValueError(
+                f"output_length must be within 0..{_MAX_TOKENS}, not {self.output_tokens}"
+            )
+        if not 1 <= self.block_tokens <= _MAX_TOKENS:
+            raise ValueError(
+                f"block_tokens must be within 1..{_MAX_TOKENS}, not {self.block_tokens}"
+            )
         if any(h < 0 for h in self.block_ids):
             raise ValueError("hash_ids must be >= 0")
         if self.deadline_ms is not None and not 1 <= self.deadline_ms <= _MAX_DEADLINE_MS:
@@ -51,6 +61,11 @@ class TraceRequest:
         return self
 
 
+_MAX_ARRIVAL_S = 366 * 24 * 3600.0
+"""A year: a later arrival is a mistake in the trace (a load generator would sleep until it)."""
+_MAX_TOKENS = 10_000_000
+"""More prompt or output tokens than any model's context: a mistake (a load generator built the
+whole prompt's text before any check)."""
 _MAX_DEADLINE_MS = 7 * 24 * 3600 * 1000
 """A week: a deadline beyond it is a mistake in the trace (and overflows a replay's clock)."""
 

@@ -62,11 +62,15 @@ def test_bad_trace_lines_name_file_and_line(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("fields", "why"),
     [
-        ('"timestamp": NaN, "input_length": 5', "timestamp must be a finite time"),
-        ('"timestamp": -1, "input_length": 5', "timestamp must be a finite time"),
-        ('"timestamp": 0, "input_length": 0', "input_length must be >= 1"),
+        ('"timestamp": NaN, "input_length": 5', "timestamp must be a time from 0"),
+        ('"timestamp": -1, "input_length": 5', "timestamp must be a time from 0"),
+        # A load generator slept until it, or built a prompt of 10 GB before any check:
+        ('"timestamp": 1e300, "input_length": 5', "timestamp must be a time from 0"),
+        ('"timestamp": 0, "input_length": 1e10', "input_length must be within 1..10000000"),
+        ('"timestamp": 0, "input_length": 5, "block_tokens": 1e10', "block_tokens must be within"),
+        ('"timestamp": 0, "input_length": 0', "input_length must be within"),
         ('"timestamp": 0, "input_length": 5, "hash_ids": [3, -1]', "hash_ids must be >= 0"),
-        ('"timestamp": 0, "input_length": 5, "block_tokens": 0', "block_tokens must be >= 1"),
+        ('"timestamp": 0, "input_length": 5, "block_tokens": 0', "block_tokens must be within"),
         ('"timestamp": 0, "input_length": 5, "deadline_ms": -1', "deadline_ms must be within"),
         ('"timestamp": 0, "input_length": 5, "deadline_ms": 1e300', "deadline_ms must be within"),
     ],
