@@ -69,6 +69,8 @@ class EngineLoad:
     kv_blocks_total: int
     busy_s: float
     """Engine time spent working since start (on the engine's own clock)."""
+    kv_events: tuple[tuple[str, int], ...] = ()
+    """An engine that follows KV events: how many of what since start (by outcome)."""
 
 
 class Engine(Protocol):

@@ -77,10 +77,18 @@ async def fleet(nats_url: str, tmp_path: Path) -> AsyncIterator[dict[str, Any]]:
             e.stop()
 
 
+def _kv_applied(worker_id: str) -> float:
+    from prometheus_client import REGISTRY
+
+    labels = {"worker": worker_id, "outcome": "applied"}
+    return REGISTRY.get_sample_value("sluice_agent_engine_kv_events_total", labels) or 0.0
+
+
 async def test_the_dispatchers_predicted_hit_is_the_engines_hit(
     fleet: dict[str, Any], nats_url: str
 ) -> None:
     cluster: LocalCluster = fleet["cluster"]
+    before = {w: _kv_applied(w) for w in fleet["engines"]}  # (other tests' agents counted too)
     ids = PromptTokenizer.from_file(fleet["tokenizer"]).encode(PREFIX + " alpha" * 20)
     assert len(ids) == 404
     async with cluster, Client(nats_url) as c:  # a producer without a tokenizer: text
@@ -101,6 +109,9 @@ async def test_the_dispatchers_predicted_hit_is_the_engines_hit(
     assert b.ok and b.worker_id == a.worker_id
     assert b.cached_tokens == 384  # the engine's hit: the 24 blocks of the shared prefix
     assert engine.kv_tracker.stats.batches > 0 and engine.kv_dropped == 0
+    # The agent exports the events it applied (its heartbeats counted them by then).
+    applied = _kv_applied(holder.worker_id) - before[holder.worker_id]
+    assert 0 < applied <= engine.kv_tracker.stats.batches
     decisions = {
         d["request_id"]: d
         for d in map(json.loads, fleet["log"].read_text().splitlines())

@@ -126,6 +126,8 @@ class Agent:
         self._subs: list[Subscription] = []
         self._hb_seq = 0
         self._busy_counted_s = 0.0
+        self._kv_counted: dict[str, int] = {}
+        """The engine's KV event counts already in ``sluice_agent_engine_kv_events_total``."""
         """Engine busy seconds already counted in ``sluice_agent_engine_busy_seconds_total``."""
         self._draining = False
         self._exit_when_drained = False
@@ -738,6 +740,10 @@ class Agent:
         busy_s = load.busy_s / self.settings.speed
         metrics.ENGINE_BUSY.labels(self.worker_id).inc(max(0.0, busy_s - self._busy_counted_s))
         self._busy_counted_s = max(busy_s, self._busy_counted_s)
+        for outcome, n in load.kv_events:  # cumulative counts: the counter takes what is new
+            if n > (counted := self._kv_counted.get(outcome, 0)):
+                metrics.ENGINE_KV_EVENTS.labels(self.worker_id, outcome).inc(n - counted)
+                self._kv_counted[outcome] = n
         self._hb_seq += 1
         full = self._outbox.full
         hb = reports.heartbeat(

@@ -437,6 +437,21 @@ class HttpEngine:
             kv_blocks_used=per_mille,
             kv_blocks_total=1000,
             busy_s=self.busy_s,
+            kv_events=self._kv_counts(),
+        )
+
+    def _kv_counts(self) -> tuple[tuple[str, int], ...]:
+        t = self.kv_tracker
+        if t is None:
+            return ()
+        s = t.stats
+        return (
+            ("applied", s.batches),
+            ("dropped", self.kv_dropped),
+            ("gap", s.gaps),
+            ("restart", s.restarts),
+            ("orphan_block", s.orphans),
+            ("wrong_size_block", s.wrong_block_size),
         )
 
     def in_flight(self) -> list[str]:

@@ -34,6 +34,12 @@ ENGINE_BUSY = Counter(
     "Real seconds the engine spent working (its rate is the worker's utilisation)",
     ["worker"],
 )
+ENGINE_KV_EVENTS = Counter(
+    "sluice_agent_engine_kv_events_total",
+    "The engine's KV events: batches applied, dropped (malformed), gaps, restarts; blocks "
+    "orphaned (parent unknown) or of a size that cannot be mapped",
+    ["worker", "outcome"],
+)
 ENGINE_WAITING = Gauge(
     "sluice_agent_engine_waiting_requests", "Requests waiting inside the engine", ["worker"]
 )
