@@ -294,11 +294,7 @@ class KVEventTracker:
             depth += k
             if engine_hash not in blocks:
                 block = blocks[engine_hash] = _Block(tuple(ours[i * k : (i + 1) * k]), depth)
-                if k == 1:
-                    if depth % self.stride == 0:
-                        self._stored.append(block.sluice[0])
-                else:
-                    self._stored.extend(block.reported(self.stride))
+                self._stored.extend(block.reported(self.stride))
         while len(blocks) > self.max_blocks:
             self._remove(next(iter(blocks)))
 

@@ -56,7 +56,7 @@ from sluice.agent.engine import EngineError, Failed, Finished, TokensOut
 from sluice.agent.errors import KVEventError
 from sluice.agent.kvevents import REPLAY_END, decode_seq, encode_seq, replay_endpoint
 from sluice.common.chat import ChatError, render_chat
-from sluice.common.errors import ConfigError
+from sluice.common.errors import ConfigError, internal_error
 from sluice.common.tokenizer import PromptTokenizer
 from sluice.schemas.hashing import block_hashes, estimate_text_tokens, text_block_hashes
 from sluice.sim.engine import SimEngine
@@ -192,7 +192,6 @@ class SimServer:
         self._wake = asyncio.Event()
         self._ids = itertools.count(1)
         self._task: asyncio.Task[None] | None = None
-        self.requests_total = 0
         self.requests_finished_total = 0
         """Requests that ran to their end (not those aborted: vLLM's request_success)."""
         self.generation_tokens_total = 0
@@ -298,7 +297,6 @@ class SimServer:
                     self._block_meta[h] = (prompt.hashes[i - 1] if i else None, tokens)
         stream = _Stream(asyncio.Queue(), prompt.hashes, submitted_s=time.monotonic())
         self._streams[rid] = stream
-        self.requests_total += 1
         self._wake.set()
         return rid, stream
 
@@ -639,7 +637,7 @@ def _guarded(handler: Any) -> Any:
         except ClientDisconnect:  # gone before its body was read: nobody to answer
             return Response(status_code=499)
         except Exception:  # answered, in JSON, on a connection that stays open
-            log.exception("the engine server failed a request")
+            internal_error(log, "engine.request", "the engine server failed a request")
             error = {"message": "internal error", "type": "server_error", "param": None}
             return JSONResponse({"error": {**error, "code": None}}, status_code=500)
         return result

@@ -7,6 +7,7 @@ deleted before each test); ``SLUICE_TEST_NATS=testcontainers`` starts NATS in Do
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import linecache
 import os
 import subprocess
@@ -134,6 +135,30 @@ async def eventually(
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"condition not met within {timeout_s}s")
         await asyncio.sleep(every_s)
+
+
+@contextlib.asynccontextmanager
+async def serving(app: Any) -> AsyncIterator[str]:
+    """A real HTTP server (uvicorn, a free loopback port, in this loop) serving the ASGI
+    ``app``; yields its base URL, and stops it on exit (waiting for its handlers: a handler
+    must not sleep for long)."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error"))
+    task = asyncio.create_task(server.serve())
+    try:
+
+        async def started() -> bool:
+            return bool(server.started) or task.done()
+
+        await eventually(started)
+        if task.done():
+            task.result()  # (its error, if it could not start)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await task
 
 
 async def store_result(js: JetStreamContext, result: Result, tenant: str = "default") -> None:

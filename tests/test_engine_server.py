@@ -256,7 +256,7 @@ def test_idle_cached_blocks_are_free_in_the_kv_usage_and_aborts_are_no_successes
     engine: httpx.Client,
 ) -> None:
     """vLLM and SGLang count an idle engine's cached blocks as free: a warm idle engine read
-    as full (0.99997). request_success counts requests that finished, not those aborted."""
+    as full. request_success counts requests that finished, not those aborted."""
 
     def figures() -> dict[str, float]:
         page = engine.get("/metrics").text

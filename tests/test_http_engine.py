@@ -6,6 +6,7 @@ costs its request one attempt, not the request."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import signal
@@ -24,7 +25,7 @@ from sluice.client import Client
 from sluice.testing.cluster import LocalCluster
 from sluice.testing.engines import build_engine
 
-from .conftest import FAST_AGENT, cluster_kwargs, eventually
+from .conftest import FAST_AGENT, cluster_kwargs, eventually, serving
 from .test_engine_server import _free_port, _free_port_pair, _start, _stop, _wait_healthy
 
 pytestmark = pytest.mark.e2e
@@ -312,65 +313,52 @@ async def test_the_demo_runs_through_sluice_engine_processes() -> None:
     assert {r.worker_id for r in report.done} == {"worker-0", "worker-1"}
 
 
-class _Misbehaving:
-    """A real HTTP server (uvicorn, loopback) whose completions misbehave as ``mode`` says."""
+def _misbehaving(mode: str) -> contextlib.AbstractAsyncContextManager[str]:
+    """A real HTTP server (loopback) whose completions misbehave as ``mode`` says: its URL."""
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse, StreamingResponse
+    from starlette.routing import Route
 
-    def __init__(self, mode: str) -> None:
-        import uvicorn
-        from starlette.applications import Starlette
-        from starlette.responses import PlainTextResponse, StreamingResponse
-        from starlette.routing import Route
+    async def completions(_: Any) -> Any:
+        if mode in _BAD_ANSWERS:
+            return await _bad_answer(mode)
 
-        async def completions(_: Any) -> Any:
-            if mode in _BAD_ANSWERS:
-                return await _bad_answer(mode)
+        async def body() -> AsyncIterator[bytes]:
+            if mode == "slow-first":
+                await asyncio.sleep(0.8)  # past the between-token timeout, within the first's
+            yield b'data: {"choices": [{"index": 0, "text": " hi"}]}\n\n'
+            if mode == "slow-first":
+                await asyncio.sleep(3600)
+            if mode == "garbage":
+                yield b"data: {not json\n\n"
+            elif mode == "hang":
+                await asyncio.sleep(3600)
+            # "truncated": the stream ends without usage or [DONE]
 
-            async def body() -> AsyncIterator[bytes]:
-                if mode == "slow-first":
-                    await asyncio.sleep(0.8)  # past the between-token timeout, within the first's
-                yield b'data: {"choices": [{"index": 0, "text": " hi"}]}\n\n'
-                if mode == "slow-first":
-                    await asyncio.sleep(3600)
-                if mode == "garbage":
-                    yield b"data: {not json\n\n"
-                elif mode == "hang":
-                    await asyncio.sleep(3600)
-                # "truncated": the stream ends without usage or [DONE]
+        return StreamingResponse(body(), media_type="text/event-stream")
 
-            return StreamingResponse(body(), media_type="text/event-stream")
+    async def health(_: Any) -> Any:
+        return PlainTextResponse("ok")
 
-        async def health(_: Any) -> Any:
-            return PlainTextResponse("ok")
+    async def metrics(_: Any) -> Any:
+        return PlainTextResponse("vllm:num_requests_running{ this is not prometheus\n")
 
-        async def metrics(_: Any) -> Any:
-            return PlainTextResponse("vllm:num_requests_running{ this is not prometheus\n")
+    routes = [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/health", health),
+        Route("/metrics", metrics),
+    ]
+    return serving(Starlette(routes=routes))
 
-        app = Starlette(
-            routes=[
-                Route("/v1/completions", completions, methods=["POST"]),
-                Route("/health", health),
-                Route("/metrics", metrics),
-            ]
-        )
-        self.port = _free_port()
-        self.server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error")
-        )
-        self.task: asyncio.Task[None] | None = None
 
-    async def __aenter__(self) -> _Misbehaving:
-        self.task = asyncio.create_task(self.server.serve())
-
-        async def started() -> bool:
-            return bool(self.server.started)
-
-        await eventually(started)
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        if self.task is not None:
-            await self.task
+async def _until_failed(engine: HttpEngine, most_s: float = 3.0) -> list[Any]:
+    """The engine's events, stepped until one is a failure (at most ``most_s``)."""
+    events: list[Any] = []
+    deadline = time.monotonic() + most_s
+    while not any(isinstance(e, Failed) for e in events) and time.monotonic() < deadline:
+        events += engine.step().events
+        await asyncio.sleep(0.01)
+    return events
 
 
 _TOKEN = b'data: {"choices": [{"index": 0, "text": " hi"}]}\n\n'
@@ -450,10 +438,10 @@ async def test_an_engine_answering_what_no_openai_server_sends_fails_the_request
     """Each request fails with a reason (the dispatcher runs it again elsewhere), and a retry
     of the same request on this engine starts afresh: it was refused as "already on the
     engine" until the step after its failure."""
-    async with _Misbehaving(mode) as server:
+    async with _misbehaving(mode) as url:
         engine = HttpEngine(
             HttpEngineConfig(
-                url=f"http://127.0.0.1:{server.port}",
+                url=url,
                 model="sim",
                 first_token_timeout_s=0.5,
                 token_timeout_s=0.5,
@@ -464,12 +452,7 @@ async def test_an_engine_answering_what_no_openai_server_sends_fails_the_request
         try:
             for attempt in (1, 2):
                 engine.add("r1", 3, 5, [], 0.0, "hello")
-                events: list[Any] = []
-                for _ in range(300):
-                    events += engine.step().events
-                    if any(isinstance(e, Failed) for e in events):
-                        break
-                    await asyncio.sleep(0.01)
+                events = await _until_failed(engine)
                 failed = [e for e in events if isinstance(e, Failed)]
                 assert len(failed) == 1 and error in failed[0].error, (attempt, events)
                 engine._healthy = True  # (a timeout marks it unhealthy until a health check)
@@ -480,19 +463,14 @@ async def test_an_engine_answering_what_no_openai_server_sends_fails_the_request
 async def test_an_engine_that_says_it_is_busy_takes_no_work_for_its_retry_after() -> None:
     """A 429 (or 503) with Retry-After: the request fails (it runs again where there is room)
     and the engine takes no new work for that long. It stayed available, and a one-engine
-    fleet spent a request's every attempt on it within 0.3 s (seen, by a helper's probe)."""
-    async with _Misbehaving("busy") as server:
-        engine = HttpEngine(
-            HttpEngineConfig(url=f"http://127.0.0.1:{server.port}", model="sim", metrics_path=None)
-        )
+    fleet spent a request's every attempt on it at once (a helper's probe)."""
+    async with _misbehaving("busy") as url:
+        engine = HttpEngine(HttpEngineConfig(url=url, model="sim", metrics_path=None))
         await engine.open()
         try:
             engine.add("r1", 3, 5, [], 0.0, "hello")
-            events: list[Any] = []
-            while not any(isinstance(e, Failed) for e in events):
-                events += engine.step().events
-                await asyncio.sleep(0.01)
-            assert "answered 429" in next(e for e in events if isinstance(e, Failed)).error
+            failed = [e for e in await _until_failed(engine) if isinstance(e, Failed)]
+            assert failed and "answered 429" in failed[0].error
             assert not engine.available
             t0 = time.monotonic()
 
@@ -510,10 +488,10 @@ async def test_an_engine_that_says_it_is_busy_takes_no_work_for_its_retry_after(
     [("garbage", "malformed SSE"), ("truncated", "before [DONE]"), ("hang", "TimeoutError")],
 )
 async def test_a_misbehaving_engine_fails_the_request_with_a_reason(mode: str, error: str) -> None:
-    async with _Misbehaving(mode) as server:
+    async with _misbehaving(mode) as url:
         engine = HttpEngine(
             HttpEngineConfig(
-                url=f"http://127.0.0.1:{server.port}",
+                url=url,
                 model="sim",
                 token_timeout_s=0.5,
                 metrics_every_s=0.05,
@@ -523,12 +501,7 @@ async def test_a_misbehaving_engine_fails_the_request_with_a_reason(mode: str, e
         await engine.open()
         try:
             engine.add("r1", 3, 5, [], 0.0, "hello")
-            events: list[Any] = []
-            for _ in range(300):
-                events += engine.step().events
-                if any(isinstance(e, Failed) for e in events):
-                    break
-                await asyncio.sleep(0.01)
+            events = await _until_failed(engine)
             failed = [e for e in events if isinstance(e, Failed)]
             assert len(failed) == 1 and error in failed[0].error, events
             assert engine.detokenize(engine.output_tokens("r1", 0, 1)) in ("", " hi")
@@ -606,10 +579,10 @@ async def test_the_first_token_has_its_own_longer_timeout_and_later_ones_the_sho
     """A first token slower than the between-token timeout still arrives (a stream's reads
     wait as long as the first-token timeout); a stream that stalls after it fails after the
     between-token timeout."""
-    async with _Misbehaving("slow-first") as server:
+    async with _misbehaving("slow-first") as url:
         engine = HttpEngine(
             HttpEngineConfig(
-                url=f"http://127.0.0.1:{server.port}",
+                url=url,
                 model="sim",
                 first_token_timeout_s=5.0,
                 token_timeout_s=0.3,

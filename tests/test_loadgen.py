@@ -26,7 +26,7 @@ from sluice.sim.replay import scale_to_load
 from sluice.sim.traces import TraceRequest, earlier_turns, hit_ceiling, write_jsonl
 from sluice.testing.fleet import HttpEngineFleet
 
-from .conftest import eventually
+from .conftest import serving
 
 ENGINE_BLOCK_TOKENS = REFERENCE.block_tokens
 
@@ -278,13 +278,12 @@ def test_a_cache_flush_evicts_every_idle_block_and_keeps_pinned_ones() -> None:
 
 
 class _Odd:
-    """A real HTTP server (uvicorn on loopback, in this loop) that answers completions as
-    ``mode`` says, and serves metrics that break once read ``metrics_good`` times."""
+    """A real HTTP server (loopback) that answers completions as ``mode`` says, and serves
+    metrics that break once read ``metrics_good`` times."""
 
     def __init__(self, mode: str, metrics_good: int = 1_000) -> None:
         import asyncio
 
-        import uvicorn
         from starlette.applications import Starlette
         from starlette.responses import PlainTextResponse, StreamingResponse
         from starlette.routing import Route
@@ -317,36 +316,18 @@ class _Odd:
                 "vllm:prefix_cache_hits_total 0\nvllm:prefix_cache_queries_total 10\n"
             )
 
-        app = Starlette(
-            routes=[
-                Route("/v1/completions", completions, methods=["POST"]),
-                Route("/metrics", metrics),
-            ]
-        )
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error")
-        )
+        routes = [
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/metrics", metrics),
+        ]
+        self._serving = serving(Starlette(routes=routes))
 
     async def __aenter__(self) -> _Odd:
-        import asyncio
-
-        self.task = asyncio.create_task(self.server.serve())
-
-        async def started() -> bool:
-            return bool(self.server.started)
-
-        await eventually(started)
+        self.url = await self._serving.__aenter__()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        await self.task
+        await self._serving.__aexit__(None, None, None)
 
 
 def _reqs(n: int) -> list[TraceRequest]:

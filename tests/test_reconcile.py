@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sluice.client import Cancelled, Client
+from sluice.agent.runtime import Agent
+from sluice.client import Cancelled, Client, RequestHandle
 from sluice.dispatcher.reconcile import find_drift
 from sluice.dispatcher.scheduler import Booking, Dispatch, Request, WorkerInfo
 from sluice.schemas.models import Result
@@ -124,6 +125,41 @@ async def test_reconciliation_corrects_injected_drift_both_ways(nats_url: str) -
         assert report.orphaned == [] and report.moved == []
 
 
+async def _running_with_a_slow_lookup(
+    cluster: LocalCluster,
+    c: Client,
+    first_token: int,
+    lookup_s: float,
+    looking: asyncio.Event | None = None,
+) -> tuple[RequestHandle, Agent]:
+    """A long request running on an agent, its dispatcher's stored-result lookups taking
+    ``lookup_s`` (``looking`` set as one starts): the request's handle and that agent."""
+    answers = cluster.dispatcher._answers
+    known = answers.result_known
+
+    async def slow_known(tenant: str, request_id: str) -> bool | None:
+        if looking is not None:
+            looking.set()
+        await asyncio.sleep(lookup_s)
+        return await known(tenant, request_id)
+
+    answers.result_known = slow_known  # type: ignore[method-assign]
+    prompt = list(range(first_token, first_token + 64))
+    handle = await c.submit("sim", prompt, max_tokens=60_000)
+
+    async def on_an_agent() -> bool:
+        return any(handle.request_id in a._running for a in cluster.agents)
+
+    await eventually(on_an_agent)
+    return handle, next(a for a in cluster.agents if handle.request_id in a._running)
+
+
+def _lose(agent: Agent, request_id: str) -> None:
+    """The agent drops the request without a word: no completion, ever."""
+    agent.engine.cancel(request_id)
+    agent._running.pop(request_id)
+
+
 @pytest.mark.parametrize("lookup_s", [0.0, 1.5], ids=["prompt-lookup", "slow-lookup"])
 async def test_an_orphan_whose_result_is_stored_is_not_run_again(
     nats_url: str, lookup_s: float
@@ -137,26 +173,11 @@ async def test_an_orphan_whose_result_is_stored_is_not_run_again(
     kw = cluster_kwargs(workers=2, dispatcher={"reconcile_every_s": 0.5, "reconcile_grace_s": 0.5})
     async with LocalCluster(nats_url, **kw) as cluster, Client(nats_url) as c:
         d = cluster.dispatcher
-        answers = d._answers
-        known = answers.result_known
-
-        async def slow_known(tenant: str, request_id: str) -> bool | None:
-            await asyncio.sleep(lookup_s)
-            return await known(tenant, request_id)
-
-        answers.result_known = slow_known  # type: ignore[method-assign]
-        handle = await c.submit("sim", list(range(3000, 3064)), max_tokens=60_000)
+        handle, holder = await _running_with_a_slow_lookup(cluster, c, 3000, lookup_s)
         rid = handle.request_id
-
-        async def on_an_agent() -> bool:
-            return any(rid in a._running for a in cluster.agents)
-
-        await eventually(on_an_agent)
-        holder = next(a for a in cluster.agents if rid in a._running)
         stored = Result(request_id=rid, ok=True, model="sim", worker_id=holder.worker_id, attempt=1)
         await store_result(c.nc.jetstream(), stored)
-        holder.engine.cancel(rid)  # then lost without a word: no completion, ever
-        holder._running.pop(rid)
+        _lose(holder, rid)  # then lost without a word: no completion, ever
         result = await handle.result(timeout_s=20)
         assert result.worker_id == holder.worker_id and result.attempt == 1
 
@@ -177,27 +198,10 @@ async def test_a_request_cancelled_while_its_result_is_looked_up_does_not_run(
     Intake._requeue without its cancelled check (it ran again on the other worker)."""
     kw = cluster_kwargs(workers=2, dispatcher={"reconcile_every_s": 0.5, "reconcile_grace_s": 0.5})
     async with LocalCluster(nats_url, **kw) as cluster, Client(nats_url) as c:
-        d = cluster.dispatcher
-        answers = d._answers
-        known = answers.result_known
         looking = asyncio.Event()
-
-        async def slow_known(tenant: str, request_id: str) -> bool | None:
-            looking.set()
-            await asyncio.sleep(1.5)
-            return await known(tenant, request_id)
-
-        answers.result_known = slow_known  # type: ignore[method-assign]
-        handle = await c.submit("sim", list(range(3100, 3164)), max_tokens=60_000)
+        handle, holder = await _running_with_a_slow_lookup(cluster, c, 3100, 1.5, looking)
         rid = handle.request_id
-
-        async def on_an_agent() -> bool:
-            return any(rid in a._running for a in cluster.agents)
-
-        await eventually(on_an_agent)
-        holder = next(a for a in cluster.agents if rid in a._running)
-        holder.engine.cancel(rid)  # lost without a word, and without a result
-        holder._running.pop(rid)
+        _lose(holder, rid)  # lost without a word, and without a result
         await asyncio.wait_for(looking.wait(), timeout=10)  # orphaned: looked up now
         await c.cancel(rid)
         with pytest.raises(Cancelled):

@@ -523,7 +523,7 @@ class HttpEngine:
         except (aiohttp.ClientError, EngineError, ValueError) as exc:
             self._fail(rid, exc, gone=isinstance(exc, _GONE))
         except Exception as exc:  # an answer nothing above expects: the request fails, typed
-            log.warning("engine at %s answered %s unexpectedly: %r", c.url, rid, exc)
+            self._unexpected("agent.engine-stream", "engine at %s answered %s", c.url, rid)
             self._fail(rid, exc, gone=False)
 
     def _fail(self, rid: str, exc: BaseException, *, gone: bool, why: str = "") -> None:
