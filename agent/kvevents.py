@@ -1,4 +1,5 @@
-"""vLLM's KV cache events (pure): decoding the frames and turning them into Sluice's digest.
+"""vLLM's KV cache events, and SGLang's in the same layout (pure): decoding the frames and
+turning them into Sluice's digest.
 
 The layout (vLLM's ``ZmqEventPublisher``): every message on the PUB socket has three frames,
 ``(topic, sequence, payload)``, the sequence an 8-byte big-endian integer; the payload is a
@@ -13,9 +14,11 @@ payload)`` messages, ending with sequence -1.
 
 The engine's block hashes are not Sluice's: :class:`KVEventTracker` hashes each stored block's
 token ids with Sluice's own chained block hashing (:mod:`sluice.schemas.hashing`), remembers
-which engine hash is which Sluice hash, and yields the digest's changes (stored, evicted), as
-the in-process engine's ``cache_changes()`` does, every ``stride``-th block of a chain (the
-dispatcher's index resolution). A sequence gap is reported so the caller can replay from it.
+which engine hash is which Sluice blocks (engine blocks of any size: a vLLM block of 32
+tokens is two Sluice blocks; of SGLang's 1-token pages, every 16th ends one), and yields the
+digest's changes (stored, evicted), as the in-process engine's ``cache_changes()`` does, every
+``stride``-th block of a chain (the dispatcher's index resolution). A sequence gap is
+reported so the caller can replay from it.
 """
 
 from __future__ import annotations
@@ -186,7 +189,6 @@ class TrackerStats:
     gaps: int = 0
     orphans: int = 0
     """Stored blocks whose parent the tracker never saw (its chain cannot be hashed)."""
-    wrong_block_size: int = 0
     unknown_events: int = 0
     restarts: int = 0
     """Times the live sequence went back by more than ``RESTART_SEQ_GAP``: a restarted
@@ -196,10 +198,16 @@ class TrackerStats:
 @dataclass(slots=True)
 class _Block:
     sluice: tuple[int, ...]
-    """The Sluice blocks of this engine block (one, or ``block_size / block_tokens`` for an
-    engine whose blocks are a whole multiple of Sluice's)."""
+    """The Sluice blocks this engine block completes: one for a block of Sluice's size,
+    ``block_size / block_tokens`` for a whole multiple of it, none for most of the pages of an
+    engine whose pages are smaller (SGLang's page of 1 token: every 16th page completes one)."""
     depth: int
-    """Of its last Sluice block: 1 for a prompt's first block."""
+    """Sluice blocks complete through the end of this engine block (1: the prompt's first)."""
+    last: int
+    """The Sluice hash of the last of them (0: none yet), the parent of the chain's next."""
+    tail: bytes
+    """The packed token ids past that block (fewer than a Sluice block), which the chain's
+    next engine block continues."""
 
     def reported(self, stride: int) -> list[int]:
         """Its Sluice blocks the digest carries (every ``stride``-th of the prompt)."""
@@ -274,27 +282,37 @@ class KVEventTracker:
                     self._remove(h)
 
     def _store(self, ev: BlockStored) -> None:
-        # An engine block of a whole multiple of Sluice's is that many Sluice blocks (vLLM
-        # run with --block-size 32 against Sluice's 16); any other size cannot be mapped.
-        k, rest = divmod(ev.block_size, self.block_tokens)
-        if rest or not k:
-            self.stats.wrong_block_size += 1
-            return
+        # Engine blocks of any size map onto Sluice's: the chain's tokens are hashed in Sluice
+        # blocks, and each Sluice block belongs to the engine block it ends in (vLLM's
+        # --block-size 32 is two a block; SGLang's page of 1 token ends one every 16th page).
         if ev.parent_block_hash is None:
-            parent_hash, depth = 0, 0
+            last, depth, tail = 0, 0, b""
         else:
             parent = self._blocks.get(ev.parent_block_hash)
             if parent is None:
                 self.stats.orphans += 1
                 return
-            parent_hash, depth = parent.sluice[-1], parent.depth
-        ours = packed_block_hashes(ev.tokens, self.block_tokens, parent_hash)
+            last, depth, tail = parent.last, parent.depth, parent.tail
+        bt = self.block_tokens
+        data = tail + ev.tokens if tail else ev.tokens
+        ours = packed_block_hashes(data, bt, last)
         blocks = self._blocks
+        start = len(tail) // 4  # tokens of the chain before this event's, past its last block
+        done = 0
         for i, engine_hash in enumerate(ev.block_hashes):
-            depth += k
+            end = start + (i + 1) * ev.block_size
+            through = end // bt
             if engine_hash not in blocks:
-                block = blocks[engine_hash] = _Block(tuple(ours[i * k : (i + 1) * k]), depth)
-                self._stored.extend(block.reported(self.stride))
+                mine = tuple(ours[done:through])
+                block = blocks[engine_hash] = _Block(
+                    mine,
+                    depth + through,
+                    ours[through - 1] if through else last,
+                    data[through * bt * 4 : end * 4],
+                )
+                if mine:
+                    self._stored.extend(block.reported(self.stride))
+            done = through
         while len(blocks) > self.max_blocks:
             self._remove(next(iter(blocks)))
 

@@ -451,7 +451,6 @@ class HttpEngine:
             ("gap", s.gaps),
             ("restart", s.restarts),
             ("orphan_block", s.orphans),
-            ("wrong_size_block", s.wrong_block_size),
         )
 
     def in_flight(self) -> list[str]:
