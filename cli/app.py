@@ -909,6 +909,14 @@ def engine(
     tokenizer: Annotated[
         str | None, typer.Option(help="A local tokenizer.json for text prompts.")
     ] = None,
+    kv_page_tokens: Annotated[
+        int | None,
+        typer.Option(
+            help="Publish the KV events as SGLang does: an event per page of this many tokens "
+            "(SGLang's --page-size; it divides the profile's block).",
+            min=1,
+        ),
+    ] = None,
 ) -> None:
     """Run the simulated engine as a server speaking vLLM's and SGLang's HTTP protocols
     (OpenAI completions and chat, /generate, /metrics, ...; docs/engines.md)."""
@@ -937,6 +945,7 @@ def engine(
             uds=uds,
             kv_events=kv_events,
             tokenizer=tokenizer,
+            kv_page_tokens=kv_page_tokens,
         )
     except ConfigError as exc:
         raise fail(str(exc)) from exc

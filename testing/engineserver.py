@@ -36,6 +36,7 @@ import itertools
 import json
 import logging
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -46,7 +47,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+import xxhash
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from pydantic import TypeAdapter, ValidationError
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -167,6 +170,23 @@ class KVEventPublisher:
         self._async.term()
 
 
+def check_page_tokens(profile: EngineProfile, kv_page_tokens: int | None) -> None:
+    """A ``ValueError`` unless the page size divides the profile's blocks (or is None)."""
+    if kv_page_tokens is not None and (kv_page_tokens < 1 or profile.block_tokens % kv_page_tokens):
+        raise ValueError(
+            f"the KV page size divides the profile's {profile.block_tokens}-token blocks "
+            f"(1, 2, 4, ...), not {kv_page_tokens}"
+        )
+
+
+def _page_hash(block_hash: int, page: int) -> int:
+    """The engine's hash of page ``page`` of a block: signed 64 bits, as SGLang's are."""
+    return xxhash.xxh64_intdigest(_PAGE.pack(block_hash, page)) - (1 << 63)
+
+
+_PAGE = struct.Struct("<QI")
+
+
 class SimServer:
     """One simulated engine stepped in real time, and the requests streaming from it."""
 
@@ -178,10 +198,15 @@ class SimServer:
         speed: float = 1.0,
         kv_events: KVEventPublisher | None = None,
         tokenizer: PromptTokenizer | None = None,
+        kv_page_tokens: int | None = None,
     ) -> None:
         if speed <= 0:
             raise ValueError("speed must be > 0")
+        check_page_tokens(profile, kv_page_tokens)
         self.profile, self.model, self.speed = profile, model, speed
+        self.kv_page_tokens = kv_page_tokens
+        """Publish KV events as SGLang does, one ``BlockStored`` per page of this many tokens
+        (SGLang's ``--page-size``, 1 by default); None: vLLM's, a block per block."""
         self.tokenizer = tokenizer
         self.kv_events = kv_events
         self._pending_events: list[Any] = []
@@ -231,6 +256,9 @@ class SimServer:
 
     def _on_kv(self, kind: str, hashes: list[int]) -> None:
         bt = self.profile.block_tokens
+        if self.kv_page_tokens is not None:
+            self._on_kv_pages(kind, hashes, self.kv_page_tokens)
+            return
         if kind == "removed":
             for h in hashes:
                 self._block_meta.pop(h, None)
@@ -241,6 +269,26 @@ class SimServer:
         for h in hashes:
             tokens += self._block_meta.get(h, (None, [0] * bt))[1]
         self._pending_events.append(["BlockStored", hashes, parent, tokens, bt, None, "GPU"])
+
+    def _on_kv_pages(self, kind: str, hashes: list[int], page: int) -> None:
+        # As SGLang's radix cache sends them: an event per page, each naming its page's hash
+        # (a signed 64-bit integer) and the page before it; removals page by page too.
+        pages = self.profile.block_tokens // page
+        events = self._pending_events
+        if kind == "removed":
+            for h in hashes:
+                self._block_meta.pop(h, None)
+                events.extend(["BlockRemoved", [_page_hash(h, j)], "GPU"] for j in range(pages))
+            return
+        parent = self._block_meta.get(hashes[0], (None, []))[0]
+        before = None if parent is None else _page_hash(parent, pages - 1)
+        for h in hashes:
+            tokens = self._block_meta.get(h, (None, [0] * (pages * page)))[1]
+            for j in range(pages):
+                here = _page_hash(h, j)
+                chunk = tokens[j * page : (j + 1) * page]
+                events.append(["BlockStored", [here], before, chunk, page, None, "GPU"])
+                before = here
 
     def _flush_kv(self) -> None:
         if self.kv_events is not None and self._pending_events:
@@ -341,7 +389,9 @@ class SimServer:
     # ---------------------------------------------------------------------------- prompts
 
     def prompt(self, value: Any, param: str) -> Prompt:
-        """A text prompt or a list of token ids, hashed as Sluice hashes prompt blocks."""
+        """A text prompt or a list of token ids, hashed as Sluice hashes prompt blocks. One
+        longer than the engine's KV cache is a 400 before any hashing (a 64 MB prompt held
+        the event loop, every other request with it, while it was hashed)."""
         bt = self.profile.block_tokens
         if isinstance(value, str):
             if not value:
@@ -350,19 +400,26 @@ class SimServer:
                 ids = tuple(self.tokenizer.encode(value))
                 if not ids:
                     raise BadRequest(f"{param} has no tokens for the tokenizer", param)
+                self._fits(len(ids), param)
                 return Prompt(len(ids), tuple(block_hashes(ids, bt)), ids)
+            self._fits(estimate_text_tokens(value), param)
             data = value.encode("utf-8")
             ids = tuple(int.from_bytes(data[i : i + 4], "little") for i in range(0, len(data), 4))
             return Prompt(estimate_text_tokens(value), tuple(text_block_hashes(value, bt)), ids)
-        if (
-            isinstance(value, list)
-            and value
-            and all(
+        if isinstance(value, list) and value:
+            self._fits(len(value), param)
+            if all(
                 isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in value
-            )
-        ):
-            return Prompt(len(value), tuple(block_hashes(value, bt)), tuple(value))
+            ):
+                return Prompt(len(value), tuple(block_hashes(value, bt)), tuple(value))
         raise BadRequest(f"{param} must be a non-empty string or list of token ids", param)
+
+    def _fits(self, tokens: int, param: str) -> None:
+        held = self.engine.cache.capacity_blocks * self.profile.block_tokens
+        if tokens >= held:  # (a request needs room for one output token too)
+            raise BadRequest(
+                f"{param} has {tokens} tokens; the engine's KV cache holds {held}", param
+            )
 
     # ---------------------------------------------------------------------------- figures
 
@@ -428,7 +485,7 @@ class SimServer:
             "engine": "sluice-sim",
             "profile": p.name,
             "speed": self.speed,
-            "page_size": p.block_tokens,
+            "page_size": self.kv_page_tokens or p.block_tokens,
             "max_running_requests": p.max_running,
             "max_total_num_tokens": p.kv_capacity_tokens,
             "chunked_prefill_size": p.prefill_chunk_tokens,
@@ -456,6 +513,26 @@ async def _json(request: Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
     return body
+
+
+_BOOL: TypeAdapter[bool | None] = TypeAdapter(bool | None)
+
+
+def _flag(body: Mapping[str, Any], key: str) -> bool:
+    """A boolean field read as vLLM's pydantic models read it (``"false"`` and ``0`` are
+    false: a bare truth test streamed those); anything else is a 400."""
+    try:
+        return bool(_BOOL.validate_python(body.get(key)))
+    except ValidationError:
+        raise BadRequest(f"{key} must be a boolean", key) from None
+
+
+def _one_choice(body: Mapping[str, Any]) -> None:
+    # vLLM samples n choices; the simulated engine makes one, and says so rather than
+    # answering one to a client that asked for several.
+    n = body.get("n")
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n != 1):
+        raise BadRequest(f"n must be 1: the simulated engine makes one choice, not {n!r}", "n")
 
 
 def _positive_int(body: Mapping[str, Any], key: str, default: int) -> int:
@@ -512,6 +589,8 @@ class _OpenAI:
         options = body.get("stream_options") or {}
         if not isinstance(options, dict):
             raise BadRequest("stream_options must be an object", "stream_options")
+        streaming, include_usage = _flag(body, "stream"), _flag(options, "include_usage")
+        _one_choice(body)
         rid, stream = s.submit(prompt, max_tokens)
         head = {
             "id": f"cmpl-{rid}",
@@ -519,8 +598,8 @@ class _OpenAI:
             "created": int(time.time()),
             "model": s.model,
         }
-        if body.get("stream"):
-            gen = self._stream(rid, stream, head, chat, bool(options.get("include_usage")))
+        if streaming:
+            gen = self._stream(rid, stream, head, chat, include_usage)
             return StreamingResponse(gen, media_type="text/event-stream")
         collecting = asyncio.ensure_future(s.collect(rid, stream))
         try:
@@ -587,8 +666,9 @@ class _SGLang:
         if not isinstance(params, dict):
             raise BadRequest("sampling_params must be an object", "sampling_params")
         max_new = _positive_int(params, "max_new_tokens", 128)
+        streaming = _flag(body, "stream")
         rid, stream = s.submit(prompt, max_new)
-        if body.get("stream"):
+        if streaming:
             return StreamingResponse(self._stream(rid, stream), media_type="text/event-stream")
         text, fin = await s.collect(rid, stream)
         return JSONResponse({"text": text, "meta_info": _meta(rid, fin, fin.output_tokens)})
@@ -705,14 +785,20 @@ def serve(
     uds: str | None = None,
     kv_events: str | None = None,
     tokenizer: str | None = None,
+    kv_page_tokens: int | None = None,
 ) -> None:
     """Run the server until interrupted (on ``host:port``, or on the Unix socket ``uds``);
-    ``kv_events``: publish vLLM-format KV events on this ZMQ endpoint (replay beside it);
-    ``tokenizer``: a ``tokenizer.json`` for text prompts (a bad file is a ``ConfigError``)."""
+    ``kv_events``: publish vLLM-format KV events on this ZMQ endpoint (replay beside it), or
+    with ``kv_page_tokens`` SGLang's, a page of that many tokens an event; ``tokenizer``: a
+    ``tokenizer.json`` for text prompts (a bad file or page size is a ``ConfigError``)."""
     import uvicorn
 
     if (port is None) == (uds is None):
         raise ValueError("give exactly one of port and uds")
+    try:
+        check_page_tokens(profile, kv_page_tokens)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     tok = None if tokenizer is None else PromptTokenizer.from_file(tokenizer)
     publisher = None
     if kv_events is not None:
@@ -722,7 +808,14 @@ def serve(
             publisher = KVEventPublisher(kv_events)
         except (KVEventError, zmq.ZMQError) as exc:
             raise ConfigError(f"cannot publish KV events on {kv_events}: {exc}") from exc
-    server = SimServer(profile, model=model, speed=speed, kv_events=publisher, tokenizer=tok)
+    server = SimServer(
+        profile,
+        model=model,
+        speed=speed,
+        kv_events=publisher,
+        tokenizer=tok,
+        kv_page_tokens=kv_page_tokens,
+    )
     app = build_app(server)
     config = uvicorn.Config(
         app, host=host, port=port or 0, uds=uds, log_level="warning", lifespan="on"
@@ -745,9 +838,11 @@ class EngineProcess:
         kv_events: bool = False,
         tokenizer: str | None = None,
         port: int | None = None,
+        kv_page_tokens: int | None = None,
     ):
         self.uds, self.model, self.speed, self.profile = uds, model, speed, profile
         self.kv_events = f"ipc://{uds}.kv" if kv_events else None
+        self.kv_page_tokens = kv_page_tokens
         self.tokenizer = tokenizer
         self.port = port
         self.proc: subprocess.Popen[bytes] | None = None
@@ -773,6 +868,8 @@ class EngineProcess:
             cmd += ["--kv-events", self.kv_events]
         if self.tokenizer is not None:
             cmd += ["--tokenizer", self.tokenizer]
+        if self.kv_page_tokens is not None:
+            cmd += ["--kv-page-tokens", str(self.kv_page_tokens)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
     def wait_ready(self, timeout_s: float = 20.0) -> EngineProcess:

@@ -224,6 +224,19 @@ def test_info_endpoints_and_metrics_in_vllm_and_sglang_names(engine: httpx.Clien
         ("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}', None),
         ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', None),
         ("/v1/completions", b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", None),
+        # One choice only (it answered one to n=2); a stream flag that is no boolean (a bare
+        # truth test streamed "maybe"); a prompt longer than the KV cache (hashed first).
+        ("/v1/completions", {"prompt": "hi", "n": 2}, "n"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
+        ("/v1/completions", {"prompt": "hi", "stream": "maybe"}, "stream"),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "stream": True, "stream_options": {"include_usage": [1]}},
+            "include_usage",
+        ),
+        ("/generate", {"text": "hi", "stream": {}}, "stream"),
+        ("/v1/completions", {"prompt": [7] * 524_288}, "prompt"),
+        ("/generate", {"text": "abcd" * 524_288}, "text"),
     ],
 )
 def test_bad_requests_get_an_openai_shaped_400(
@@ -238,6 +251,17 @@ def test_bad_requests_get_an_openai_shaped_400(
     r = engine.post(path, content=b"{not json")
     assert r.status_code == 400 and "not JSON" in r.json()["error"]["message"]
     assert engine.get("/health").status_code == 200  # it keeps serving
+
+
+def test_stream_flags_read_as_vllm_reads_them(engine: httpx.Client) -> None:
+    """``"false"`` and ``0`` do not stream, ``"true"`` does (vLLM's pydantic reading); a bare
+    truth test streamed ``"false"``."""
+    for flag, streams in (("false", False), (0, False), ("true", True), (None, False)):
+        r = engine.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stream": flag})
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream") is streams, flag
+    r = engine.post("/generate", json={"text": "hi", "stream": "false"})
+    assert r.status_code == 200 and "meta_info" in r.json()
 
 
 def test_a_client_that_leaves_a_whole_answer_cancels_its_request(engine: httpx.Client) -> None:
@@ -320,9 +344,11 @@ def test_the_command_line_refuses_an_unclear_address() -> None:
     assert bad.returncode == 2 and b"unknown engine profile" in bad.stderr
 
 
-def test_kv_events_in_vllm_format_and_their_replay() -> None:
-    """The engine publishes vLLM-format KV events; decoded and re-hashed with Sluice's block
-    hashing they name the prompt's blocks; a subscriber that missed them replays them."""
+@pytest.mark.parametrize("pages", [None, 1, 4], ids=["vllm", "sglang-page-1", "sglang-page-4"])
+def test_kv_events_in_vllm_format_and_their_replay(pages: int | None) -> None:
+    """The engine publishes vLLM-format KV events (or SGLang's, an event per page of
+    ``--kv-page-tokens``); decoded and re-hashed with Sluice's block hashing they name the
+    prompt's blocks; a subscriber that missed them replays them."""
     import zmq
 
     from sluice.agent.kvevents import (
@@ -337,7 +363,8 @@ def test_kv_events_in_vllm_format_and_their_replay() -> None:
     from sluice.schemas.hashing import block_hashes
 
     port, kv = _free_port(), _free_port_pair()
-    proc = _start(["--port", str(port), "--kv-events-port", str(kv)])
+    paged = [] if pages is None else ["--kv-page-tokens", str(pages)]
+    proc = _start(["--port", str(port), "--kv-events-port", str(kv), *paged])
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     dealer = ctx.socket(zmq.DEALER)
@@ -356,6 +383,13 @@ def test_kv_events_in_vllm_format_and_their_replay() -> None:
                     break
         assert stored and stored[0].parent_block_hash is None
         assert list(stored[0].token_ids) == PROMPT[: len(stored[0].token_ids)]
+        size = pages or DEFAULT_BLOCK_TOKENS
+        assert {e.block_size for e in stored} == {size}
+        if pages is not None:  # SGLang's: one page an event, chained page by page
+            assert all(len(e.block_hashes) == 1 for e in stored)
+            assert len(stored) == len(PROMPT) // DEFAULT_BLOCK_TOKENS * DEFAULT_BLOCK_TOKENS // size
+            chain = [e.parent_block_hash for e in stored[1:]]
+            assert chain == [e.block_hashes[0] for e in stored[:-1]]
         tracker = KVEventTracker(DEFAULT_BLOCK_TOKENS)
         assert tracker.apply(seq, batch) is None
         assert tracker.cache_changes()[0] == block_hashes(PROMPT, DEFAULT_BLOCK_TOKENS)

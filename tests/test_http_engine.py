@@ -212,11 +212,13 @@ async def test_the_engine_reports_its_scraped_load_and_stale_metrics_saturate_it
         _stop(proc)
 
 
-async def test_kv_events_feed_the_digest_and_a_gap_is_replayed() -> None:
+@pytest.mark.parametrize("pages", [[], ["--kv-page-tokens", "1"]], ids=["vllm", "sglang-page-1"])
+async def test_kv_events_feed_the_digest_and_a_gap_is_replayed(pages: list[str]) -> None:
+    """Of vLLM's blocks, or of SGLang's pages of 1 token (its default ``--page-size``)."""
     from sluice.schemas.hashing import block_hashes
 
     port, kv = _free_port(), _free_port_pair()
-    proc = _start(["--port", str(port), "--kv-events-port", str(kv)])
+    proc = _start(["--port", str(port), "--kv-events-port", str(kv), *pages])
     other = list(range(9000, 9000 + 256))
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
