@@ -178,11 +178,6 @@ def _hashes(value: Any) -> tuple[EngineHash, ...]:
     return tuple(value)
 
 
-RESTART_SEQ_GAP = 1_000
-"""A live batch this many sequence numbers behind the next expected one (or a 0 after others)
-comes from a restarted publisher, not from a replay overlapping the live stream."""
-
-
 @dataclass
 class TrackerStats:
     batches: int = 0
@@ -191,8 +186,8 @@ class TrackerStats:
     """Stored blocks whose parent the tracker never saw (its chain cannot be hashed)."""
     unknown_events: int = 0
     restarts: int = 0
-    """Times the live sequence went back by more than ``RESTART_SEQ_GAP``: a restarted
-    publisher (its engine's cache is empty again)."""
+    """Times the live sequence went back: a restarted publisher (its engine's cache is empty
+    again)."""
 
 
 @dataclass(slots=True)
@@ -240,21 +235,21 @@ class KVEventTracker:
         return len(self._blocks)
 
     def apply(self, seq: int, batch: EventBatch) -> int | None:
-        """Apply batch ``seq``. Returns the sequence to replay from when ``seq`` skipped some
-        (the batch is applied anyway: what it stores is true), else None. An older or repeated
-        sequence (a replay overlapping what arrived live) is ignored; one far older (see
-        ``RESTART_SEQ_GAP``) is a restarted engine: the mirror empties, and follows it."""
+        """Apply live batch ``seq``. Returns the sequence to replay from when ``seq`` skipped
+        some (the batch is applied anyway: what it stores is true), else None. A live sequence
+        that goes back is a restarted engine (vLLM's publisher counts from 0 again, and the
+        first batches may be missed): the mirror empties, and follows it. Replayed batches
+        come through :meth:`fill`."""
         gap = None
-        if self.expected_seq is not None:
-            if seq < self.expected_seq - RESTART_SEQ_GAP or (seq == 0 and self.expected_seq > 1):
-                # The engine restarted (vLLM's publisher counts from 0 again): what the mirror
-                # holds is gone with it, and its new events are not a replay's overlap.
-                self.stats.restarts += 1
-                for h in list(self._blocks):
-                    self._remove(h)
-                self.expected_seq = None
-            elif seq < self.expected_seq:
-                return None
+        if self.expected_seq is not None and seq < self.expected_seq:
+            # What the mirror holds is gone with the engine. (Only a 0, or a sequence 1,000
+            # back, counted as a restart: one that restarted within its first 1,000 batches,
+            # or whose first batches after it were missed, had its events ignored until its
+            # count passed the old one's, and its lost blocks kept.)
+            self.stats.restarts += 1
+            for h in list(self._blocks):
+                self._remove(h)
+            self.expected_seq = None
         if self.expected_seq is not None and seq > self.expected_seq:
             gap = self.expected_seq
             self.stats.gaps += 1

@@ -127,6 +127,25 @@ def test_a_restarted_engine_is_followed_and_its_old_blocks_evicted() -> None:
     assert t.apply(1, decode_batch(msgpack.packb([0.0, [], 0]))) is None  # followed on
 
 
+def test_a_restart_soon_after_the_start_whose_first_batches_were_missed_is_seen() -> None:
+    """An engine restarted within its first 1,000 batches, its first batches after the
+    restart missed (a SUB socket reconnecting): the next live one, 3, is behind the 20
+    expected. Only a 0 or a sequence 1,000 back counted as a restart: batches 3-19 were
+    ignored as a replay's overlap, and the lost blocks kept (seen failing so)."""
+    prompt = list(range(1000, 1000 + 2 * BT))
+    t = KVEventTracker(BT)
+    stored = _stored_array([b"e1", b"e2"], None, prompt)
+    for seq in range(20):
+        t.apply(seq, decode_batch(msgpack.packb([0.0, [stored] if seq == 0 else [], 0])))
+    t.cache_changes()
+    again = _stored_array([b"n1"], None, prompt[:BT])
+    assert t.apply(3, decode_batch(msgpack.packb([0.0, [again], 0]))) is None
+    assert t.stats.restarts == 1
+    stored_now, evicted = t.cache_changes()
+    assert sorted(evicted) == sorted(block_hashes(prompt, BT))
+    assert t.cached_blocks() == stored_now == block_hashes(prompt, BT)[:1]
+
+
 def test_a_batch_msgpack_decodes_but_python_cannot_is_a_kv_event_error() -> None:
     # A map keyed by a list: valid msgpack, and a TypeError out of the decoder that ended the
     # agent's KV event loop for good (seen).
@@ -134,14 +153,15 @@ def test_a_batch_msgpack_decodes_but_python_cannot_is_a_kv_event_error() -> None
         decode_batch(b"\x81\x91\x01\x02")
 
 
-def test_gaps_are_reported_and_replays_do_not_apply_twice() -> None:
+def test_gaps_are_reported_and_filled_by_the_replay() -> None:
     t = KVEventTracker(BT)
     empty = decode_batch(msgpack.packb([0.0, [], 0]))
     assert t.apply(5, empty) is None
     assert t.apply(8, empty) == 6  # 6 and 7 were missed: replay from 6
     assert t.stats.gaps == 1
-    assert t.apply(6, empty) is None and t.apply(7, empty) is None  # the replay: older, ignored
-    assert t.apply(9, empty) is None and t.stats.batches == 3
+    t.fill(6, empty)  # the replay's batches come as fills
+    t.fill(7, empty)
+    assert t.apply(9, empty) is None and t.stats.batches == 5 and t.stats.restarts == 0
 
 
 def test_orphans_and_strides() -> None:
