@@ -190,24 +190,55 @@ class TrackerStats:
     again)."""
 
 
-@dataclass(slots=True)
 class _Block:
-    sluice: tuple[int, ...]
-    """The Sluice blocks this engine block completes: one for a block of Sluice's size,
-    ``block_size / block_tokens`` for a whole multiple of it, none for most of the pages of an
-    engine whose pages are smaller (SGLang's page of 1 token: every 16th page completes one)."""
-    depth: int
-    """Sluice blocks complete through the end of this engine block (1: the prompt's first)."""
-    last: int
-    """The Sluice hash of the last of them (0: none yet), the parent of the chain's next."""
-    tail: bytes
-    """The packed token ids past that block (fewer than a Sluice block), which the chain's
-    next engine block continues."""
+    """An engine block that ends where a Sluice block ends (vLLM's blocks: every one)."""
+
+    __slots__ = ("depth", "sluice")
+
+    def __init__(self, sluice: tuple[int, ...], depth: int) -> None:
+        self.sluice = sluice
+        """The Sluice blocks this engine block completes: one for a block of Sluice's size,
+        ``block_size / block_tokens`` for a whole multiple of it, none for most of the pages
+        of an engine whose pages are smaller (SGLang's 1-token pages: every 16th ends one)."""
+        self.depth = depth
+        """Sluice blocks complete through the end of this engine block (1: the prompt's
+        first)."""
+
+    @property
+    def last(self) -> int:
+        """The Sluice hash of the last of them (0: none yet), the parent of the chain's next."""
+        return self.sluice[-1]
+
+    @property
+    def tail(self) -> bytes:
+        """The packed token ids past that block (fewer than a Sluice block), which the
+        chain's next engine block continues."""
+        return b""
 
     def reported(self, stride: int) -> list[int]:
         """Its Sluice blocks the digest carries (every ``stride``-th of the prompt)."""
         first = self.depth - len(self.sluice) + 1
         return [h for i, h in enumerate(self.sluice) if (first + i) % stride == 0]
+
+
+class _Partial(_Block):
+    """An engine block that ends inside a Sluice block (an SGLang page, a 24-token block):
+    it keeps the chain's last Sluice hash and the tokens since. A class apart, so that vLLM's
+    blocks, the common case, carry neither (16 bytes a block)."""
+
+    __slots__ = ("_last", "_tail")
+
+    def __init__(self, sluice: tuple[int, ...], depth: int, last: int, tail: bytes) -> None:
+        super().__init__(sluice, depth)
+        self._last, self._tail = last, tail
+
+    @property
+    def last(self) -> int:
+        return self._last
+
+    @property
+    def tail(self) -> bytes:
+        return self._tail
 
 
 @dataclass
@@ -299,12 +330,15 @@ class KVEventTracker:
             through = end // bt
             if engine_hash not in blocks:
                 mine = tuple(ours[done:through])
-                block = blocks[engine_hash] = _Block(
-                    mine,
-                    depth + through,
-                    ours[through - 1] if through else last,
-                    data[through * bt * 4 : end * 4],
-                )
+                if mine and end == through * bt:
+                    block = blocks[engine_hash] = _Block(mine, depth + through)
+                else:
+                    block = blocks[engine_hash] = _Partial(
+                        mine,
+                        depth + through,
+                        ours[through - 1] if through else last,
+                        data[through * bt * 4 : end * 4],
+                    )
                 if mine:
                     self._stored.extend(block.reported(self.stride))
             done = through
