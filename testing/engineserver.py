@@ -41,7 +41,7 @@ import subprocess
 import sys
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -820,7 +820,27 @@ def serve(
     config = uvicorn.Config(
         app, host=host, port=port or 0, uds=uds, log_level="warning", lifespan="on"
     )
-    uvicorn.Server(config).run()
+    _stopped_by_signal(config).run()
+
+
+def _stopped_by_signal(config: Any) -> Any:
+    """uvicorn's server, stopped gracefully by SIGINT or SIGTERM (a second one: at once), and
+    then done: uvicorn raises the signal again once it has stopped, which ended an engine
+    stopped by its orchestrator in a ``KeyboardInterrupt`` (exit code 130)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            stops = (signal.SIGINT, signal.SIGTERM)
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in stops}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return Server(config)
 
 
 class EngineProcess:

@@ -329,6 +329,27 @@ def test_it_serves_on_a_unix_socket(tmp_path: Path) -> None:
         _stop(proc)
 
 
+def test_sigterm_lets_a_running_answer_finish_and_exits_0() -> None:
+    """An orchestrator's stop: the server stops listening, lets the answer it is streaming
+    finish, and exits 0 (uvicorn raised the signal again after its shutdown, and the engine
+    ended in a KeyboardInterrupt, exit code 130)."""
+    port = _free_port()
+    proc = _start(["--port", str(port), "--speed", "1"])
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+            _wait_healthy(c, proc)
+            body = {"prompt": PROMPT, "max_tokens": 40, "stream": True}
+            with c.stream("POST", "/v1/completions", json=body) as r:
+                lines = r.iter_lines()
+                assert next(line for line in lines if line.startswith("data:"))
+                os.kill(proc.pid, signal.SIGTERM)
+                rest = [line for line in lines if line.startswith("data:")]
+            assert rest[-1] == "data: [DONE]"
+        assert proc.wait(timeout=20) == 0
+    finally:
+        _stop(proc)
+
+
 def test_the_command_line_refuses_an_unclear_address() -> None:
     both = subprocess.run(
         [sys.executable, "-m", "sluice.cli", "engine", "--port", "1", "--uds", "/tmp/x"],
