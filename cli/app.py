@@ -761,6 +761,14 @@ def bench_routers_cmd(
     ] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the figures here.")] = None,
     progress: Annotated[bool, typer.Option(help="Show progress bars.")] = True,
+    kv_page_tokens: Annotated[
+        int | None,
+        typer.Option(
+            help="The engines publish their KV events as SGLang does, a page of this many "
+            "tokens an event (1: SGLang's default; it divides 16). Default: as vLLM does.",
+            min=1,
+        ),
+    ] = None,
     simulate: Annotated[
         bool,
         typer.Option(
@@ -791,6 +799,7 @@ def bench_routers_cmd(
             "latency_requests": latency_requests,
             "routers_venv": routers_venv,
             "repeat": repeat,
+            "kv_page_tokens": kv_page_tokens,
         }.items()
         if v is not None
     }

@@ -349,6 +349,8 @@ class RoutersResult:
     """The slice's hit ceiling after its warm-up (an infinite shared cache)."""
     hit_ceiling_cold: float = 0.0
     """The slice's hit ceiling with empty caches."""
+    kv_page_tokens: int | None = None
+    """The engines' KV events were SGLang's, pages of this many tokens (None: vLLM's)."""
     runs: dict[str, dict[float, dict[str, Any]]] = field(default_factory=dict)
     """Per arm, per load: the load generator's figures (sluice.sim.loadgen.summarize), plus
     ``warmup_s`` and ``warmup_failed`` when a warm-up ran; with several rounds, each number is
@@ -420,6 +422,9 @@ class BenchConfig:
     routers_venv: Path = ROUTERS_VENV
     progress: bool = True
     repeat: int = REPEAT
+    kv_page_tokens: int | None = None
+    """The engines publish their KV events as SGLang does, a page of this many tokens an event
+    (None: as vLLM does, a 16-token block an event)."""
 
 
 def round_order(arms: Sequence[str], i: int) -> tuple[str, ...]:
@@ -708,12 +713,17 @@ def bench_routers(cfg: BenchConfig, console: Console) -> RoutersResult:
         cfg.engines, cfg.speed, len(trace), cfg.trace, SLO_TTFT_S / cfg.speed, start=cfg.start,
         warmup=cfg.warmup if warm else "none", warmup_requests=len(warm),
         hit_ceiling=round(hit_ceiling(trace, warm), 4),
-        hit_ceiling_cold=round(hit_ceiling(trace), 4),
+        hit_ceiling_cold=round(hit_ceiling(trace), 4), kv_page_tokens=cfg.kv_page_tokens,
     )  # fmt: skip
     ok = False
     try:
         with HttpEngineFleet(
-            cfg.engines, model=MODEL, speed=cfg.speed, tcp=True, profile=PROFILE
+            cfg.engines,
+            model=MODEL,
+            speed=cfg.speed,
+            tcp=True,
+            profile=PROFILE,
+            kv_page_tokens=cfg.kv_page_tokens,
         ) as fleet:
             for i in range(cfg.repeat):
                 if cfg.repeat > 1:
@@ -835,8 +845,9 @@ def table(r: RoutersResult) -> Table:
     )
     t = Table(
         title=f"requests {r.start}-{r.start + r.requests - 1} of {Path(r.trace).name} {warm}, on "
-        f"{r.engines} sluice engines at speed x{r.speed:g}; goodput SLO "
-        f"{r.slo_ttft_s * 1000:.0f} ms TTFT"
+        f"{r.engines} sluice engines at speed x{r.speed:g}"
+        + (f" (KV events in SGLang's {r.kv_page_tokens}-token pages)" if r.kv_page_tokens else "")
+        + f"; goodput SLO {r.slo_ttft_s * 1000:.0f} ms TTFT"
         + (f"; medians of {len(r.rounds)} rounds" if len(r.rounds) > 1 else "")
     )
     cols = (

@@ -30,6 +30,7 @@ class HttpEngineFleet:
         tcp: bool = False,
         profile: str = "reference",
         start_timeout_s: float = 60.0,
+        kv_page_tokens: int | None = None,
     ) -> None:
         self.workers, self.model, self.speed, self.tokenizer = workers, model, speed, tokenizer
         self.on_start = on_start
@@ -40,6 +41,8 @@ class HttpEngineFleet:
         self.start_timeout_s = start_timeout_s
         """For all of them together: they start at once (16 importing on 2 busy cores take a
         while)."""
+        self.kv_page_tokens = kv_page_tokens
+        """Their KV events as SGLang's, a page of this many tokens an event (None: vLLM's)."""
         self.engines: dict[str, EngineProcess] = {}
         self._dir: str | None = None
 
@@ -58,6 +61,7 @@ class HttpEngineFleet:
                     kv_events=True,
                     tokenizer=self.tokenizer,
                     port=ports[i] if ports else None,
+                    kv_page_tokens=self.kv_page_tokens,
                 )
                 self.engines[worker_id] = engine
                 engine.launch()
