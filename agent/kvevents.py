@@ -74,6 +74,9 @@ class EventBatch:
     dp_rank: int | None = None
     unknown: int = 0
     """Events of types this decoder does not know (skipped)."""
+    other_tier: int = 0
+    """Events of a tier below the GPU's (skipped): vLLM's CPU offloading, SGLang's host
+    cache."""
 
 
 def replay_endpoint(events: str) -> str:
@@ -119,24 +122,34 @@ def decode_batch(payload: bytes) -> EventBatch:
         raise KVEventError("an event batch's ts is a number")
     rank = raw[2] if len(raw) > 2 and isinstance(raw[2], int) else None
     events: list[KVEvent] = []
-    unknown = 0
+    unknown = other_tier = 0
     for item in items:
         ev = _event(item)
         if ev is None:
             unknown += 1
+        elif isinstance(ev, _OtherTier):
+            other_tier += 1
         else:
             events.append(ev)
-    return EventBatch(float(ts), tuple(events), rank, unknown)
+    return EventBatch(float(ts), tuple(events), rank, unknown, other_tier)
 
 
 _FIELDS = {
-    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size"),
-    "BlockRemoved": ("block_hashes",),
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+                    "medium"),
+    "BlockRemoved": ("block_hashes", "medium"),
     "AllBlocksCleared": (),
-}
+}  # fmt: skip
 
 
-def _event(item: Any) -> KVEvent | None:
+class _OtherTier:
+    """What :func:`_event` returns for an event of a tier below the GPU's."""
+
+
+_OTHER_TIER = _OtherTier()
+
+
+def _event(item: Any) -> KVEvent | _OtherTier | None:
     if isinstance(item, dict):
         tag = item.get("type")
         values = {k: item.get(k) for k in _FIELDS.get(tag, ())} if isinstance(tag, str) else {}
@@ -150,6 +163,12 @@ def _event(item: Any) -> KVEvent | None:
         return None
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
+    medium = values.get("medium")
+    if medium is not None and not (isinstance(medium, str) and medium.upper() == "GPU"):
+        # A lower tier's copy (vLLM's CPU offloading sends token-less BlockStored events of
+        # size 0, SGLang's host cache its own): the mirror follows the GPU's cache, and such
+        # an event made its whole batch malformed, the GPU's events in it lost.
+        return _OTHER_TIER
     hashes = _hashes(values.get("block_hashes"))
     if tag == "BlockRemoved":
         return BlockRemoved(hashes)
@@ -185,6 +204,8 @@ class TrackerStats:
     orphans: int = 0
     """Stored blocks whose parent the tracker never saw (its chain cannot be hashed)."""
     unknown_events: int = 0
+    other_tier_events: int = 0
+    """Events of a tier below the GPU's, skipped (:attr:`EventBatch.other_tier`)."""
     restarts: int = 0
     """Times the live sequence went back: a restarted publisher (its engine's cache is empty
     again)."""
@@ -287,6 +308,7 @@ class KVEventTracker:
         self.expected_seq = seq + 1
         self.stats.batches += 1
         self.stats.unknown_events += batch.unknown
+        self.stats.other_tier_events += batch.other_tier
         self._apply_events(batch)
         return gap
 
@@ -294,6 +316,7 @@ class KVEventTracker:
         """Apply a replayed batch ``seq`` that a gap skipped (older than the newest applied)."""
         self.stats.batches += 1
         self.stats.unknown_events += batch.unknown
+        self.stats.other_tier_events += batch.other_tier
         self._apply_events(batch)
 
     def _apply_events(self, batch: EventBatch) -> None:

@@ -285,3 +285,35 @@ def test_engine_pages_of_any_size_give_the_prompts_sluice_blocks(
     ended = block_hashes(prompt, BT)[(end - size) // BT : end // BT]
     gone = [h for h in ended if h in mine]
     assert t.cache_changes() == ([], gone)
+
+
+def test_events_of_a_lower_tier_are_skipped_and_the_gpus_kept() -> None:
+    """vLLM's CPU offloading publishes token-less ``BlockStored`` events of size 0 with
+    ``medium: "CPU"`` in the batches of the GPU's events, and SGLang's host cache its own
+    (``"CPU_PINNED"``): such an event made the whole batch malformed, and the GPU's events in
+    it were lost (seen failing so). The mirror follows the GPU: a block the GPU evicts is
+    evicted, whatever a lower tier keeps (as SGLang's demotion means it)."""
+    prompt = list(range(3000, 3000 + 2 * BT))
+    full = block_hashes(prompt, BT)
+    t = KVEventTracker(BT)
+    events = [
+        ["BlockStored", [b"g1", b"g2"], None, prompt, BT, None, "GPU"],
+        ["BlockStored", [b"g1", b"g2"], None, [], 0, None, "CPU"],  # vLLM's offloading
+        {"type": "BlockStored", "block_hashes": [b"g2"], "parent_block_hash": b"g1",
+         "token_ids": [], "block_size": 0, "medium": "CPU_PINNED"},
+        ["BlockRemoved", [b"g2"], "CPU"],  # a lower tier's removal evicts nothing here
+    ]  # fmt: skip
+    batch = decode_batch(msgpack.packb([0.0, events, 0]))
+    assert (len(batch.events), batch.other_tier, batch.unknown) == (1, 3, 0)
+    t.apply(0, batch)
+    assert t.cache_changes() == (full, []) and t.stats.other_tier_events == 3
+    # SGLang's demotion: removed from the GPU, kept on the host: evicted for Sluice.
+    demoted = [["BlockRemoved", [b"g2"], "GPU"], ["BlockStored", [b"g2"], b"g1", [], 0, None,
+                                                 "CPU_PINNED"]]  # fmt: skip
+    t.apply(1, decode_batch(msgpack.packb([0.0, demoted, 0])))
+    assert t.cache_changes() == ([], full[1:])
+    # A medium that is no string is not the GPU either; a missing one (older vLLM) is.
+    odd = decode_batch(
+        msgpack.packb([0.0, [["BlockRemoved", [b"g1"], 7], ["BlockRemoved", [b"g1"]]], 0])
+    )
+    assert (odd.other_tier, len(odd.events)) == (1, 1)

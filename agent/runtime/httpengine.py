@@ -451,6 +451,7 @@ class HttpEngine:
             ("gap", s.gaps),
             ("restart", s.restarts),
             ("orphan_block", s.orphans),
+            ("other_tier_event", s.other_tier_events),
         )
 
     def in_flight(self) -> list[str]:
