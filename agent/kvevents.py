@@ -23,6 +23,7 @@ reported so the caller can replay from it.
 
 from __future__ import annotations
 
+import itertools
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -206,6 +207,9 @@ class TrackerStats:
     unknown_events: int = 0
     other_tier_events: int = 0
     """Events of a tier below the GPU's, skipped (:attr:`EventBatch.other_tier`)."""
+    conflicts: int = 0
+    """Stored blocks whose engine hash the mirror holds at another depth: a publisher whose
+    block hashes are not chained, whose events map onto wrong Sluice blocks."""
     restarts: int = 0
     """Times the live sequence went back: a restarted publisher (its engine's cache is empty
     again)."""
@@ -287,11 +291,19 @@ class KVEventTracker:
         return len(self._blocks)
 
     def apply(self, seq: int, batch: EventBatch) -> int | None:
-        """Apply live batch ``seq``. Returns the sequence to replay from when ``seq`` skipped
-        some (the batch is applied anyway: what it stores is true), else None. A live sequence
-        that goes back is a restarted engine (vLLM's publisher counts from 0 again, and the
-        first batches may be missed): the mirror empties, and follows it. Replayed batches
-        come through :meth:`fill`."""
+        """:meth:`check` live batch ``seq``, then :meth:`fill` it: the sequence to replay
+        from if it skipped some (the batch is applied anyway: what it stores is true). A
+        follower that can replay does it between the two, so that a chain the missed batches
+        started is known when the live batch continues it."""
+        gap = self.check(seq)
+        self.fill(seq, batch)
+        return gap
+
+    def check(self, seq: int) -> int | None:
+        """The bookkeeping of live batch ``seq``, before it is applied: returns the first
+        sequence it skipped (to replay, through :meth:`fill`), else None. A live sequence that
+        goes back is a restarted engine (vLLM's publisher counts from 0 again, and its first
+        batches may be missed): the mirror empties, and follows it."""
         gap = None
         if self.expected_seq is not None and seq < self.expected_seq:
             # What the mirror holds is gone with the engine. (Only a 0, or a sequence 1,000
@@ -306,14 +318,11 @@ class KVEventTracker:
             gap = self.expected_seq
             self.stats.gaps += 1
         self.expected_seq = seq + 1
-        self.stats.batches += 1
-        self.stats.unknown_events += batch.unknown
-        self.stats.other_tier_events += batch.other_tier
-        self._apply_events(batch)
         return gap
 
     def fill(self, seq: int, batch: EventBatch) -> None:
-        """Apply a replayed batch ``seq`` that a gap skipped (older than the newest applied)."""
+        """Apply batch ``seq``: a live one :meth:`check` passed, or a replayed one a gap
+        skipped."""
         self.stats.batches += 1
         self.stats.unknown_events += batch.unknown
         self.stats.other_tier_events += batch.other_tier
@@ -351,7 +360,13 @@ class KVEventTracker:
         for i, engine_hash in enumerate(ev.block_hashes):
             end = start + (i + 1) * ev.block_size
             through = end // bt
-            if engine_hash not in blocks:
+            known = blocks.get(engine_hash)
+            if known is not None:
+                if known.depth != depth + through:
+                    # The same engine hash at another place in a chain: a publisher whose
+                    # hashes are not chained (older SGLang hashed a page's tokens alone).
+                    self.stats.conflicts += 1
+            else:
                 mine = tuple(ours[done:through])
                 if mine and end == through * bt:
                     block = blocks[engine_hash] = _Block(mine, depth + through)
@@ -365,8 +380,13 @@ class KVEventTracker:
                 if mine:
                     self._stored.extend(block.reported(self.stride))
             done = through
-        while len(blocks) > self.max_blocks:
-            self._remove(next(iter(blocks)))
+        if len(blocks) > self.max_blocks:
+            # The oldest stored go, a hundredth of the bound at a time: the dict's first key
+            # is found past every slot deleted before it, so one at a time cost a scan of all
+            # those deleted since its last resize, for every block stored at the bound.
+            over = len(blocks) - self.max_blocks + self.max_blocks // 100
+            for h in list(itertools.islice(blocks, over)):
+                self._remove(h)
 
     def _remove(self, engine_hash: EngineHash) -> None:
         block = self._blocks.pop(engine_hash, None)
@@ -381,4 +401,4 @@ class KVEventTracker:
 
     def cached_blocks(self) -> list[int]:
         """Every reported Sluice block hash the engine holds now (for a snapshot)."""
-        return [h for b in self._blocks.values() for h in b.reported(self.stride)]
+        return [h for b in self._blocks.values() if b.sluice for h in b.reported(self.stride)]

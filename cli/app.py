@@ -448,13 +448,21 @@ def agent(
         str | None,
         typer.Option(help="openai-http: tcp://host:port or ipc:///path of its KV events."),
     ] = None,
+    kv_bind: Annotated[
+        bool | None,
+        typer.Option(
+            "--kv-bind",
+            help="openai-http: bind --kv-events and let the engine connect (vLLM and SGLang "
+            "connect to a tcp:// endpoint without '*').",
+        ),
+    ] = None,
     tokenizer: Annotated[
         str | None, typer.Option(help="A local tokenizer.json: text prompts as token ids.")
     ] = None,
 ) -> None:
     """Run an agent with its engine: simulated in process, or an OpenAI-compatible server
     (settings: SLUICE_AGENT_*, table agent)."""
-    from sluice.agent.errors import AgentBrokerUnreachable
+    from sluice.agent.errors import AgentBrokerUnreachable, EngineError
     from sluice.agent.runtime import Agent, AgentSettings
 
     overrides: dict[str, Any] = {
@@ -468,6 +476,7 @@ def agent(
             "engine_url": engine_url,
             "engine_metrics_url": engine_metrics_url,
             "engine_kv_events": kv_events,
+            "engine_kv_bind": kv_bind,
             "tokenizer": tokenizer,
         }.items()
         if v is not None
@@ -489,7 +498,7 @@ def agent(
         settings.metrics_host,
         settings.metrics_port,
         f"agent {settings.worker_id} serving {settings.models}; Ctrl-C drains and stops",
-        (AgentBrokerUnreachable,),
+        (AgentBrokerUnreachable, EngineError),
         until=a.wait_exit,  # `sluice drain --exit`: stop once drained
     )
 

@@ -48,6 +48,7 @@ def build_engine(settings: AgentSettings) -> Engine:
             kv_events=settings.engine_kv_events,
             kv_replay=settings.engine_kv_replay,
             kv_topic=settings.engine_kv_topic,
+            kv_bind=settings.engine_kv_bind,
             digest_min_tokens=settings.digest_min_prefix_tokens,
             block_tokens=DEFAULT_BLOCK_TOKENS,
             stride=index_stride(DEFAULT_BLOCK_TOKENS, settings.digest_index_tokens),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import os
 import signal
 import time
@@ -226,6 +227,10 @@ async def test_kv_events_feed_the_digest_and_a_gap_is_replayed(pages: list[str])
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as ac:
             # Published before the agent follows the events: batch 0, missed.
             await ac.post("/v1/completions", json={"prompt": other, "max_tokens": 1})
+        # The live batch that reveals the gap continues batch 0's chain: its stored blocks'
+        # parent is in the missed batch, so it is applied after the replay (applied first,
+        # they were orphans, dropped for good: seen failing so).
+        longer = other + list(range(20_000, 20_000 + 128))
         engine = HttpEngine(
             HttpEngineConfig(
                 url=f"http://127.0.0.1:{port}",
@@ -247,11 +252,12 @@ async def test_kv_events_feed_the_digest_and_a_gap_is_replayed(pages: list[str])
 
             # The agent hashes no prompt for an engine whose KV events say what it holds.
             assert not engine.uses_prompt_hashes
-            engine.add("r1", len(PROMPT), 1, [], 0.0, PROMPT)
+            engine.add("r1", len(longer), 1, [], 0.0, longer)
             await eventually(applied)
             assert tracker.stats.gaps == 1  # batch 0 came back through the replay socket
+            assert tracker.stats.orphans == 0
             held = set(engine.cached_blocks())
-            assert set(block_hashes(PROMPT)) <= held and set(block_hashes(other)) <= held
+            assert set(block_hashes(longer)) <= held
             stored, _ = engine.cache_changes()
             assert set(stored) == held and engine.kv_dropped == 0
         finally:
@@ -296,6 +302,59 @@ async def test_kv_events_of_another_topic_are_not_followed() -> None:
         finally:
             for engine in engines.values():
                 await engine.close()
+    finally:
+        _stop(proc)
+
+
+async def test_with_kv_bind_an_engine_that_connects_is_followed() -> None:
+    """vLLM and SGLang connect their PUB socket to an endpoint that is neither ``ipc://`` nor a
+    wildcard (``tcp://127.0.0.1:5557``), so an agent that connected to it as well heard
+    nothing; with ``kv_bind`` the agent binds it. A port already taken is an EngineError at
+    start, not a KV loop that dies unseen."""
+    import msgpack
+    import zmq
+    import zmq.asyncio
+
+    from sluice.agent.engine import EngineError
+    from sluice.agent.kvevents import encode_seq
+    from sluice.schemas.hashing import block_hashes
+
+    port, kv = _free_port(), _free_port()
+    proc = _start(["--port", str(port)])
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+            _wait_healthy(c, proc)
+        endpoint = f"tcp://127.0.0.1:{kv}"
+        config = HttpEngineConfig(
+            url=f"http://127.0.0.1:{port}", model="sim", kv_events=endpoint, kv_bind=True,
+            digest_min_tokens=None,
+        )  # fmt: skip
+        engine = HttpEngine(config)
+        await engine.open()
+        ctx = zmq.asyncio.Context()
+        pub = ctx.socket(zmq.PUB)
+        pub.connect(endpoint)  # as vLLM's publisher does with this endpoint
+        try:
+            tracker = engine.kv_tracker
+            assert tracker is not None
+            stored = ["BlockStored", [b"a", b"b"], None, PROMPT[:32], 16, None, "GPU"]
+            payload = msgpack.packb([0.0, [stored], 0])
+
+            seqs = itertools.count()
+
+            async def heard() -> bool:  # a PUB drops what it sends before the link is up
+                await pub.send_multipart([b"", encode_seq(next(seqs)), payload])
+                return tracker.stats.batches >= 1
+
+            await eventually(heard)
+            assert set(block_hashes(PROMPT[:32])) <= set(engine.cached_blocks())
+            taken = HttpEngine(config)  # the same endpoint, bound already
+            with pytest.raises(EngineError, match="cannot bind the KV event socket"):
+                await taken.open()
+        finally:
+            pub.close(linger=0)
+            ctx.term()
+            await engine.close()
     finally:
         _stop(proc)
 

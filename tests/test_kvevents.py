@@ -317,3 +317,29 @@ def test_events_of_a_lower_tier_are_skipped_and_the_gpus_kept() -> None:
         msgpack.packb([0.0, [["BlockRemoved", [b"g1"], 7], ["BlockRemoved", [b"g1"]]], 0])
     )
     assert (odd.other_tier, len(odd.events)) == (1, 1)
+
+
+def test_an_engine_hash_at_two_places_of_a_chain_is_counted_as_a_conflict() -> None:
+    """Older SGLang hashed a page's tokens alone: with 1-token pages, a block of tokens that
+    repeats in a prompt repeats its pages' hashes at another depth, and the chain after it maps
+    onto wrong Sluice blocks. Nothing said so; the tracker counts such a conflict (none for a
+    publisher whose hashes are chained, over the same tokens)."""
+    first = [(7 + i * 31) % 997 for i in range(BT)]
+    prompt = first + first  # the same 16 tokens twice
+
+    def stored(hashes: list[bytes]) -> list[Any]:
+        parents = [None, *hashes[:-1]]
+        return [
+            ["BlockStored", [h], p, [tok], 1, None, "GPU"]
+            for h, p, tok in zip(hashes, parents, prompt, strict=True)
+        ]
+
+    chained = KVEventTracker(BT)
+    by_place = [f"p{i}".encode() for i in range(len(prompt))]
+    chained.apply(0, decode_batch(msgpack.packb([0.0, stored(by_place), 0])))
+    assert chained.stats.conflicts == 0
+    assert chained.cache_changes()[0] == block_hashes(prompt, BT)
+    unchained = KVEventTracker(BT)
+    by_token = [f"t{tok}".encode() for tok in prompt]
+    unchained.apply(0, decode_batch(msgpack.packb([0.0, stored(by_token), 0])))
+    assert unchained.stats.conflicts >= 1

@@ -98,6 +98,9 @@ class HttpEngineConfig:
     kv_topic: str = ""
     """The topic of its events to follow (a prefix, as ZeroMQ matches it; empty: all): a
     publisher shared by several engines or models tells them apart by it."""
+    kv_bind: bool = False
+    """Bind ``kv_events`` and let the publisher connect: vLLM and SGLang connect to an
+    endpoint that is neither ``ipc://`` nor a wildcard (``tcp://127.0.0.1:5557``)."""
     poll_s: float = 0.002
     """The longest the agent's step loop waits for a delivery: a later token waits at most
     this long (plus the coalescing) to be relayed. An agent polls at half its
@@ -201,7 +204,12 @@ class HttpEngine:
             await self._scrape()
             self._scraper = asyncio.create_task(self._scrape_loop(), name="engine-metrics")
         if self.kv_tracker is not None:
-            self._kv_task = asyncio.create_task(self._kv_loop(), name="engine-kv-events")
+            try:
+                ctx, sub = self._kv_socket()
+            except EngineError:
+                await self.close()
+                raise
+            self._kv_task = asyncio.create_task(self._kv_loop(ctx, sub), name="engine-kv-events")
 
     async def close(self) -> None:
         background = [t for t in (self._health, self._scraper, self._kv_task) if t is not None]
@@ -237,17 +245,33 @@ class HttpEngine:
             self.scrape_errors += 1
             log.debug("metrics of %s not read: %s", self.config.url, exc)
 
-    async def _kv_loop(self) -> None:
-        """Follow the engine's KV events; a gap is filled from its replay socket."""
+    def _kv_socket(self) -> tuple[Any, Any]:
+        """The SUB socket of the engine's KV events, connected to its publisher (or bound,
+        with ``kv_bind``, for a publisher that connects); an ``EngineError`` if it cannot."""
         import zmq
         import zmq.asyncio
 
-        c, tracker = self.config, self.kv_tracker
-        assert c.kv_events is not None and tracker is not None
+        c = self.config
+        assert c.kv_events is not None
         ctx = zmq.asyncio.Context()
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, c.kv_topic.encode())
-        sub.connect(c.kv_events)
+        try:
+            if c.kv_bind:
+                sub.bind(c.kv_events)
+            else:
+                sub.connect(c.kv_events)
+        except zmq.ZMQError as exc:
+            sub.close(linger=0)
+            ctx.term()
+            how = "bind" if c.kv_bind else "connect"
+            raise EngineError(f"cannot {how} the KV event socket at {c.kv_events}: {exc}") from exc
+        return ctx, sub
+
+    async def _kv_loop(self, ctx: Any, sub: Any) -> None:
+        """Follow the engine's KV events; a gap is filled from its replay socket first."""
+        c, tracker = self.config, self.kv_tracker
+        assert c.kv_events is not None and tracker is not None
         try:
             while True:
                 frames = await sub.recv_multipart()
@@ -262,13 +286,16 @@ class HttpEngine:
                     self._unexpected("agent.kv-events", "a KV event from %s", c.kv_events)
                     continue
                 restarts = tracker.stats.restarts
-                gap = tracker.apply(seq, batch)
+                gap = tracker.check(seq)
                 if tracker.stats.restarts != restarts:
                     log.warning(
                         "KV events of %s start again at %d: its engine restarted", c.url, seq
                     )
                 if gap is not None:
+                    # The missed batches first: the live one may continue a chain they began
+                    # (a prefill's blocks stored over several steps), which was orphaned.
                     await self._kv_replay(ctx, gap, seq)
+                tracker.fill(seq, batch)
         finally:
             sub.close(linger=0)
             ctx.term()
@@ -452,6 +479,7 @@ class HttpEngine:
             ("restart", s.restarts),
             ("orphan_block", s.orphans),
             ("other_tier_event", s.other_tier_events),
+            ("conflicting_block", s.conflicts),
         )
 
     def in_flight(self) -> list[str]:

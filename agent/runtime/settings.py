@@ -101,6 +101,14 @@ class AgentSettings(BrokerSettings):
             "vLLM's kv-events-config); empty: every topic on the socket."
         ),
     )
+    engine_kv_bind: bool = Field(
+        default=False,
+        description=(
+            "openai-http: bind engine_kv_events and let the engine connect to it (vLLM and "
+            "SGLang connect to an endpoint that is neither ipc:// nor a wildcard, such as "
+            "tcp://127.0.0.1:5557); false: connect to the engine's socket."
+        ),
+    )
     engine_metrics_stale_s: float = Field(
         default=5.0, gt=0, description="openai-http: older metrics count as a saturated engine."
     )
