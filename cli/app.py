@@ -930,7 +930,7 @@ def engine(
     kv_page_tokens: Annotated[
         int | None,
         typer.Option(
-            help="Publish the KV events as SGLang does: an event per page of this many tokens "
+            help="Publish the KV events as SGLang does: a hash per page of this many tokens "
             "(SGLang's --page-size; it divides the profile's block).",
             min=1,
         ),

@@ -39,6 +39,7 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterator, Mapping
@@ -271,24 +272,24 @@ class SimServer:
         self._pending_events.append(["BlockStored", hashes, parent, tokens, bt, None, "GPU"])
 
     def _on_kv_pages(self, kind: str, hashes: list[int], page: int) -> None:
-        # As SGLang's radix cache sends them: an event per page, each naming its page's hash
-        # (a signed 64-bit integer) and the page before it; removals page by page too.
+        # As SGLang's radix cache sends them: a chain of pages in one event (its recorder
+        # coalesces each page's event with the one before it), each page's hash a signed
+        # 64-bit integer, the first page's parent the last page before it; removals the
+        # same, a list of page hashes.
         pages = self.profile.block_tokens // page
-        events = self._pending_events
         if kind == "removed":
             for h in hashes:
                 self._block_meta.pop(h, None)
-                events.extend(["BlockRemoved", [_page_hash(h, j)], "GPU"] for j in range(pages))
+            gone = [_page_hash(h, j) for h in hashes for j in range(pages)]
+            self._pending_events.append(["BlockRemoved", gone, "GPU"])
             return
         parent = self._block_meta.get(hashes[0], (None, []))[0]
         before = None if parent is None else _page_hash(parent, pages - 1)
+        tokens: list[int] = []
         for h in hashes:
-            tokens = self._block_meta.get(h, (None, [0] * (pages * page)))[1]
-            for j in range(pages):
-                here = _page_hash(h, j)
-                chunk = tokens[j * page : (j + 1) * page]
-                events.append(["BlockStored", [here], before, chunk, page, None, "GPU"])
-                before = here
+            tokens += self._block_meta.get(h, (None, [0] * (pages * page)))[1]
+        stored = [_page_hash(h, j) for h in hashes for j in range(pages)]
+        self._pending_events.append(["BlockStored", stored, before, tokens, page, None, "GPU"])
 
     def _flush_kv(self) -> None:
         if self.kv_events is not None and self._pending_events:
@@ -527,12 +528,20 @@ def _flag(body: Mapping[str, Any], key: str) -> bool:
         raise BadRequest(f"{key} must be a boolean", key) from None
 
 
+_INT: TypeAdapter[int | None] = TypeAdapter(int | None)
+
+
 def _one_choice(body: Mapping[str, Any]) -> None:
     # vLLM samples n choices; the simulated engine makes one, and says so rather than
-    # answering one to a client that asked for several.
-    n = body.get("n")
-    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n != 1):
-        raise BadRequest(f"n must be 1: the simulated engine makes one choice, not {n!r}", "n")
+    # answering one to a client that asked for several. (n read as vLLM reads it: "1" is 1.)
+    try:
+        n = _INT.validate_python(body.get("n"))
+    except ValidationError:
+        n = None if body.get("n") is None else -1
+    if n is not None and n != 1:
+        raise BadRequest(
+            f"n must be 1: the simulated engine makes one choice, not {body.get('n')!r}", "n"
+        )
 
 
 def _positive_int(body: Mapping[str, Any], key: str, default: int) -> int:
@@ -832,13 +841,22 @@ def _stopped_by_signal(config: Any) -> Any:
     class Server(uvicorn.Server):
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield  # (signals reach the main thread only)
+                return
             stops = (signal.SIGINT, signal.SIGTERM)
-            previous = {sig: signal.signal(sig, self.handle_exit) for sig in stops}
+            previous = {sig: signal.signal(sig, self.stop) for sig in stops}
             try:
                 yield
             finally:
                 for sig, handler in previous.items():
                     signal.signal(sig, handler)
+
+        def stop(self, sig: int, frame: Any) -> None:
+            # uvicorn forces the exit on a second SIGINT only; a second SIGTERM too, here.
+            if self.should_exit:
+                self.force_exit = True
+            self.should_exit = True
 
     return Server(config)
 

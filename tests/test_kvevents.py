@@ -241,30 +241,35 @@ def _pages(tokens: list[int], size: int, first: int) -> list[tuple[bytes, list[i
     pages=st.integers(1, 40),
     branch=st.integers(0, 40),
     stride=st.integers(1, 3),
+    group=st.integers(1, 5),
 )
 def test_engine_pages_of_any_size_give_the_prompts_sluice_blocks(
-    size: int, pages: int, branch: int, stride: int
+    size: int, pages: int, branch: int, stride: int, group: int
 ) -> None:
-    """SGLang's pages (1 token by default; one BlockStored per page, as its radix cache sends
-    them) and engine blocks of sizes that are not a multiple of Sluice's: the digest holds
+    """SGLang's pages (1 token by default; one BlockStored per page, as its radix cache sent
+    them, or ``group`` chained pages an event, as its recorder coalesces them now) and engine
+    blocks of sizes that are not a multiple of Sluice's: the digest holds
     every Sluice block that the stored pages cover whole, the same hashes as Sluice's own of
     the prompt, on a shared chain and on a branch from it; removing the page a Sluice block
     ends in evicts it. Every such page was dropped as a wrong size before (seen failing)."""
     prompt = [(11 + i * 37) % 32_000 for i in range(pages * size)]
     t = KVEventTracker(BT, stride=stride)
     chain = _pages(prompt, size, 0)
-    events: list[Any] = []
-    parent: bytes | None = None
-    for h, toks in chain:
-        events.append(["BlockStored", [h], parent, toks, size, None, "GPU"])
-        parent = h
+
+    def stored(run: list[tuple[bytes, list[int]]], parent: bytes | None) -> list[Any]:
+        out = []
+        for i in range(0, len(run), group):
+            part = run[i : i + group]
+            tokens = [t for _, toks in part for t in toks]
+            out.append(["BlockStored", [h for h, _ in part], parent, tokens, size, None, "GPU"])
+            parent = part[-1][0]
+        return out
+
+    events = stored(chain, None)
     # A second prompt sharing the first ``cut`` pages, then its own.
     cut = min(branch, pages)
     other = prompt[: cut * size] + [(5 + i * 13) % 32_000 for i in range(pages * size)]
-    parent = chain[cut - 1][0] if cut else None
-    for h, toks in _pages(other[cut * size :], size, 1000):
-        events.append(["BlockStored", [h], parent, toks, size, None, "GPU"])
-        parent = h
+    events += stored(_pages(other[cut * size :], size, 1000), chain[cut - 1][0] if cut else None)
     t.apply(0, decode_batch(msgpack.packb([0.0, events, 0])))
 
     def reported(tokens: list[int]) -> list[int]:
