@@ -225,6 +225,11 @@ class _BadChunk(Exception):
     """A streamed event no OpenAI server sends: its request fails (not the run)."""
 
 
+class _ErrorEvent(Exception):
+    """A streamed ``{"error": ...}`` event (vLLM's, Sluice's gateway's after the stream
+    began): its request fails with the server's message."""
+
+
 def _chunk(line: str) -> tuple[bool, int | None]:
     """(whether a streamed line carries text, its usage's completion tokens if it has one);
     raises ``_BadChunk`` for an event of the wrong shape."""
@@ -236,6 +241,10 @@ def _chunk(line: str) -> tuple[bool, int | None]:
         return False, None
     if not isinstance(obj, dict):
         raise _BadChunk(f"an event that is not an object: {line[:80]}")
+    if "error" in obj:
+        err = obj["error"]
+        message = err.get("message") if isinstance(err, dict) else err
+        raise _ErrorEvent(str(message)[:300])
     usage = obj.get("usage") or {}
     tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
     choices = obj.get("choices") or []
@@ -282,6 +291,9 @@ async def _one(
         return Outcome(due_s, sent, first, time.monotonic() - t0, False, error=error)
     except (httpx.HTTPError, _BadChunk) as exc:
         return Outcome(due_s, sent, first, time.monotonic() - t0, False, error=repr(exc))
+    except _ErrorEvent as exc:
+        error = f"an error event in the stream: {exc}"
+        return Outcome(due_s, sent, first, time.monotonic() - t0, False, error=error)
     end = time.monotonic() - t0
     if not done:
         return Outcome(due_s, sent, first, end, False, error="the stream ended before [DONE]")

@@ -295,6 +295,9 @@ class _Odd:
                 if mode == "bad-chunk":
                     yield b'data: {"choices": "abc"}\n\n'
                     yield b"data: [DONE]\n\n"
+                elif mode == "error-event":  # vLLM's, the gateway's, after the first token
+                    yield b'data: {"choices": [{"text": "hi"}]}\n\n'
+                    yield b'data: {"error": {"message": "3 attempts failed", "code": 503}}\n\n'
                 elif mode == "trickle":  # a byte now and then, never an answer
                     while True:
                         yield b": ping\n\n"
@@ -344,6 +347,11 @@ async def test_a_run_survives_odd_answers_and_metrics_gone_after_it() -> None:
     async with _Odd("bad-chunk") as odd:
         out = await run_loadgen(_reqs(2), LoadgenConfig(urls=(odd.url,), progress=False))
     assert out["failed"] == 2 and "choices that are not a list" in out["errors"][0]
+
+    # The server's own message, not "the stream ended before [DONE]" (seen so).
+    async with _Odd("error-event") as odd:
+        out = await run_loadgen(_reqs(1), LoadgenConfig(urls=(odd.url,), progress=False))
+    assert out["failed"] == 1 and "error event in the stream: 3 attempts failed" in out["errors"][0]
 
     async with _Odd("trickle") as odd:
         cfg = LoadgenConfig(urls=(odd.url,), progress=False, timeout_s=0.5)
