@@ -6,6 +6,10 @@ from __future__ import annotations
 KV_MAX_BLOCKS = 1_000_000
 """Engine KV blocks the agent mirrors from an engine's KV events at most (a mirror whose
 removal events got lost would otherwise keep them forever; the oldest stored go first)."""
+KV_SILENCE_S = 10.0
+"""How long after a request that stored a whole block has finished an ``openai-http`` agent
+following KV events waits for the first one before it warns that none has come (an endpoint
+both sides connect to, a wrong topic, an engine that publishes none)."""
 RECORD_MAX_BLOCKS = 200_000
 """Prompt block hashes the ``openai-http`` engine's record of served prompts keeps at most
 (its cache digest while the engine sends no KV events; least recently served go first)."""

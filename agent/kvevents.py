@@ -207,6 +207,8 @@ class TrackerStats:
     unknown_events: int = 0
     other_tier_events: int = 0
     """Events of a tier below the GPU's, skipped (:attr:`EventBatch.other_tier`)."""
+    unfilled: int = 0
+    """Batches of a gap that its replay did not return (gone from the publisher's buffer)."""
     conflicts: int = 0
     """Stored blocks whose engine hash the mirror holds at another depth: a publisher whose
     block hashes are not chained, whose events map onto wrong Sluice blocks."""
@@ -313,8 +315,10 @@ class KVEventTracker:
             self.stats.restarts += 1
             for h in list(self._blocks):
                 self._remove(h)
-            self.expected_seq = None
-        if self.expected_seq is not None and seq > self.expected_seq:
+            if seq > 0:  # the new publisher's first batches were missed: replay them
+                gap = 0
+                self.stats.gaps += 1
+        elif self.expected_seq is not None and seq > self.expected_seq:
             gap = self.expected_seq
             self.stats.gaps += 1
         self.expected_seq = seq + 1

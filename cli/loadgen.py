@@ -241,8 +241,8 @@ def _chunk(line: str) -> tuple[bool, int | None]:
         return False, None
     if not isinstance(obj, dict):
         raise _BadChunk(f"an event that is not an object: {line[:80]}")
-    if "error" in obj:
-        err = obj["error"]
+    err = obj.get("error")
+    if err is not None:
         message = err.get("message") if isinstance(err, dict) else err
         raise _ErrorEvent(str(message)[:300])
     usage = obj.get("usage") or {}

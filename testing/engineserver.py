@@ -151,15 +151,20 @@ class KVEventPublisher:
     async def _replay(self) -> None:
         while True:
             frames = await self.router.recv_multipart()
-            *envelope, request = frames
+            # As vLLM's and SGLang's: a request is (identity, empty, sequence), as a REQ
+            # socket frames it; anything else is not answered.
+            if len(frames) != 3 or frames[1] != b"":
+                log.warning("invalid KV event replay request of %d frames", len(frames))
+                continue
+            client, _, request = frames
             try:
                 start = decode_seq(request)
             except KVEventError:
                 continue  # not a replay request: nothing to answer
             for seq, payload in list(self.ring):
                 if seq >= start:
-                    await self.router.send_multipart([*envelope, encode_seq(seq), payload])
-            await self.router.send_multipart([*envelope, encode_seq(REPLAY_END), b""])
+                    await self.router.send_multipart([client, b"", encode_seq(seq), payload])
+            await self.router.send_multipart([client, b"", encode_seq(REPLAY_END), b""])
 
     async def stop(self) -> None:
         if self._task is not None:

@@ -35,6 +35,12 @@ def test_agent_settings_refuse_addresses_they_cannot_use() -> None:
         AgentSettings(**http, engine_kv_events="localhost:5557")
     with pytest.raises(ValueError, match="engine_metrics_url"):
         AgentSettings(**http, engine_metrics_url="unix:///run/m.sock")
+    # The agent binds only what vLLM and SGLang connect to: an ipc:// bind took the engine's
+    # path over without an error, and neither heard the other.
+    AgentSettings(**http, engine_kv_events="tcp://127.0.0.1:5557", engine_kv_bind=True)
+    for theirs in ("ipc:///run/e.kv", "tcp://*:5557", "tcp://[::1]:5557"):
+        with pytest.raises(ValueError, match="the engine binds"):
+            AgentSettings(**http, engine_kv_events=theirs, engine_kv_bind=True)
 
 
 async def test_metrics_are_read_where_the_metrics_url_says(tmp_path: Path) -> None:

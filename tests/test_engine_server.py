@@ -439,12 +439,19 @@ def test_kv_events_in_vllm_format_and_their_replay(pages: int | None) -> None:
         assert tracker.apply(seq, batch) is None
         assert tracker.cache_changes()[0] == block_hashes(PROMPT, DEFAULT_BLOCK_TOKENS)
 
-        dealer.setsockopt(zmq.RCVTIMEO, 10_000)
+        # As vLLM's and SGLang's replay servers: a request is framed as a REQ socket frames
+        # it, (empty, sequence) from a DEALER; a bare sequence gets no answer.
         dealer.connect(f"tcp://127.0.0.1:{kv + 1}")
+        dealer.setsockopt(zmq.RCVTIMEO, 500)
         dealer.send(encode_seq(seq))
+        with pytest.raises(zmq.Again):
+            dealer.recv_multipart()
+        dealer.setsockopt(zmq.RCVTIMEO, 10_000)
+        dealer.send_multipart([b"", encode_seq(seq)])
         replayed = []
         while True:
-            frame_seq, payload = dealer.recv_multipart()
+            empty, frame_seq, payload = dealer.recv_multipart()
+            assert empty == b""
             if decode_seq(frame_seq) == REPLAY_END:
                 break
             replayed.append((decode_seq(frame_seq), decode_batch(payload)))

@@ -351,11 +351,135 @@ async def test_with_kv_bind_an_engine_that_connects_is_followed() -> None:
             taken = HttpEngine(config)  # the same endpoint, bound already
             with pytest.raises(EngineError, match="cannot bind the KV event socket"):
                 await taken.open()
+            assert taken._session is None  # it failed before it opened anything
         finally:
             pub.close(linger=0)
             ctx.term()
             await engine.close()
     finally:
+        _stop(proc)
+
+
+async def test_an_agent_that_hears_no_kv_event_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    """Both sides connecting (or a wrong topic, or an engine that publishes none) was silent:
+    the digest stayed empty and nothing said why. Once requests that stored whole blocks have
+    finished for ``kv_silence_s`` without an event, the agent warns, once."""
+    port, kv = _free_port(), _free_port()
+    proc = _start(["--port", str(port)])  # it publishes no KV events
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+            _wait_healthy(c, proc)
+        engine = HttpEngine(
+            HttpEngineConfig(
+                url=f"http://127.0.0.1:{port}", model="sim", kv_events=f"tcp://127.0.0.1:{kv}",
+                digest_min_tokens=None, kv_silence_s=0.3,
+            )
+        )  # fmt: skip
+        await engine.open()
+        try:
+            for i in range(2):
+                engine.add(f"r{i}", len(PROMPT), 1, [], 0.0, PROMPT)
+
+                async def done(rid: str = f"r{i}") -> bool:
+                    return any(
+                        not isinstance(e, TokensOut) and e.request_id == rid
+                        for e in engine.step().events
+                    )
+
+                await eventually(done)
+                await asyncio.sleep(0.35)
+            assert engine.kv_silent
+            assert sum("no KV event has come" in r.getMessage() for r in caplog.records) == 1
+        finally:
+            await engine.close()
+    finally:
+        _stop(proc)
+
+
+async def test_an_agent_whose_kv_socket_cannot_open_does_not_start(nats_url: str) -> None:
+    """A KV event socket that cannot be bound fails the agent's start with an EngineError
+    (`sluice agent` says so, exit code 2), and leaves no broker connection behind."""
+    import zmq
+
+    from sluice.agent.engine import EngineError
+
+    kv = _free_port()
+    ctx = zmq.Context()
+    holder = ctx.socket(zmq.PUB)
+    holder.bind(f"tcp://127.0.0.1:{kv}")
+    fast = {k: v for k, v in FAST_AGENT.items() if k != "speed"}
+    settings = AgentSettings(
+        nats_url=nats_url, worker_id="kv-taken", models=["sim"], engine="openai-http",
+        engine_url="http://127.0.0.1:9", engine_kv_events=f"tcp://127.0.0.1:{kv}",
+        engine_kv_bind=True, **fast,
+    )  # fmt: skip
+    agent = Agent(settings, build_engine(settings))
+    try:
+        with pytest.raises(EngineError, match="cannot bind the KV event socket"):
+            await agent.start()
+        assert agent._nc is None and agent._subs == []
+    finally:
+        holder.close(linger=0)
+        ctx.term()
+
+
+async def test_a_replay_is_asked_as_vllm_answers_and_what_it_lacks_is_counted() -> None:
+    """The replay request is (identity, empty, sequence) at the engine's ROUTER, as vLLM's and
+    SGLang's servers take it (a bare sequence was refused there: no gap was ever filled); the
+    batches of a gap the replay does not return (gone from the engine's buffer) are counted,
+    not silently lost."""
+    import msgpack
+    import zmq
+    import zmq.asyncio
+
+    from sluice.agent.kvevents import REPLAY_END, decode_seq, encode_seq
+
+    port, kv = _free_port(), _free_port_pair()
+    proc = _start(["--port", str(port)])
+    ctx = zmq.asyncio.Context()
+    pub, router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
+    pub.bind(f"tcp://127.0.0.1:{kv}")
+    router.bind(f"tcp://127.0.0.1:{kv + 1}")
+    empty = msgpack.packb([0.0, [], 0])
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+            _wait_healthy(c, proc)
+        engine = HttpEngine(
+            HttpEngineConfig(
+                url=f"http://127.0.0.1:{port}", model="sim", kv_events=f"tcp://127.0.0.1:{kv}",
+                digest_min_tokens=None,
+            )
+        )  # fmt: skip
+        await engine.open()
+        try:
+            tracker = engine.kv_tracker
+            assert tracker is not None
+
+            async def first() -> bool:  # a PUB drops what it sends before the link is up
+                await pub.send_multipart([b"", encode_seq(0), empty])
+                return tracker.stats.batches >= 1
+
+            await eventually(first)
+            await pub.send_multipart([b"", encode_seq(tracker.expected_seq + 5), empty])
+            frames = await asyncio.wait_for(router.recv_multipart(), 10)
+            assert len(frames) == 3 and frames[1] == b""  # (identity, empty, sequence)
+            start = decode_seq(frames[2])
+            assert start == tracker.expected_seq - 6
+            for seq in (start + 3, start + 4):  # the buffer kept the last two of the five
+                await router.send_multipart([frames[0], b"", encode_seq(seq), empty])
+            await router.send_multipart([frames[0], b"", encode_seq(REPLAY_END), b""])
+
+            async def counted() -> bool:
+                return tracker.stats.unfilled == 3
+
+            await eventually(counted)
+            assert tracker.stats.gaps == 1
+        finally:
+            await engine.close()
+    finally:
+        pub.close(linger=0)
+        router.close(linger=0)
+        ctx.term()
         _stop(proc)
 
 

@@ -212,7 +212,13 @@ class Agent:
             await self.nc.subscribe(names.remove_subject(self.worker_id), cb=self._on_remove),
             await self.nc.subscribe(names.LEADER_SUBJECT, cb=self._on_leader),
         ]
-        await self.engine.open()
+        try:
+            await self.engine.open()
+        except BaseException:
+            # (An engine whose KV event socket cannot be opened, say: the agent does not
+            # start, and leaves no subscription or connection behind.)
+            await self._close_nats()
+            raise
         await self._heartbeat()
         self._alive = True
         self._hb_stop.clear()
@@ -279,6 +285,10 @@ class Agent:
             await self.engine.close()
         except Exception:  # a broken engine must not keep the agent from stopping
             internal_error(log, "agent.engine-close", "engine of %s did not close", self.worker_id)
+        await self._close_nats()
+        metrics.IN_FLIGHT.labels(self.worker_id).set(0)
+
+    async def _close_nats(self) -> None:
         for sub in self._subs:
             with contextlib.suppress(*_BROKER_ERRORS):
                 await sub.unsubscribe()
@@ -287,7 +297,6 @@ class Agent:
             with contextlib.suppress(*_BROKER_ERRORS):
                 await self._nc.close()
             self._nc = None
-        metrics.IN_FLIGHT.labels(self.worker_id).set(0)
 
     async def __aenter__(self) -> Agent:
         return await self.start()

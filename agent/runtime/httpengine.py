@@ -45,7 +45,7 @@ from typing import Any
 
 import aiohttp
 
-from sluice.agent.defaults import KV_MAX_BLOCKS, RECORD_MAX_BLOCKS
+from sluice.agent.defaults import KV_MAX_BLOCKS, KV_SILENCE_S, RECORD_MAX_BLOCKS
 from sluice.agent.engine import EngineError, EngineLoad, Failed, Finished, Step, TokensOut
 from sluice.agent.errors import KVEventError
 from sluice.agent.kvevents import (
@@ -112,6 +112,9 @@ class HttpEngineConfig:
     max_blocks: int = RECORD_MAX_BLOCKS
     """Block hashes the record of served prompts keeps at most."""
     kv_max_blocks: int = KV_MAX_BLOCKS
+    kv_silence_s: float = KV_SILENCE_S
+    """Warn once if no KV event has come this long after a request that stored a whole block
+    finished."""
     """Engine blocks the KV-event mirror keeps at most."""
 
 
@@ -172,6 +175,9 @@ class HttpEngine:
         self._rng = random.Random()
         self.kv_tracker: KVEventTracker | None = None
         self.kv_dropped = 0
+        self._kv_awaited_s: float | None = None  # (when a finished request should have sent one)
+        self.kv_silent = False
+        """No KV event came within ``kv_silence_s`` of a finished request (warned once)."""
         self._kv_task: asyncio.Task[None] | None = None
         if c.kv_events is not None:
             self.kv_tracker = KVEventTracker(c.block_tokens, c.stride, c.kv_max_blocks)
@@ -195,6 +201,9 @@ class HttpEngine:
         return self._session
 
     async def open(self) -> None:
+        # The KV event socket first: one that cannot be bound or connected fails the start
+        # before anything else is open.
+        kv = self._kv_socket() if self.kv_tracker is not None else None
         self._session = aiohttp.ClientSession(connector=self._connector())
         if self.config.metrics_url is not None:
             self._metrics_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector())
@@ -203,13 +212,8 @@ class HttpEngine:
         if self._scrapes:
             await self._scrape()
             self._scraper = asyncio.create_task(self._scrape_loop(), name="engine-metrics")
-        if self.kv_tracker is not None:
-            try:
-                ctx, sub = self._kv_socket()
-            except EngineError:
-                await self.close()
-                raise
-            self._kv_task = asyncio.create_task(self._kv_loop(ctx, sub), name="engine-kv-events")
+        if kv is not None:
+            self._kv_task = asyncio.create_task(self._kv_loop(*kv), name="engine-kv-events")
 
     async def close(self) -> None:
         background = [t for t in (self._health, self._scraper, self._kv_task) if t is not None]
@@ -308,8 +312,12 @@ class HttpEngine:
         address = self.config.kv_replay or replay_endpoint(self.config.kv_events)
         sock = ctx.socket(zmq.DEALER)
         sock.connect(address)
+        got = 0
         try:
-            await sock.send(encode_seq(start))
+            # As a REQ socket frames it: vLLM's and SGLang's replay servers answer only a
+            # request of three frames at their ROUTER, (identity, empty, sequence); a bare
+            # sequence was refused there ("Invalid replay request"), and no gap was filled.
+            await sock.send_multipart([b"", encode_seq(start)])
             while True:
                 async with asyncio.timeout(self.config.connect_timeout_s):
                     frames = await sock.recv_multipart()
@@ -317,8 +325,9 @@ class HttpEngine:
                     seq = decode_seq(frames[-2])
                     if seq == REPLAY_END or seq >= upto:
                         return
-                    # Replayed batches are older than the live one applied: apply as a fill.
-                    tracker.fill(seq, decode_batch(frames[-1]))
+                    if seq >= start:
+                        tracker.fill(seq, decode_batch(frames[-1]))
+                        got += 1
                 except (KVEventError, IndexError) as exc:
                     self.kv_dropped += 1
                     log.debug("KV replay frame dropped: %s", exc)
@@ -326,6 +335,17 @@ class HttpEngine:
             log.warning("KV event replay from %s timed out", address)
         finally:
             sock.close(linger=0)
+            missing = upto - start - got
+            if missing > 0:  # gone from the engine's replay buffer, or not sent in time
+                tracker.stats.unfilled += missing
+                log.warning(
+                    "KV events %d-%d of %s could not be replayed (%d missing): the mirror "
+                    "may keep blocks the engine evicted until its bound drops them",
+                    start,
+                    upto - 1,
+                    self.config.url,
+                    missing,
+                )
 
     def _unexpected(self, site: str, message: str, *args: object) -> None:
         """An exception nothing expects, from an engine that may repeat it every second: its
@@ -480,6 +500,7 @@ class HttpEngine:
             ("orphan_block", s.orphans),
             ("other_tier_event", s.other_tier_events),
             ("conflicting_block", s.conflicts),
+            ("unfilled", s.unfilled),
         )
 
     def in_flight(self) -> list[str]:
@@ -629,6 +650,26 @@ class HttpEngine:
         now = time.monotonic()
         first = t_first if t_first is not None else now
         self._emit(Finished(rid, prompt, cached_n, output, first - t0, now - first))
+        if prompt >= self.config.block_tokens:
+            self._kv_heard(now)
+
+    def _kv_heard(self, now: float) -> None:
+        t = self.kv_tracker
+        if t is None or self.kv_silent or t.stats.batches:
+            return
+        if self._kv_awaited_s is None:
+            self._kv_awaited_s = now
+        elif now - self._kv_awaited_s >= self.config.kv_silence_s:
+            self.kv_silent = True
+            log.warning(
+                "no KV event has come from %s's publisher at %s in %.0f s of finished "
+                "requests: vLLM and SGLang bind an ipc:// endpoint or one with '*' and "
+                "connect to any other (then set engine_kv_bind), the topic must match "
+                "(engine_kv_topic %r), and the engine must publish (--kv-events-config, "
+                "prefix caching on); until then the digest is empty",
+                self.config.url, self.config.kv_events, now - self._kv_awaited_s,
+                self.config.kv_topic,
+            )  # fmt: skip
 
     def _record(self, prompt_tokens: int, hashes: Sequence[int]) -> None:
         """The digest stand-in: blocks of the prompts this engine served, most recent kept."""

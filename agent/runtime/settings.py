@@ -191,9 +191,23 @@ class AgentSettings(BrokerSettings):
                     replay_endpoint(self.engine_kv_events)
                 except KVEventError as exc:
                     raise ValueError(str(exc)) from None
+                if self.engine_kv_bind and not _engine_connects(self.engine_kv_events):
+                    # (An ipc:// bind even succeeds: it takes the engine's path over, and
+                    # neither hears the other.)
+                    raise ValueError(
+                        f"engine_kv_bind: the engine binds {self.engine_kv_events} itself "
+                        "(vLLM and SGLang bind an ipc:// endpoint or one with '*' or '::'); "
+                        "connect to it instead (leave engine_kv_bind false)"
+                    )
             murl = self.engine_metrics_url
             if murl is not None and not murl.startswith(("http://", "https://")):
                 raise ValueError("engine_metrics_url must be http://host:port/path")
             if self.speed != 1.0:
                 raise ValueError("speed applies to the simulated engine only (leave it at 1)")
         return self
+
+
+def _engine_connects(endpoint: str) -> bool:
+    """Whether vLLM's and SGLang's KV event publishers connect to ``endpoint`` rather than bind
+    it: they bind an ``ipc://`` or ``inproc://`` endpoint and one with ``*`` or ``::``."""
+    return endpoint.startswith("tcp://") and "*" not in endpoint and "::" not in endpoint
