@@ -7,7 +7,8 @@ msgpack event batch ``[ts, events, data_parallel_rank]``. Each event is a tagged
 in msgspec's array-like form, ``["BlockStored", block_hashes, parent_block_hash, token_ids,
 block_size, lora_id, medium, ...]``, ``["BlockRemoved", block_hashes, medium]`` and
 ``["AllBlocksCleared"]``, or as a map with a ``type`` tag and named fields. Fields beyond those
-named here and unknown event types are ignored; anything else malformed raises
+named here and unknown event types are ignored; an event that does not decode is skipped and
+counted (the batch's other events kept); a message or batch that does not decode raises
 :class:`~sluice.agent.errors.KVEventError` (the caller counts and drops it). The replay socket
 (ROUTER) answers a request of one 8-byte big-endian starting sequence with ``(sequence,
 payload)`` messages, ending with sequence -1.
@@ -78,6 +79,10 @@ class EventBatch:
     other_tier: int = 0
     """Events of a tier below the GPU's (skipped): vLLM's CPU offloading, SGLang's host
     cache."""
+    malformed: int = 0
+    """Events that do not decode (skipped; the batch's others are kept)."""
+    error: str | None = None
+    """The first of those events' error."""
 
 
 def replay_endpoint(events: str) -> str:
@@ -123,16 +128,24 @@ def decode_batch(payload: bytes) -> EventBatch:
         raise KVEventError("an event batch's ts is a number")
     rank = raw[2] if len(raw) > 2 and isinstance(raw[2], int) else None
     events: list[KVEvent] = []
-    unknown = other_tier = 0
+    unknown = other_tier = malformed = 0
+    error = None
     for item in items:
-        ev = _event(item)
+        try:
+            ev = _event(item)
+        except KVEventError as exc:
+            # One event nothing can read (SGLang's bigram pages carry token pairs, say): the
+            # batch's other events still hold, and dropping them lost what they stored.
+            malformed += 1
+            error = error or str(exc)
+            continue
         if ev is None:
             unknown += 1
         elif isinstance(ev, _OtherTier):
             other_tier += 1
         else:
             events.append(ev)
-    return EventBatch(float(ts), tuple(events), rank, unknown, other_tier)
+    return EventBatch(float(ts), tuple(events), rank, unknown, other_tier, malformed, error)
 
 
 _FIELDS = {
@@ -207,6 +220,8 @@ class TrackerStats:
     unknown_events: int = 0
     other_tier_events: int = 0
     """Events of a tier below the GPU's, skipped (:attr:`EventBatch.other_tier`)."""
+    malformed_events: int = 0
+    """Events that did not decode, skipped (:attr:`EventBatch.malformed`)."""
     unfilled: int = 0
     """Batches of a gap that its replay did not return (gone from the publisher's buffer)."""
     conflicts: int = 0
@@ -330,6 +345,7 @@ class KVEventTracker:
         self.stats.batches += 1
         self.stats.unknown_events += batch.unknown
         self.stats.other_tier_events += batch.other_tier
+        self.stats.malformed_events += batch.malformed
         self._apply_events(batch)
 
     def _apply_events(self, batch: EventBatch) -> None:

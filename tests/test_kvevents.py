@@ -73,21 +73,38 @@ def test_both_encodings_decode_to_the_same_events(form: Any) -> None:
         [b"topic", encode_seq(1), b"\xc1\xc1 not msgpack"],
         [b"topic", encode_seq(1), msgpack.packb({"ts": 1})],  # not a batch
         [b"topic", encode_seq(1), msgpack.packb(["soon", [], 0])],  # ts not a number
-        [b"topic", encode_seq(1), msgpack.packb([0.0, [42], 0])],  # an event that is a number
-        [b"topic", encode_seq(1), msgpack.packb([0.0, [["BlockStored", [1], None, [1, 2], 16]]])],
-        [b"topic", encode_seq(1), msgpack.packb([0.0, [["BlockStored", "x", None, [], 16]]])],
-        [b"topic", encode_seq(1), msgpack.packb([0.0, [["BlockStored", [1], None, [0] * 16, 0]]])],
-        [b"topic", encode_seq(1), msgpack.packb([0.0, [["BlockRemoved", [1.5]]]])],
-        # Token ids Sluice cannot hash (little-endian uint32s): caught here, not by the tracker.
-        *(
-            [b"topic", encode_seq(1), msgpack.packb([0.0, [["BlockStored", [1], None, ids, 4]]])]
-            for ids in ([1, 2, 3, -1], [1, 2, 3, 2**32], [1, 2, 3, 1.5], [1, 2, 3, "4"])
-        ),
     ],
 )
 def test_malformed_messages_raise_a_typed_error(frames: list[bytes]) -> None:
     with pytest.raises(KVEventError):
         decode_message(frames)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        42,  # an event that is a number
+        ["BlockStored", [1], None, [1, 2], 16],
+        ["BlockStored", "x", None, [], 16],
+        ["BlockStored", [1], None, [0] * 16, 0],
+        ["BlockRemoved", [1.5]],
+        # Token ids Sluice cannot hash (little-endian uint32s): caught here, not by the tracker.
+        *(["BlockStored", [1], None, ids, 4] for ids in ([1, 2, 3, -1], [1, 2, 3, 2**32],
+                                                         [1, 2, 3, 1.5], [1, 2, 3, "4"])),
+        # SGLang's bigram (EAGLE) pages: token pairs.
+        ["BlockStored", [1], None, [[1, 2]], 1, None, "GPU"],
+    ],
+)  # fmt: skip
+def test_an_event_that_does_not_decode_is_skipped_and_the_batch_kept(bad: Any) -> None:
+    """It made its whole batch malformed: the batch's other events, which decode, were lost
+    with it (seen failing so)."""
+    good = ["BlockStored", [b"g"], None, list(range(BT)), BT, None, "GPU"]
+    batch = decode_batch(msgpack.packb([0.0, [bad, good], 0]))
+    assert batch.malformed == 1 and batch.error
+    assert batch.events == (BlockStored((b"g",), None, pack_tokens(range(BT)), BT),)
+    t = KVEventTracker(BT)
+    t.apply(0, batch)
+    assert t.stats.malformed_events == 1 and t.cached_blocks() == block_hashes(range(BT), BT)
 
 
 def test_stored_chains_become_sluice_hashes_of_the_same_tokens() -> None:

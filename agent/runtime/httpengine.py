@@ -300,6 +300,8 @@ class HttpEngine:
                     # (a prefill's blocks stored over several steps), which was orphaned.
                     await self._kv_replay(ctx, gap, seq)
                 tracker.fill(seq, batch)
+                if batch.malformed:
+                    log.debug("KV events of %s skipped: %s", c.kv_events, batch.error)
         finally:
             sub.close(linger=0)
             ctx.term()
@@ -501,6 +503,7 @@ class HttpEngine:
             ("other_tier_event", s.other_tier_events),
             ("conflicting_block", s.conflicts),
             ("unfilled", s.unfilled),
+            ("malformed_event", s.malformed_events),
         )
 
     def in_flight(self) -> list[str]:
