@@ -306,6 +306,29 @@ async def test_kv_events_of_another_topic_are_not_followed() -> None:
         _stop(proc)
 
 
+@contextlib.asynccontextmanager
+async def _following(kv_events: str, **config: Any) -> AsyncIterator[HttpEngine]:
+    """A ``sluice engine`` process that publishes no KV events, and an open ``HttpEngine`` for
+    it that follows ``kv_events`` (another publisher, or none), while the block runs."""
+    port = _free_port()
+    proc = _start(["--port", str(port)])
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+            _wait_healthy(c, proc)
+        url = f"http://127.0.0.1:{port}"
+        engine = HttpEngine(
+            HttpEngineConfig(url=url, model="sim", kv_events=kv_events, digest_min_tokens=None,
+                             **config)
+        )  # fmt: skip
+        await engine.open()
+        try:
+            yield engine
+        finally:
+            await engine.close()
+    finally:
+        _stop(proc)
+
+
 async def test_with_kv_bind_an_engine_that_connects_is_followed() -> None:
     """vLLM and SGLang connect their PUB socket to an endpoint that is neither ``ipc://`` nor a
     wildcard (``tcp://127.0.0.1:5557``), so an agent that connected to it as well heard
@@ -319,18 +342,8 @@ async def test_with_kv_bind_an_engine_that_connects_is_followed() -> None:
     from sluice.agent.kvevents import encode_seq
     from sluice.schemas.hashing import block_hashes
 
-    port, kv = _free_port(), _free_port()
-    proc = _start(["--port", str(port)])
-    try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
-            _wait_healthy(c, proc)
-        endpoint = f"tcp://127.0.0.1:{kv}"
-        config = HttpEngineConfig(
-            url=f"http://127.0.0.1:{port}", model="sim", kv_events=endpoint, kv_bind=True,
-            digest_min_tokens=None,
-        )  # fmt: skip
-        engine = HttpEngine(config)
-        await engine.open()
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    async with _following(endpoint, kv_bind=True) as engine:
         ctx = zmq.asyncio.Context()
         pub = ctx.socket(zmq.PUB)
         pub.connect(endpoint)  # as vLLM's publisher does with this endpoint
@@ -339,7 +352,6 @@ async def test_with_kv_bind_an_engine_that_connects_is_followed() -> None:
             assert tracker is not None
             stored = ["BlockStored", [b"a", b"b"], None, PROMPT[:32], 16, None, "GPU"]
             payload = msgpack.packb([0.0, [stored], 0])
-
             seqs = itertools.count()
 
             async def heard() -> bool:  # a PUB drops what it sends before the link is up
@@ -348,52 +360,33 @@ async def test_with_kv_bind_an_engine_that_connects_is_followed() -> None:
 
             await eventually(heard)
             assert set(block_hashes(PROMPT[:32])) <= set(engine.cached_blocks())
-            taken = HttpEngine(config)  # the same endpoint, bound already
+            taken = HttpEngine(engine.config)  # the same endpoint, bound already
             with pytest.raises(EngineError, match="cannot bind the KV event socket"):
                 await taken.open()
             assert taken._session is None  # it failed before it opened anything
         finally:
             pub.close(linger=0)
             ctx.term()
-            await engine.close()
-    finally:
-        _stop(proc)
 
 
 async def test_an_agent_that_hears_no_kv_event_says_so(caplog: pytest.LogCaptureFixture) -> None:
     """Both sides connecting (or a wrong topic, or an engine that publishes none) was silent:
     the digest stayed empty and nothing said why. Once requests that stored whole blocks have
     finished for ``kv_silence_s`` without an event, the agent warns, once."""
-    port, kv = _free_port(), _free_port()
-    proc = _start(["--port", str(port)])  # it publishes no KV events
-    try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
-            _wait_healthy(c, proc)
-        engine = HttpEngine(
-            HttpEngineConfig(
-                url=f"http://127.0.0.1:{port}", model="sim", kv_events=f"tcp://127.0.0.1:{kv}",
-                digest_min_tokens=None, kv_silence_s=0.3,
-            )
-        )  # fmt: skip
-        await engine.open()
-        try:
-            for i in range(2):
-                engine.add(f"r{i}", len(PROMPT), 1, [], 0.0, PROMPT)
+    async with _following(f"tcp://127.0.0.1:{_free_port()}", kv_silence_s=0.3) as engine:
+        for i in range(2):
+            engine.add(f"r{i}", len(PROMPT), 1, [], 0.0, PROMPT)
 
-                async def done(rid: str = f"r{i}") -> bool:
-                    return any(
-                        not isinstance(e, TokensOut) and e.request_id == rid
-                        for e in engine.step().events
-                    )
+            async def done(rid: str = f"r{i}") -> bool:
+                return any(
+                    not isinstance(e, TokensOut) and e.request_id == rid
+                    for e in engine.step().events
+                )
 
-                await eventually(done)
-                await asyncio.sleep(0.35)
-            assert engine.kv_silent
-            assert sum("no KV event has come" in r.getMessage() for r in caplog.records) == 1
-        finally:
-            await engine.close()
-    finally:
-        _stop(proc)
+            await eventually(done)
+            await asyncio.sleep(0.35)
+        assert engine.kv_silent
+        assert sum("no KV event has come" in r.getMessage() for r in caplog.records) == 1
 
 
 async def test_an_agent_whose_kv_socket_cannot_open_does_not_start(nats_url: str) -> None:
@@ -434,24 +427,14 @@ async def test_a_replay_is_asked_as_vllm_answers_and_what_it_lacks_is_counted() 
 
     from sluice.agent.kvevents import REPLAY_END, decode_seq, encode_seq
 
-    port, kv = _free_port(), _free_port_pair()
-    proc = _start(["--port", str(port)])
+    kv = _free_port_pair()
     ctx = zmq.asyncio.Context()
     pub, router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
     pub.bind(f"tcp://127.0.0.1:{kv}")
     router.bind(f"tcp://127.0.0.1:{kv + 1}")
     empty = msgpack.packb([0.0, [], 0])
     try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
-            _wait_healthy(c, proc)
-        engine = HttpEngine(
-            HttpEngineConfig(
-                url=f"http://127.0.0.1:{port}", model="sim", kv_events=f"tcp://127.0.0.1:{kv}",
-                digest_min_tokens=None,
-            )
-        )  # fmt: skip
-        await engine.open()
-        try:
+        async with _following(f"tcp://127.0.0.1:{kv}") as engine:
             tracker = engine.kv_tracker
             assert tracker is not None
 
@@ -474,13 +457,10 @@ async def test_a_replay_is_asked_as_vllm_answers_and_what_it_lacks_is_counted() 
 
             await eventually(counted)
             assert tracker.stats.gaps == 1
-        finally:
-            await engine.close()
     finally:
         pub.close(linger=0)
         router.close(linger=0)
         ctx.term()
-        _stop(proc)
 
 
 async def test_the_demo_runs_through_sluice_engine_processes() -> None:

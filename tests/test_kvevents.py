@@ -124,45 +124,36 @@ def test_stored_chains_become_sluice_hashes_of_the_same_tokens() -> None:
     assert t.cached_blocks() == []
 
 
-def test_a_restarted_engine_is_followed_and_its_old_blocks_evicted() -> None:
-    """vLLM's publisher counts from 0 again after a restart: every batch under the old
-    sequence was ignored as a replay's overlap, the restart's own events with it, and the
-    mirror kept the blocks the restart lost (seen, by a helper's probe)."""
+@pytest.mark.parametrize(
+    ("before", "first_seen", "replay_from"),
+    [
+        (1500, 0, None),  # vLLM's publisher counts from 0 again
+        # Restarted within its first 1,000 batches, its first batches after the restart
+        # missed (a SUB socket reconnecting): only a 0 or a sequence 1,000 back counted as a
+        # restart, so batches 3-19 were ignored as a replay's overlap and the lost blocks
+        # kept (seen failing so). Its batches 0-2 are still in its replay buffer: replayed.
+        (20, 3, 0),
+    ],
+)
+def test_a_restarted_engine_is_followed_and_its_old_blocks_evicted(
+    before: int, first_seen: int, replay_from: int | None
+) -> None:
+    """A live sequence that goes back is a restarted engine: its old blocks are evicted and
+    its new ones followed (every batch under the old sequence was ignored as a replay's
+    overlap, the restart's own events with it: seen, by a helper's probe)."""
     prompt = list(range(1000, 1000 + 2 * BT))
     t = KVEventTracker(BT)
     stored = _stored_array([b"e1", b"e2"], None, prompt)
-    for seq in range(1500):
+    for seq in range(before):
         t.apply(seq, decode_batch(msgpack.packb([0.0, [stored] if seq == 0 else [], 0])))
     t.cache_changes()
     again = _stored_array([b"n1"], None, prompt[:BT])
-    assert t.apply(0, decode_batch(msgpack.packb([0.0, [again], 0]))) is None
-    assert t.stats.restarts == 1
-    stored_now, evicted = t.cache_changes()
-    assert sorted(evicted) == sorted(block_hashes(prompt, BT))
-    assert stored_now == block_hashes(prompt, BT)[:1]
-    assert t.cached_blocks() == block_hashes(prompt, BT)[:1]
-    assert t.apply(1, decode_batch(msgpack.packb([0.0, [], 0]))) is None  # followed on
-
-
-def test_a_restart_soon_after_the_start_whose_first_batches_were_missed_is_seen() -> None:
-    """An engine restarted within its first 1,000 batches, its first batches after the
-    restart missed (a SUB socket reconnecting): the next live one, 3, is behind the 20
-    expected. Only a 0 or a sequence 1,000 back counted as a restart: batches 3-19 were
-    ignored as a replay's overlap, and the lost blocks kept (seen failing so)."""
-    prompt = list(range(1000, 1000 + 2 * BT))
-    t = KVEventTracker(BT)
-    stored = _stored_array([b"e1", b"e2"], None, prompt)
-    for seq in range(20):
-        t.apply(seq, decode_batch(msgpack.packb([0.0, [stored] if seq == 0 else [], 0])))
-    t.cache_changes()
-    again = _stored_array([b"n1"], None, prompt[:BT])
-    # Its batches 0-2 are still in its replay buffer: replay them (a chain they began would
-    # leave the live batch's blocks orphaned).
-    assert t.apply(3, decode_batch(msgpack.packb([0.0, [again], 0]))) == 0
-    assert t.stats.restarts == 1 and t.stats.gaps == 1
+    assert t.apply(first_seen, decode_batch(msgpack.packb([0.0, [again], 0]))) == replay_from
+    assert t.stats.restarts == 1 and t.stats.gaps == (replay_from is not None)
     stored_now, evicted = t.cache_changes()
     assert sorted(evicted) == sorted(block_hashes(prompt, BT))
     assert t.cached_blocks() == stored_now == block_hashes(prompt, BT)[:1]
+    assert t.apply(first_seen + 1, decode_batch(msgpack.packb([0.0, [], 0]))) is None
 
 
 def test_a_batch_msgpack_decodes_but_python_cannot_is_a_kv_event_error() -> None:
