@@ -552,6 +552,17 @@ _BAD_ANSWERS = {
     "500-endless": "500-endless",
     # Too busy, come back in a second.
     "busy": "busy",
+    # An error the engine streams, in vLLM's shapes, new and old: the old read as a chunk
+    # without text, and the request failed as "the stream ended without usage", the reason
+    # lost; the new one's message came as the repr of its whole object.
+    "error-event": [
+        _TOKEN, b'data: {"error": {"message": "too long", "type": "BadRequestError"}}\n\n',
+        b"data: [DONE]\n\n",
+    ],
+    "error-object": [
+        _TOKEN, b'data: {"object": "error", "message": "out of memory", "code": 500}\n\n',
+        b"data: [DONE]\n\n",
+    ],
 }  # fmt: skip
 
 
@@ -595,6 +606,8 @@ async def _bad_answer(mode: str) -> Any:
         ("keepalive", "no first token within first_token_timeout_s of 0.5 s"),
         ("no-head", "no first token within first_token_timeout_s of 0.5 s"),
         ("500-endless", "the engine answered 500: the engine broke"),
+        ("error-event", "the engine reported an error: too long"),
+        ("error-object", "the engine reported an error: out of memory"),
     ],
 )
 async def test_an_engine_answering_what_no_openai_server_sends_fails_the_request(

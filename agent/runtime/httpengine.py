@@ -608,8 +608,9 @@ class HttpEngine:
                 raise EngineError(f"a malformed SSE event: {data[:80]!r}") from exc
             if not isinstance(chunk, dict):
                 raise EngineError("an SSE event that is not an object")
-            if "error" in chunk:
-                raise EngineError(f"the engine reported an error: {str(chunk['error'])[:300]}")
+            reported = _reported(chunk)
+            if reported is not None:
+                raise EngineError(f"the engine reported an error: {reported}")
             yield chunk
         raise EngineError("the stream ended before [DONE]")
 
@@ -695,6 +696,19 @@ _ERROR_BYTES = 300
 """What an error answer's body is read of, at most (for its message)."""
 _MOST_TOKENS = 1 << 31
 """A token count above this is no engine's."""
+
+
+def _reported(chunk: dict[str, Any]) -> str | None:
+    """The message of an error the engine streamed: vLLM's ``{"error": {"message": ...}}``,
+    or its older ``{"object": "error", "message": ...}`` (which read as a chunk without text,
+    and failed its request as a stream "without usage", the engine's reason lost)."""
+    err = chunk.get("error")
+    if err is None and chunk.get("object") == "error":
+        err = chunk
+    if err is None:
+        return None
+    message = err.get("message") if isinstance(err, dict) else None
+    return str(message if message is not None else err)[:300]
 
 
 def _texts(chunk: dict[str, Any]) -> list[str]:
