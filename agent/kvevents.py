@@ -10,8 +10,9 @@ block_size, lora_id, medium, ...]``, ``["BlockRemoved", block_hashes, medium]`` 
 named here and unknown event types are ignored; an event that does not decode is skipped and
 counted (the batch's other events kept); a message or batch that does not decode raises
 :class:`~sluice.agent.errors.KVEventError` (the caller counts and drops it). The replay socket
-(ROUTER) answers a request of one 8-byte big-endian starting sequence with ``(sequence,
-payload)`` messages, ending with sequence -1.
+(ROUTER) answers a request of an empty frame and the 8-byte big-endian starting sequence (as
+a REQ socket frames it; vLLM's and SGLang's servers answer nothing else) with ``(empty,
+sequence, payload)`` messages, ending with sequence -1.
 
 The engine's block hashes are not Sluice's: :class:`KVEventTracker` hashes each stored block's
 token ids with Sluice's own chained block hashing (:mod:`sluice.schemas.hashing`), remembers
