@@ -112,10 +112,10 @@ class HttpEngineConfig:
     max_blocks: int = RECORD_MAX_BLOCKS
     """Block hashes the record of served prompts keeps at most."""
     kv_max_blocks: int = KV_MAX_BLOCKS
+    """Engine blocks the KV-event mirror keeps at most."""
     kv_silence_s: float = KV_SILENCE_S
     """Warn once if no KV event has come this long after a request that stored a whole block
     finished."""
-    """Engine blocks the KV-event mirror keeps at most."""
 
 
 @dataclass
