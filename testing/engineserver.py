@@ -211,8 +211,9 @@ class SimServer:
         check_page_tokens(profile, kv_page_tokens)
         self.profile, self.model, self.speed = profile, model, speed
         self.kv_page_tokens = kv_page_tokens
-        """Publish KV events as SGLang does, one ``BlockStored`` per page of this many tokens
-        (SGLang's ``--page-size``, 1 by default); None: vLLM's, a block per block."""
+        """Publish KV events as SGLang does, a hash per page of this many tokens (SGLang's
+        ``--page-size``, 1 by default), a chain of pages an event; None: vLLM's, a hash per
+        block."""
         self.tokenizer = tokenizer
         self.kv_events = kv_events
         self._pending_events: list[Any] = []
@@ -803,7 +804,7 @@ def serve(
 ) -> None:
     """Run the server until interrupted (on ``host:port``, or on the Unix socket ``uds``);
     ``kv_events``: publish vLLM-format KV events on this ZMQ endpoint (replay beside it), or
-    with ``kv_page_tokens`` SGLang's, a page of that many tokens an event; ``tokenizer``: a
+    with ``kv_page_tokens`` SGLang's, a hash per page of that many tokens; ``tokenizer``: a
     ``tokenizer.json`` for text prompts (a bad file or page size is a ``ConfigError``)."""
     import uvicorn
 
