@@ -231,6 +231,8 @@ class TrackerStats:
     restarts: int = 0
     """Times the live sequence went back: a restarted publisher (its engine's cache is empty
     again)."""
+    publishers_lost: int = 0
+    """Times the link to the publisher closed (:meth:`KVEventTracker.publisher_lost`)."""
 
 
 class _Block:
@@ -339,6 +341,15 @@ class KVEventTracker:
             self.stats.gaps += 1
         self.expected_seq = seq + 1
         return gap
+
+    def publisher_lost(self) -> None:
+        """The link to the publisher closed (its engine stopped, or the link broke): what the
+        mirror holds may be gone with the engine, so it empties, and the next sequence heard
+        starts afresh (a restarted engine's, which may be past the old one's)."""
+        self.stats.publishers_lost += 1
+        for h in list(self._blocks):
+            self._remove(h)
+        self.expected_seq = None
 
     def fill(self, seq: int, batch: EventBatch) -> None:
         """Apply batch ``seq``: a live one :meth:`check` passed, or a replayed one a gap

@@ -266,6 +266,69 @@ async def test_kv_events_feed_the_digest_and_a_gap_is_replayed(pages: list[str])
         _stop(proc)
 
 
+async def test_an_engine_that_stops_empties_the_mirror_and_its_successor_is_followed() -> None:
+    """The engine dies (its KV event link closes): the mirror empties, since its cache is
+    gone; a restarted engine is followed from its first batch. Before, the mirror kept the
+    dead engine's blocks until the new engine's sequence went back below the old one's, and
+    one heard first at or past it (a crash within its first batches) was never seen
+    restarting (seen failing so)."""
+    from sluice.schemas.hashing import block_hashes
+
+    port, kv = _free_port(), _free_port_pair()
+    args = ["--port", str(port), "--kv-events-port", str(kv)]
+    proc = _start(args)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+            _wait_healthy(c, proc)
+        engine = HttpEngine(
+            HttpEngineConfig(
+                url=f"http://127.0.0.1:{port}", model="sim", kv_events=f"tcp://127.0.0.1:{kv}",
+                digest_min_tokens=None, health_every_s=0.2,
+            )
+        )  # fmt: skip
+        await engine.open()
+        try:
+            tracker = engine.kv_tracker
+            assert tracker is not None
+            await asyncio.sleep(0.3)  # a SUB socket misses what is published before it joined
+            engine.add("r1", len(PROMPT), 1, [], 0.0, PROMPT)
+
+            async def held() -> bool:
+                engine.step()
+                return set(block_hashes(PROMPT)) <= set(engine.cached_blocks())
+
+            await eventually(held)
+            proc.kill()
+            proc.wait()
+
+            async def emptied() -> bool:
+                return tracker.stats.publishers_lost >= 1 and engine.cached_blocks() == []
+
+            await eventually(emptied)
+            proc = _start(args)  # the same engine again, its sequence from 0
+            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+                _wait_healthy(c, proc)
+
+            async def available() -> bool:
+                return engine.available
+
+            await eventually(available, timeout_s=10.0)
+            await asyncio.sleep(0.3)  # the SUB socket reconnects
+            other = list(range(30_000, 30_000 + 256))
+            engine.add("r2", len(other), 1, [], 0.0, other)
+
+            async def followed() -> bool:
+                engine.step()
+                return set(block_hashes(other)) <= set(engine.cached_blocks())
+
+            await eventually(followed)
+            assert not set(block_hashes(PROMPT)) & set(engine.cached_blocks())
+        finally:
+            await engine.close()
+    finally:
+        _stop(proc)
+
+
 async def test_kv_events_of_another_topic_are_not_followed() -> None:
     """A publisher shared by several engines or models tells them apart by topic: an agent
     follows its own (``engine_kv_topic``). It followed every topic on the socket (a helper's

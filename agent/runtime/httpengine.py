@@ -273,38 +273,81 @@ class HttpEngine:
         return ctx, sub
 
     async def _kv_loop(self, ctx: Any, sub: Any) -> None:
-        """Follow the engine's KV events; a gap is filled from its replay socket first."""
+        """Follow the engine's KV events; a gap is filled from its replay socket first. A
+        closed link to the publisher (its engine stopped) empties the mirror: what it held
+        is gone with the engine, and a restarted one is heard afresh."""
+        import zmq
+        import zmq.asyncio
+        from zmq.utils.monitor import parse_monitor_message
+
         c, tracker = self.config, self.kv_tracker
         assert c.kv_events is not None and tracker is not None
+        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        poller = zmq.asyncio.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         try:
             while True:
-                frames = await sub.recv_multipart()
-                try:
-                    seq, batch = decode_message(frames)
-                except KVEventError as exc:
-                    self.kv_dropped += 1
-                    log.debug("KV event from %s dropped: %s", c.kv_events, exc)
+                ready = dict(await poller.poll())
+                if sub in ready:
+                    await self._kv_drain(ctx, sub)
+                if monitor not in ready:
                     continue
-                except Exception:  # nothing the engine sends may end the following for good
-                    self.kv_dropped += 1
-                    self._unexpected("agent.kv-events", "a KV event from %s", c.kv_events)
-                    continue
-                restarts = tracker.stats.restarts
-                gap = tracker.check(seq)
-                if tracker.stats.restarts != restarts:
-                    log.warning(
-                        "KV events of %s start again at %d: its engine restarted", c.url, seq
-                    )
-                if gap is not None:
-                    # The missed batches first: the live one may continue a chain they began
-                    # (a prefill's blocks stored over several steps), which was orphaned.
-                    await self._kv_replay(ctx, gap, seq)
-                tracker.fill(seq, batch)
-                if batch.malformed:
-                    log.debug("KV events of %s skipped: %s", c.kv_events, batch.error)
+                while True:
+                    try:
+                        event = parse_monitor_message(await monitor.recv_multipart(zmq.NOBLOCK))
+                    except zmq.Again:
+                        break
+                    if event["event"] == zmq.EVENT_DISCONNECTED:
+                        # What it sent before the link closed is read first: the two sockets
+                        # are read in no set order.
+                        await self._kv_drain(ctx, sub)
+                        tracker.publisher_lost()
+                        log.warning(
+                            "the KV event publisher of %s went away: its cache is taken as "
+                            "empty until its events say otherwise", c.url,
+                        )  # fmt: skip
         finally:
+            sub.disable_monitor()
+            monitor.close(linger=0)
             sub.close(linger=0)
             ctx.term()
+
+    async def _kv_drain(self, ctx: Any, sub: Any) -> None:
+        """Apply every message waiting on the SUB socket."""
+        import zmq
+
+        while True:
+            try:
+                frames = await sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            await self._kv_message(ctx, frames)
+
+    async def _kv_message(self, ctx: Any, frames: list[bytes]) -> None:
+        c, tracker = self.config, self.kv_tracker
+        assert tracker is not None
+        try:
+            seq, batch = decode_message(frames)
+        except KVEventError as exc:
+            self.kv_dropped += 1
+            log.debug("KV event from %s dropped: %s", c.kv_events, exc)
+            return
+        except Exception:  # nothing the engine sends may end the following for good
+            self.kv_dropped += 1
+            self._unexpected("agent.kv-events", "a KV event from %s", c.kv_events)
+            return
+        restarts = tracker.stats.restarts
+        gap = tracker.check(seq)
+        if tracker.stats.restarts != restarts:
+            log.warning("KV events of %s start again at %d: its engine restarted", c.url, seq)
+        if gap is not None:
+            # The missed batches first: the live one may continue a chain they began (a
+            # prefill's blocks stored over several steps), which was orphaned.
+            await self._kv_replay(ctx, gap, seq)
+        tracker.fill(seq, batch)
+        if batch.malformed:
+            log.debug("KV events of %s skipped: %s", c.kv_events, batch.error)
 
     async def _kv_replay(self, ctx: Any, start: int, upto: int) -> None:
         import zmq
@@ -504,6 +547,7 @@ class HttpEngine:
             ("conflicting_block", s.conflicts),
             ("unfilled", s.unfilled),
             ("malformed_event", s.malformed_events),
+            ("publisher_lost", s.publishers_lost),
         )
 
     def in_flight(self) -> list[str]:

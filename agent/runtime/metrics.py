@@ -37,7 +37,8 @@ ENGINE_BUSY = Counter(
 ENGINE_KV_EVENTS = Counter(
     "sluice_agent_engine_kv_events_total",
     "The engine's KV events: batches applied, dropped (malformed), gaps, restarts, missed "
-    "batches a replay did not return (unfilled); events that did not decode, skipped "
+    "batches a replay did not return (unfilled), links to the publisher closed "
+    "(publisher_lost: the mirror emptied); events that did not decode, skipped "
     "(malformed_event); blocks orphaned (parent unknown) or stored "
     "again at another depth (conflicting: the publisher's hashes are not chained); events of a "
     "tier below the GPU's, skipped (other_tier)",
