@@ -301,6 +301,7 @@ class KVEventTracker:
     _blocks: dict[EngineHash, _Block] = field(default_factory=dict)
     _stored: list[int] = field(default_factory=list)
     _evicted: list[int] = field(default_factory=list)
+    _lost: bool = False
 
     def __post_init__(self) -> None:
         if self.max_blocks < 1:
@@ -325,7 +326,14 @@ class KVEventTracker:
         goes back is a restarted engine (vLLM's publisher counts from 0 again, and its first
         batches may be missed): the mirror empties, and follows it."""
         gap = None
-        if self.expected_seq is not None and seq < self.expected_seq:
+        if self._lost:
+            # The first batch heard after the link closed: a restarted engine's, whose first
+            # batches the new link may have missed.
+            self._lost = False
+            if seq > 0:
+                gap = 0
+                self.stats.gaps += 1
+        elif self.expected_seq is not None and seq < self.expected_seq:
             # What the mirror holds is gone with the engine. (Only a 0, or a sequence 1,000
             # back, counted as a restart: one that restarted within its first 1,000 batches,
             # or whose first batches after it were missed, had its events ignored until its
@@ -345,11 +353,13 @@ class KVEventTracker:
     def publisher_lost(self) -> None:
         """The link to the publisher closed (its engine stopped, or the link broke): what the
         mirror holds may be gone with the engine, so it empties, and the next sequence heard
-        starts afresh (a restarted engine's, which may be past the old one's)."""
+        starts afresh (a restarted engine's, which may be past the old one's; past 0, its
+        earlier batches are replayed)."""
         self.stats.publishers_lost += 1
         for h in list(self._blocks):
             self._remove(h)
         self.expected_seq = None
+        self._lost = True
 
     def fill(self, seq: int, batch: EventBatch) -> None:
         """Apply batch ``seq``: a live one :meth:`check` passed, or a replayed one a gap

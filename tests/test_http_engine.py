@@ -329,6 +329,70 @@ async def test_an_engine_that_stops_empties_the_mirror_and_its_successor_is_foll
         _stop(proc)
 
 
+@pytest.mark.parametrize("case", ["connect-to-a-proxy", "bind-and-a-probe"])
+async def test_a_link_whose_handshake_failed_is_no_publisher_lost(case: str) -> None:
+    """libzmq reports a link closed after a handshake that failed too: a proxy that accepts
+    and closes while the engine loads (connect), or a TCP probe of the bound port (bind),
+    emptied a live mirror and logged a warning per attempt (a reviewer's probe). Only the
+    close of a link whose handshake succeeded is a publisher lost."""
+    import socket
+    import threading
+
+    import msgpack
+    import zmq
+    import zmq.asyncio
+
+    from sluice.agent.kvevents import encode_seq
+
+    port = _free_port()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    stop = threading.Event()
+    if case == "connect-to-a-proxy":
+        proxy = socket.create_server(("127.0.0.1", port))
+        proxy.settimeout(0.1)
+
+        def accept_and_close() -> None:
+            while not stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    proxy.accept()[0].close()
+
+        closer = threading.Thread(target=accept_and_close, daemon=True)
+        closer.start()
+    try:
+        async with _following(endpoint, kv_bind=case == "bind-and-a-probe") as engine:
+            tracker = engine.kv_tracker
+            assert tracker is not None
+            if case == "connect-to-a-proxy":
+                await asyncio.sleep(1.0)  # ZeroMQ reconnects every 0.1 s: about 10 closes
+            else:
+                ctx = zmq.asyncio.Context()
+                pub = ctx.socket(zmq.PUB)
+                pub.connect(endpoint)  # a live publisher...
+                stored = ["BlockStored", [b"a"], None, PROMPT[:16], 16, None, "GPU"]
+                payload = msgpack.packb([0.0, [stored], 0])
+                seqs = itertools.count()
+
+                async def heard() -> bool:
+                    await pub.send_multipart([b"", encode_seq(next(seqs)), payload])
+                    return tracker.stats.batches >= 1
+
+                try:
+                    await eventually(heard)
+                    for _ in range(3):  # ...and a kubelet tcpSocket probe of the port
+                        socket.create_connection(("127.0.0.1", port)).close()
+                        await asyncio.sleep(0.2)
+                    assert engine.cached_blocks()  # the mirror kept its block
+                finally:
+                    pub.close(linger=0)
+                    ctx.term()
+            assert tracker.stats.publishers_lost == 0
+    finally:
+        stop.set()
+        if case == "connect-to-a-proxy":
+            closer.join()
+            proxy.close()
+
+
 async def test_kv_events_of_another_topic_are_not_followed() -> None:
     """A publisher shared by several engines or models tells them apart by topic: an agent
     follows its own (``engine_kv_topic``). It followed every topic on the socket (a helper's

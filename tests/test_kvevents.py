@@ -358,3 +358,19 @@ def test_an_engine_hash_at_two_places_of_a_chain_is_counted_as_a_conflict() -> N
     by_token = [f"t{tok}".encode() for tok in prompt]
     unchained.apply(0, decode_batch(msgpack.packb([0.0, stored(by_token), 0])))
     assert unchained.stats.conflicts >= 1
+
+
+def test_after_a_lost_link_the_first_batch_heard_past_0_is_replayed_from_0() -> None:
+    """A lost link empties the mirror, and the restarted engine's first batches may come
+    before the new link is up: the first heard past 0 asks for a replay from 0 (it was taken
+    as a fresh start, and a chain those batches began left its continuation orphaned)."""
+    prompt = list(range(BT))
+    t = KVEventTracker(BT)
+    t.apply(0, decode_batch(msgpack.packb([0.0, [_stored_array([b"e"], None, prompt)], 0])))
+    t.cache_changes()
+    t.publisher_lost()
+    assert t.cached_blocks() == [] and t.cache_changes() == ([], block_hashes(prompt, BT))
+    assert t.check(3) == 0 and t.stats.gaps == 1 and t.stats.restarts == 0
+    assert t.check(4) is None  # followed on
+    t.publisher_lost()
+    assert t.check(0) is None  # heard from its first batch: nothing to replay

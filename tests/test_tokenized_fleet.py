@@ -108,6 +108,12 @@ async def test_the_dispatchers_predicted_hit_is_the_engines_hit(
         b = await (await c.submit("sim", PREFIX + " beta" * 20, max_tokens=4)).result(20)
     assert b.ok and b.worker_id == a.worker_id
     assert b.cached_tokens == 384  # the engine's hit: the 24 blocks of the shared prefix
+    # Every outcome's series is exposed from the first heartbeat, at 0 where nothing
+    # happened: an alert on increase() missed the first incident of a series born at 1.
+    from prometheus_client import REGISTRY
+
+    labels = {"worker": a.worker_id, "outcome": "unfilled"}
+    assert REGISTRY.get_sample_value("sluice_agent_engine_kv_events_total", labels) is not None
     assert engine.kv_tracker.stats.batches > 0 and engine.kv_dropped == 0
     # The agent exports the events it applied (its heartbeats counted them by then).
     applied = _kv_applied(holder.worker_id) - before[holder.worker_id]

@@ -750,8 +750,11 @@ class Agent:
         metrics.ENGINE_BUSY.labels(self.worker_id).inc(max(0.0, busy_s - self._busy_counted_s))
         self._busy_counted_s = max(busy_s, self._busy_counted_s)
         for outcome, n in load.kv_events:  # cumulative counts: the counter takes what is new
+            # Every outcome's series from the first heartbeat on, at 0: an alert on its
+            # increase() missed the first incident of a series that appeared at 1.
+            counter = metrics.ENGINE_KV_EVENTS.labels(self.worker_id, outcome)
             if n > (counted := self._kv_counted.get(outcome, 0)):
-                metrics.ENGINE_KV_EVENTS.labels(self.worker_id, outcome).inc(n - counted)
+                counter.inc(n - counted)
                 self._kv_counted[outcome] = n
         self._hb_seq += 1
         full = self._outbox.full

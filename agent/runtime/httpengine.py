@@ -204,14 +204,23 @@ class HttpEngine:
         # The KV event socket first: one that cannot be bound or connected fails the start
         # before anything else is open.
         kv = self._kv_socket() if self.kv_tracker is not None else None
-        self._session = aiohttp.ClientSession(connector=self._connector())
-        if self.config.metrics_url is not None:
-            self._metrics_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector())
-        await self._check_health()
-        self._health = asyncio.create_task(self._health_loop(), name="engine-health")
-        if self._scrapes:
-            await self._scrape()
-            self._scraper = asyncio.create_task(self._scrape_loop(), name="engine-metrics")
+        try:
+            self._session = aiohttp.ClientSession(connector=self._connector())
+            if self.config.metrics_url is not None:
+                self._metrics_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector())
+            await self._check_health()
+            self._health = asyncio.create_task(self._health_loop(), name="engine-health")
+            if self._scrapes:
+                await self._scrape()
+                self._scraper = asyncio.create_task(self._scrape_loop(), name="engine-metrics")
+        except BaseException:  # (a stop while it starts, say): nothing left open behind
+            if kv is not None:
+                ctx, sub, links = kv
+                links.close(sub)
+                sub.close(linger=0)
+                ctx.term()
+            await self.close()
+            raise
         if kv is not None:
             self._kv_task = asyncio.create_task(self._kv_loop(*kv), name="engine-kv-events")
 
@@ -249,7 +258,7 @@ class HttpEngine:
             self.scrape_errors += 1
             log.debug("metrics of %s not read: %s", self.config.url, exc)
 
-    def _kv_socket(self) -> tuple[Any, Any]:
+    def _kv_socket(self) -> tuple[Any, Any, _Links]:
         """The SUB socket of the engine's KV events, connected to its publisher (or bound,
         with ``kv_bind``, for a publisher that connects); an ``EngineError`` if it cannot."""
         import zmq
@@ -260,61 +269,54 @@ class HttpEngine:
         ctx = zmq.asyncio.Context()
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, c.kv_topic.encode())
+        # The link monitor before the first link: its handshake must be seen to count it.
+        links = _Links(sub.get_monitor_socket(_Links.events()))
         try:
             if c.kv_bind:
                 sub.bind(c.kv_events)
             else:
                 sub.connect(c.kv_events)
         except zmq.ZMQError as exc:
+            links.close(sub)
             sub.close(linger=0)
             ctx.term()
             how = "bind" if c.kv_bind else "connect"
             raise EngineError(f"cannot {how} the KV event socket at {c.kv_events}: {exc}") from exc
-        return ctx, sub
+        return ctx, sub, links
 
-    async def _kv_loop(self, ctx: Any, sub: Any) -> None:
+    async def _kv_loop(self, ctx: Any, sub: Any, links: _Links) -> None:
         """Follow the engine's KV events; a gap is filled from its replay socket first. A
         closed link to the publisher (its engine stopped) empties the mirror: what it held
         is gone with the engine, and a restarted one is heard afresh."""
         import zmq
         import zmq.asyncio
-        from zmq.utils.monitor import parse_monitor_message
 
         c, tracker = self.config, self.kv_tracker
         assert c.kv_events is not None and tracker is not None
-        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        poller = zmq.asyncio.Poller()
-        poller.register(sub, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
         try:
+            poller = zmq.asyncio.Poller()
+            poller.register(sub, zmq.POLLIN)
+            poller.register(links.monitor, zmq.POLLIN)
             while True:
                 ready = dict(await poller.poll())
                 if sub in ready:
                     await self._kv_drain(ctx, sub)
-                if monitor not in ready:
-                    continue
-                while True:
-                    try:
-                        event = parse_monitor_message(await monitor.recv_multipart(zmq.NOBLOCK))
-                    except zmq.Again:
-                        break
-                    if event["event"] == zmq.EVENT_DISCONNECTED:
-                        # What it sent before the link closed is read first: the two sockets
-                        # are read in no set order.
-                        await self._kv_drain(ctx, sub)
-                        tracker.publisher_lost()
-                        log.warning(
-                            "the KV event publisher of %s went away: its cache is taken as "
-                            "empty until its events say otherwise", c.url,
-                        )  # fmt: skip
+                if links.monitor in ready and await links.read():
+                    # What the dead engine sent before its link closed: dropped, not applied
+                    # after the mirror empties (the two sockets are read in no set order).
+                    await self._kv_drain(ctx, sub, apply=False)
+                    tracker.publisher_lost()
+                    log.warning(
+                        "the KV event publisher of %s went away: its cache is taken as "
+                        "empty until its events say otherwise", c.url,
+                    )  # fmt: skip
         finally:
-            sub.disable_monitor()
-            monitor.close(linger=0)
+            links.close(sub)
             sub.close(linger=0)
             ctx.term()
 
-    async def _kv_drain(self, ctx: Any, sub: Any) -> None:
-        """Apply every message waiting on the SUB socket."""
+    async def _kv_drain(self, ctx: Any, sub: Any, *, apply: bool = True) -> None:
+        """Every message waiting on the SUB socket: applied, or only read (``apply``)."""
         import zmq
 
         while True:
@@ -322,7 +324,8 @@ class HttpEngine:
                 frames = await sub.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            await self._kv_message(ctx, frames)
+            if apply:
+                await self._kv_message(ctx, frames)
 
     async def _kv_message(self, ctx: Any, frames: list[bytes]) -> None:
         c, tracker = self.config, self.kv_tracker
@@ -381,7 +384,9 @@ class HttpEngine:
         finally:
             sock.close(linger=0)
             missing = upto - start - got
-            if missing > 0:  # gone from the engine's replay buffer, or not sent in time
+            # (From 0, after a restart or a lost link, the buffer may well have rotated past
+            # what the mirror never had: no shortfall of a gap.)
+            if missing > 0 and start > 0:  # gone from the engine's replay buffer, or late
                 tracker.stats.unfilled += missing
                 log.warning(
                     "KV events %d-%d of %s could not be replayed (%d missing): the mirror "
@@ -836,3 +841,63 @@ class _Watch:
         if self.first:
             return f"no first token within first_token_timeout_s of {self.first_s:g} s"
         return f"no token within token_timeout_s of {self.between_s:g} s of the last"
+
+
+class _Links:
+    """The links of a KV event SUB socket, from its monitor's events: a link counts once its
+    ZeroMQ handshake succeeded, and only the close of such a link is a publisher lost.
+    libzmq also reports a link closed after a handshake that failed (a proxy that accepts and
+    closes while the engine loads; a TCP probe of a bound port), which emptied a live mirror
+    (a reviewer's probe)."""
+
+    def __init__(self, monitor: Any) -> None:
+        self.monitor = monitor
+        self.up = 0
+        self.failed = 0
+
+    @staticmethod
+    def _failures() -> tuple[int, ...]:
+        import zmq
+
+        return (
+            zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+            zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+            zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+        )
+
+    @staticmethod
+    def events() -> int:
+        """The monitor's events: handshakes succeeded and failed, links closed."""
+        import zmq
+
+        mask = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+        for event in _Links._failures():
+            mask |= event
+        return mask
+
+    async def read(self) -> bool:
+        """Read the monitor's waiting events; True if the last live link closed."""
+        import zmq
+        from zmq.utils.monitor import parse_monitor_message
+
+        lost = False
+        while True:
+            try:
+                frames = await self.monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return lost
+            event = parse_monitor_message(frames)["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.up += 1
+            elif event in self._failures():
+                self.failed += 1
+            elif event == zmq.EVENT_DISCONNECTED:
+                if self.failed:  # the close of a link that never came up
+                    self.failed -= 1
+                elif self.up:
+                    self.up -= 1
+                    lost = lost or self.up == 0
+
+    def close(self, sub: Any) -> None:
+        sub.disable_monitor()
+        self.monitor.close(linger=0)
