@@ -4,6 +4,7 @@ coroutine, and one way to get a client from the settings."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
@@ -27,13 +28,47 @@ def fail(message: str, code: int = 2) -> typer.Exit:
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
-    """Run a coroutine on uvloop (asyncio where it is missing)."""
+    """Run a coroutine on uvloop (asyncio where it is missing). Ctrl-C, and SIGTERM (which
+    the root command turns into one), cancel it as asyncio's runner does (its ``finally``
+    blocks stop what it started), then end it with ``KeyboardInterrupt`` (exit code 130)."""
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux and macOS
-        return asyncio.run(coro)
+        return asyncio.run(_sigterm_cancels(coro))
     # (Outside the try: an ImportError the command itself raises is not a missing uvloop.)
-    return uvloop.run(coro)
+    return uvloop.run(_sigterm_cancels(coro))
+
+
+async def _sigterm_cancels(coro: Coroutine[Any, Any, T]) -> T:
+    # Where SIGINT is ignored (a script's background job), asyncio's runner cancels nothing
+    # on a signal, and SIGTERM raised the KeyboardInterrupt wherever the loop happened to be:
+    # in a transport's callback, uvloop logs it as a fatal transport error and swallows it,
+    # and the command ran on (seen: `bench-engine`, its agent busy streaming). There SIGTERM
+    # cancels the main task, as the runner does on Ctrl-C elsewhere.
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        return await coro  # (SIGTERM is a SIGINT: the runner's own handling)
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    signalled = False
+
+    def stop() -> None:
+        nonlocal signalled
+        signalled = True
+        task.cancel()
+
+    try:
+        loop.add_signal_handler(signal.SIGTERM, stop)
+    except NotImplementedError:  # pragma: no cover - not on Windows's loops
+        return await coro
+    try:
+        return await coro
+    except asyncio.CancelledError:
+        if signalled:
+            raise KeyboardInterrupt from None
+        raise
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
 
 
 def make_client(config: Path | None) -> Any:

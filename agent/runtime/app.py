@@ -214,7 +214,7 @@ class Agent:
         ]
         try:
             await self.engine.open()
-        except BaseException:
+        except Exception:  # (not a cancellation: the process is stopping, and awaits none)
             # (An engine whose KV event socket cannot be opened, say: the agent does not
             # start, and leaves no subscription or connection behind.)
             await self._close_nats()

@@ -213,13 +213,14 @@ class HttpEngine:
             if self._scrapes:
                 await self._scrape()
                 self._scraper = asyncio.create_task(self._scrape_loop(), name="engine-metrics")
-        except BaseException:  # (a stop while it starts, say): nothing left open behind
+        except BaseException as exc:  # nothing left open behind
             if kv is not None:
                 ctx, sub, links = kv
                 links.close(sub)
                 sub.close(linger=0)
                 ctx.term()
-            await self.close()
+            if isinstance(exc, Exception):  # (not while being cancelled: a stop awaits none)
+                await self.close()
             raise
         if kv is not None:
             self._kv_task = asyncio.create_task(self._kv_loop(*kv), name="engine-kv-events")
