@@ -262,40 +262,31 @@ class SimServer:
             await self.kv_events.stop()
 
     def _on_kv(self, kind: str, hashes: list[int]) -> None:
-        bt = self.profile.block_tokens
-        if self.kv_page_tokens is not None:
-            self._on_kv_pages(kind, hashes, self.kv_page_tokens)
-            return
+        # vLLM's layout: a hash per block; with kv_page_tokens, SGLang's: a hash per page, a
+        # chain of pages in one event (its recorder coalesces them), removals a list of pages.
+        engine = self._engine_hashes
         if kind == "removed":
             for h in hashes:
                 self._block_meta.pop(h, None)
-            self._pending_events.append(["BlockRemoved", hashes, "GPU"])
+            gone = [e for h in hashes for e in engine(h)]
+            self._pending_events.append(["BlockRemoved", gone, "GPU"])
             return
+        bt = self.profile.block_tokens
         parent = self._block_meta.get(hashes[0], (None, []))[0]
         tokens: list[int] = []
         for h in hashes:
             tokens += self._block_meta.get(h, (None, [0] * bt))[1]
-        self._pending_events.append(["BlockStored", hashes, parent, tokens, bt, None, "GPU"])
+        stored = [e for h in hashes for e in engine(h)]
+        before = None if parent is None else engine(parent)[-1]
+        size = self.kv_page_tokens or bt
+        self._pending_events.append(["BlockStored", stored, before, tokens, size, None, "GPU"])
 
-    def _on_kv_pages(self, kind: str, hashes: list[int], page: int) -> None:
-        # As SGLang's radix cache sends them: a chain of pages in one event (its recorder
-        # coalesces each page's event with the one before it), each page's hash a signed
-        # 64-bit integer, the first page's parent the last page before it; removals the
-        # same, a list of page hashes.
-        pages = self.profile.block_tokens // page
-        if kind == "removed":
-            for h in hashes:
-                self._block_meta.pop(h, None)
-            gone = [_page_hash(h, j) for h in hashes for j in range(pages)]
-            self._pending_events.append(["BlockRemoved", gone, "GPU"])
-            return
-        parent = self._block_meta.get(hashes[0], (None, []))[0]
-        before = None if parent is None else _page_hash(parent, pages - 1)
-        tokens: list[int] = []
-        for h in hashes:
-            tokens += self._block_meta.get(h, (None, [0] * (pages * page)))[1]
-        stored = [_page_hash(h, j) for h in hashes for j in range(pages)]
-        self._pending_events.append(["BlockStored", stored, before, tokens, page, None, "GPU"])
+    def _engine_hashes(self, block_hash: int) -> list[int]:
+        """The engine's hashes of a block: its own (vLLM's), or its pages' (SGLang's)."""
+        if self.kv_page_tokens is None:
+            return [block_hash]
+        pages = self.profile.block_tokens // self.kv_page_tokens
+        return [_page_hash(block_hash, j) for j in range(pages)]
 
     def _flush_kv(self) -> None:
         if self.kv_events is not None and self._pending_events:

@@ -213,14 +213,14 @@ class HttpEngine:
             if self._scrapes:
                 await self._scrape()
                 self._scraper = asyncio.create_task(self._scrape_loop(), name="engine-metrics")
-        except BaseException as exc:  # nothing left open behind
+        except Exception:  # a failed start leaves nothing open behind
             if kv is not None:
-                ctx, sub, links = kv
-                links.close(sub)
-                sub.close(linger=0)
-                ctx.term()
-            if isinstance(exc, Exception):  # (not while being cancelled: a stop awaits none)
-                await self.close()
+                _close_kv(*kv)
+            await self.close()
+            raise
+        except asyncio.CancelledError:  # (a stop while it starts: it awaits nothing more)
+            if kv is not None:
+                _close_kv(*kv)
             raise
         if kv is not None:
             self._kv_task = asyncio.create_task(self._kv_loop(*kv), name="engine-kv-events")
@@ -271,16 +271,14 @@ class HttpEngine:
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, c.kv_topic.encode())
         # The link monitor before the first link: its handshake must be seen to count it.
-        links = _Links(sub.get_monitor_socket(_Links.events()))
+        links = _Links(sub)
         try:
             if c.kv_bind:
                 sub.bind(c.kv_events)
             else:
                 sub.connect(c.kv_events)
         except zmq.ZMQError as exc:
-            links.close(sub)
-            sub.close(linger=0)
-            ctx.term()
+            _close_kv(ctx, sub, links)
             how = "bind" if c.kv_bind else "connect"
             raise EngineError(f"cannot {how} the KV event socket at {c.kv_events}: {exc}") from exc
         return ctx, sub, links
@@ -312,9 +310,7 @@ class HttpEngine:
                         "empty until its events say otherwise", c.url,
                     )  # fmt: skip
         finally:
-            links.close(sub)
-            sub.close(linger=0)
-            ctx.term()
+            _close_kv(ctx, sub, links)
 
     async def _kv_drain(self, ctx: Any, sub: Any, *, apply: bool = True) -> None:
         """Every message waiting on the SUB socket: applied, or only read (``apply``)."""
@@ -845,36 +841,28 @@ class _Watch:
 
 
 class _Links:
-    """The links of a KV event SUB socket, from its monitor's events: a link counts once its
+    """The links of a KV event SUB socket, from a monitor of it: a link counts once its
     ZeroMQ handshake succeeded, and only the close of such a link is a publisher lost.
     libzmq also reports a link closed after a handshake that failed (a proxy that accepts and
     closes while the engine loads; a TCP probe of a bound port), which emptied a live mirror
     (a reviewer's probe)."""
 
-    def __init__(self, monitor: Any) -> None:
-        self.monitor = monitor
+    def __init__(self, sub: Any) -> None:
+        import zmq
+
+        self.failures = frozenset(
+            (
+                zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+                zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+            )
+        )
+        events = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+        for event in self.failures:
+            events |= event
+        self.monitor = sub.get_monitor_socket(events)
         self.up = 0
         self.failed = 0
-
-    @staticmethod
-    def _failures() -> tuple[int, ...]:
-        import zmq
-
-        return (
-            zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
-            zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
-            zmq.EVENT_HANDSHAKE_FAILED_AUTH,
-        )
-
-    @staticmethod
-    def events() -> int:
-        """The monitor's events: handshakes succeeded and failed, links closed."""
-        import zmq
-
-        mask = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
-        for event in _Links._failures():
-            mask |= event
-        return mask
 
     async def read(self) -> bool:
         """Read the monitor's waiting events; True if the last live link closed."""
@@ -890,7 +878,7 @@ class _Links:
             event = parse_monitor_message(frames)["event"]
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.up += 1
-            elif event in self._failures():
+            elif event in self.failures:
                 self.failed += 1
             elif event == zmq.EVENT_DISCONNECTED:
                 if self.failed:  # the close of a link that never came up
@@ -899,6 +887,10 @@ class _Links:
                     self.up -= 1
                     lost = lost or self.up == 0
 
-    def close(self, sub: Any) -> None:
-        sub.disable_monitor()
-        self.monitor.close(linger=0)
+
+def _close_kv(ctx: Any, sub: Any, links: _Links) -> None:
+    """Close a KV event socket, its monitor and their context."""
+    sub.disable_monitor()
+    links.monitor.close(linger=0)
+    sub.close(linger=0)
+    ctx.term()
