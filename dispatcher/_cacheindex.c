@@ -33,6 +33,7 @@ typedef struct {
     uint64_t hash;
     int32_t prev, next; /* recency chain; a free entry's next is the free list */
     uint32_t n, cap;    /* cap 1: the hold is `one` */
+    uint64_t ver;       /* Index.vgen when its holds last changed but for a guess lengthened */
     union {
         Hold one;
         Hold *many;
@@ -47,6 +48,25 @@ typedef struct {
     int32_t next_free;
     uint64_t mark; /* match()'s scratch */
 } Worker;
+
+/* match_split()'s memo of a chain of entries that many workers hold (a system prompt every
+ * worker caches): the workers alive through its `j` entries (a frozenset, and their slots),
+ * those that left it earlier, and when it stops being true. It holds while none of its
+ * entries changed holds (each entry's `ver` at most `vgen`), at times in [since, until): a
+ * hold alive then expires at the earliest hold's time; a hold not alive then only comes back
+ * by a change that moves its entry's `ver`. A chain shared by many requests is walked once
+ * per change instead of once per request: walking it costs its entries times its holders. */
+#define MEMO_SLOTS 8
+typedef struct {
+    uint64_t *hashes;
+    Py_ssize_t j, cap;
+    int32_t *alive;
+    Py_ssize_t alive_n;
+    PyObject *common;  /* frozenset of names, or NULL: an empty slot */
+    PyObject *dropped; /* dict: name -> entries held, for those that left before j */
+    uint64_t vgen;
+    double since, until;
+} Memo;
 
 typedef struct {
     PyObject_HEAD
@@ -66,12 +86,20 @@ typedef struct {
     uint64_t gen;
     int32_t *scratch; /* match()'s alive list */
     Py_ssize_t scratch_cap;
+    uint64_t vgen;
+    double since_max; /* the latest time a memo was made at */
+    Py_ssize_t memo_min; /* holders a chain needs for a memo */
+    Memo memo[MEMO_SLOTS];
 } Index;
 
 static const double REPORTED = INFINITY;
 static const double NO_GUESS = -INFINITY;
 
 static inline Hold *holds_of(Entry *e) { return e->cap <= 1 ? &e->h.one : e->h.many; }
+
+/* The entry's holds changed (not by a guess lengthened under its time): memos through it are
+ * stale. */
+static inline void touch(Index *ix, Entry *E) { E->ver = ++ix->vgen; }
 
 static inline uint64_t mix(uint64_t x) {
     x ^= x >> 30;
@@ -80,6 +108,21 @@ static inline uint64_t mix(uint64_t x) {
     x *= 0x94d049bb133111ebULL;
     x ^= x >> 31;
     return x;
+}
+
+static void memo_clear(Memo *m) {
+    Py_CLEAR(m->common);
+    Py_CLEAR(m->dropped);
+    m->j = m->alive_n = 0;
+}
+
+static void memo_free(Memo *m) {
+    memo_clear(m);
+    PyMem_Free(m->hashes);
+    PyMem_Free(m->alive);
+    m->hashes = NULL;
+    m->alive = NULL;
+    m->cap = 0;
 }
 
 /* ------------------------------------------------------------------ hashes and names */
@@ -254,6 +297,7 @@ static int32_t insert(Index *ix, uint64_t h) {
     E->hash = h;
     E->n = 0;
     E->cap = 1;
+    touch(ix, E);
     append_entry(ix, e);
     uint64_t i = mix(h) & ix->tmask;
     while (ix->table[i] >= 0)
@@ -317,13 +361,15 @@ static int add_hold(Index *ix, int32_t e, int32_t slot, double until) {
     hs[E->n].until = until;
     hs[E->n].under = NO_GUESS;
     E->n++;
+    touch(ix, E);
     return 0;
 }
 
-static void drop_hold(Entry *E, uint32_t i) {
+static void drop_hold(Index *ix, Entry *E, uint32_t i) {
     Hold *hs = holds_of(E);
     hs[i] = hs[E->n - 1];
     E->n--;
+    touch(ix, E);
 }
 
 /* ------------------------------------------------------------------ the reference's helpers */
@@ -361,6 +407,7 @@ static int report(Index *ix, uint64_t h, int32_t slot) {
             return add_hold(ix, e, slot, REPORTED);
         holds_of(E)[i].under = hold;
         holds_of(E)[i].until = REPORTED;
+        touch(ix, E); /* a guess past its time held again */
     }
     return 0;
 }
@@ -378,9 +425,10 @@ static int unreport(Index *ix, int32_t slot, uint64_t h, int forget_guess) {
     Hold *hd = &holds_of(E)[i];
     double under = hd->until == REPORTED ? hd->under : hd->until;
     if (forget_guess || under == NO_GUESS) {
-        drop_hold(E, (uint32_t)i);
+        drop_hold(ix, E, (uint32_t)i);
     } else {
         hd->until = under;
+        touch(ix, E);
     }
     if (E->n == 0)
         delete_entry(ix, e);
@@ -390,29 +438,37 @@ static int unreport(Index *ix, int32_t slot, uint64_t h, int forget_guess) {
 /* ------------------------------------------------------------------ the type */
 
 static int Index_init(Index *ix, PyObject *args, PyObject *kwds) {
-    static char *kw[] = {"max_blocks", "guess_ttl_s", NULL};
-    Py_ssize_t max_blocks = 0;
+    static char *kw[] = {"max_blocks", "guess_ttl_s", "memo_min_holders", NULL};
+    Py_ssize_t max_blocks = 0, memo_min = 0;
     double ttl = 0.0;
     PyObject *dflt = PyImport_ImportModule("sluice.dispatcher.defaults");
     if (dflt == NULL)
         return -1;
     PyObject *mb = PyObject_GetAttrString(dflt, "INDEX_MAX_BLOCKS");
     PyObject *gt = mb ? PyObject_GetAttrString(dflt, "GUESS_TTL_S") : NULL;
+    PyObject *mm = gt ? PyObject_GetAttrString(dflt, "INDEX_MEMO_MIN_HOLDERS") : NULL;
     Py_DECREF(dflt);
-    if (gt == NULL) {
+    if (mm == NULL) {
         Py_XDECREF(mb);
+        Py_XDECREF(gt);
         return -1;
     }
     max_blocks = PyLong_AsSsize_t(mb);
     ttl = PyFloat_AsDouble(gt);
+    memo_min = PyLong_AsSsize_t(mm);
     Py_DECREF(mb);
     Py_DECREF(gt);
+    Py_DECREF(mm);
     if (PyErr_Occurred())
         return -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$nd", kw, &max_blocks, &ttl))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$ndn", kw, &max_blocks, &ttl, &memo_min))
         return -1;
     if (max_blocks < 1 || !(ttl > 0)) {
         PyErr_SetString(PyExc_ValueError, "max_blocks must be >= 1 and guess_ttl_s > 0");
+        return -1;
+    }
+    if (memo_min < 1) {
+        PyErr_SetString(PyExc_ValueError, "memo_min_holders must be >= 1");
         return -1;
     }
     if (ix->slots != NULL) {
@@ -422,6 +478,8 @@ static int Index_init(Index *ix, PyObject *args, PyObject *kwds) {
     ix->max_blocks = max_blocks;
     ix->guess_ttl_s = ttl;
     ix->ent_free = ix->w_free = ix->head = ix->tail = -1;
+    ix->since_max = -INFINITY;
+    ix->memo_min = memo_min;
     ix->slots = PyDict_New();
     return ix->slots ? 0 : -1;
 }
@@ -440,6 +498,8 @@ static void Index_dealloc(Index *ix) {
     PyMem_Free(ix->w);
     PyMem_Free(ix->sweep);
     PyMem_Free(ix->scratch);
+    for (int k = 0; k < MEMO_SLOTS; k++)
+        memo_free(&ix->memo[k]);
     Py_XDECREF(ix->slots);
     Py_TYPE(ix)->tp_free((PyObject *)ix);
 }
@@ -523,6 +583,11 @@ static PyObject *guess_impl(Index *ix, PyObject *name, PyObject *hashes, double 
         } else {
             Hold *hd = &holds_of(E)[i];
             if (hd->until < until) {
+                /* A guess past its time (for a memo that may have been made later, too) comes
+                 * back to life: memos through it are stale. One lengthened before its time
+                 * changes nothing a memo says (its `until` is the earliest hold's). */
+                if (hd->until <= now || now < ix->since_max)
+                    touch(ix, E);
                 hd->until = until;
             } else if (hd->until == REPORTED && hd->under < until) {
                 hd->under = until;
@@ -653,6 +718,269 @@ static PyObject *Index_match(Index *ix, PyObject *const *args, Py_ssize_t nargs)
 fail:
     Py_DECREF(seq);
     Py_DECREF(result);
+    return NULL;
+}
+
+/* ------------------------------------------------------------------ match_split and its memo */
+
+/* Whether the memo holds for a prompt whose first hashes are `items` (n of them) at `now`;
+ * -1 on error (an item that is no hash). */
+static int memo_holds(Index *ix, Memo *m, PyObject **items, Py_ssize_t n, double now) {
+    if (m->common == NULL || m->j > n || now < m->since || now >= m->until)
+        return 0;
+    for (Py_ssize_t k = 0; k < m->j; k++) {
+        uint64_t h;
+        if (as_hash(items[k], &h) < 0)
+            return -1;
+        if (h != m->hashes[k])
+            return 0;
+        int32_t e = find(ix, h);
+        if (e < 0 || ix->ent[e].ver > m->vgen)
+            return 0;
+    }
+    return 1;
+}
+
+/* Make the memo of the chain's first j entries (`alive`: the workers alive through them,
+ * `dropped`: those that left it before), true from `now` until `until`. */
+static int memo_make(Index *ix, Memo *m, PyObject **items, Py_ssize_t j, const int32_t *alive,
+                     Py_ssize_t alive_n, PyObject *dropped, double now, double until) {
+    memo_clear(m);
+    if (j > m->cap || alive_n > m->cap) {
+        Py_ssize_t cap = j > alive_n ? j : alive_n;
+        uint64_t *hs = PyMem_Realloc(m->hashes, (size_t)cap * sizeof(uint64_t));
+        if (hs == NULL)
+            goto nomem;
+        m->hashes = hs;
+        int32_t *al = PyMem_Realloc(m->alive, (size_t)cap * sizeof(int32_t));
+        if (al == NULL)
+            goto nomem;
+        m->alive = al;
+        m->cap = cap;
+    }
+    for (Py_ssize_t k = 0; k < j; k++)
+        if (as_hash(items[k], &m->hashes[k]) < 0)
+            return -1;
+    PyObject *common = PyFrozenSet_New(NULL);
+    if (common == NULL)
+        return -1;
+    for (Py_ssize_t k = 0; k < alive_n; k++) {
+        if (PySet_Add(common, ix->w[alive[k]].name) < 0) {
+            Py_DECREF(common);
+            return -1;
+        }
+    }
+    PyObject *d = PyDict_Copy(dropped);
+    if (d == NULL) {
+        Py_DECREF(common);
+        return -1;
+    }
+    memcpy(m->alive, alive, (size_t)alive_n * sizeof(int32_t));
+    m->alive_n = alive_n;
+    m->common = common;
+    m->dropped = d;
+    m->j = j;
+    m->vgen = ix->vgen;
+    m->since = now;
+    m->until = until;
+    if (now > ix->since_max)
+        ix->since_max = now;
+    return 0;
+nomem:
+    PyErr_NoMemory();
+    return -1;
+}
+
+static int scratch_for(Index *ix, Py_ssize_t n) {
+    if (n <= ix->scratch_cap)
+        return 0;
+    int32_t *s = PyMem_Realloc(ix->scratch, (size_t)n * 2 * sizeof(int32_t));
+    if (s == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    ix->scratch = s;
+    ix->scratch_cap = n * 2;
+    return 0;
+}
+
+static PyObject *empty_set; /* the `common` of a match without a memo */
+
+/* match_split(hashes, now_s) -> (common, common_blocks, own): match()'s answer as the
+ * workers of `own` with their counts, and every other worker of `common` holding
+ * `common_blocks`. `common` is a memo's frozenset (the same object while the memo holds) or
+ * empty: a chain that many workers hold is walked once per change of its holds, and a
+ * decision never lists its holders. */
+static PyObject *Index_match_split(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
+    if (!ready(ix))
+        return NULL;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "match_split() takes hashes and now_s");
+        return NULL;
+    }
+    double now = PyFloat_AsDouble(args[1]);
+    if (now == -1.0 && PyErr_Occurred())
+        return NULL;
+    PyObject *seq = PySequence_Fast(args[0], "hashes must be a sequence of ints");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *own = NULL, *common = NULL;
+    Py_ssize_t cb = 0, i = 0, alive_n = 0;
+    int32_t *alive = NULL;
+    uint64_t cur = 0;
+    double until = INFINITY; /* the earliest time of a hold alive so far */
+    Memo *m = NULL;
+    if (n > 0) {
+        uint64_t h0;
+        if (as_hash(items[0], &h0) < 0)
+            goto fail;
+        m = &ix->memo[mix(h0 ^ 0x5bd1e9955bd1e995ULL) & (MEMO_SLOTS - 1)];
+        int held = memo_holds(ix, m, items, n, now);
+        if (held < 0)
+            goto fail;
+        if (held) {
+            /* Only the memo's survivors through its entries, from the holders of the next. */
+            if ((own = PyDict_Copy(m->dropped)) == NULL)
+                goto fail;
+            common = m->common;
+            Py_INCREF(common);
+            cb = i = m->j;
+            cur = ++ix->gen;
+            for (Py_ssize_t k = 0; k < m->alive_n; k++)
+                ix->w[m->alive[k]].mark = cur;
+            if (i < n) {
+                uint64_t h;
+                if (as_hash(items[i], &h) < 0)
+                    goto fail;
+                int32_t e = find(ix, h);
+                uint64_t next = ++ix->gen;
+                if (e >= 0) {
+                    Entry *E = &ix->ent[e];
+                    if (scratch_for(ix, (Py_ssize_t)E->n) < 0)
+                        goto fail;
+                    alive = ix->scratch;
+                    Hold *hs = holds_of(E);
+                    for (uint32_t k = 0; k < E->n; k++) {
+                        Worker *W = &ix->w[hs[k].slot];
+                        if (W->mark == cur && hs[k].until > now) {
+                            W->mark = next;
+                            alive[alive_n++] = hs[k].slot;
+                        }
+                    }
+                }
+                cur = next;
+                i++;
+            }
+            m = NULL; /* no memo to make */
+        }
+    }
+    if (own == NULL && (own = PyDict_New()) == NULL)
+        goto fail;
+    for (; i < n && (i == 0 || alive_n > 0); i++) {
+        uint64_t h;
+        if (as_hash(items[i], &h) < 0)
+            goto fail;
+        int32_t e = find(ix, h);
+        uint64_t next = ++ix->gen;
+        Entry *E = e >= 0 ? &ix->ent[e] : NULL;
+        if (i == 0) {
+            if (E == NULL)
+                break;
+            if (scratch_for(ix, (Py_ssize_t)E->n) < 0)
+                goto fail;
+            alive = ix->scratch;
+            Hold *hs = holds_of(E);
+            for (uint32_t k = 0; k < E->n; k++) {
+                if (hs[k].until > now) {
+                    ix->w[hs[k].slot].mark = next;
+                    alive[alive_n++] = hs[k].slot;
+                    if (hs[k].until < until)
+                        until = hs[k].until;
+                }
+            }
+            cur = next;
+            continue;
+        }
+        Py_ssize_t kept = 0;
+        double until_here = INFINITY;
+        if (E != NULL) {
+            Hold *hs = holds_of(E);
+            for (uint32_t k = 0; k < E->n; k++) {
+                Worker *W = &ix->w[hs[k].slot];
+                if (W->mark == cur && hs[k].until > now) {
+                    W->mark = next;
+                    kept++;
+                    if (hs[k].until < until_here)
+                        until_here = hs[k].until;
+                }
+            }
+        }
+        int memoized = 0;
+        if (m != NULL && alive_n >= ix->memo_min && kept < ix->memo_min) {
+            /* The chain's first i entries are what many workers hold: the memo. */
+            if (memo_make(ix, m, items, i, alive, alive_n, own, now, until) < 0)
+                goto fail;
+            common = m->common;
+            Py_INCREF(common);
+            cb = i;
+            m = NULL;
+            memoized = 1;
+        }
+        if (until_here < until)
+            until = until_here;
+        Py_ssize_t kk = 0;
+        for (Py_ssize_t k = 0; k < alive_n; k++) {
+            Worker *W = &ix->w[alive[k]];
+            if (W->mark == next) {
+                alive[kk++] = alive[k];
+                continue;
+            }
+            if (memoized)
+                continue; /* in `common`, holding cb */
+            PyObject *v = PyLong_FromSsize_t(i);
+            if (v == NULL || PyDict_SetItem(own, W->name, v) < 0) {
+                Py_XDECREF(v);
+                goto fail;
+            }
+            Py_DECREF(v);
+        }
+        alive_n = kk;
+        cur = next;
+    }
+    if (alive_n > 0 && m != NULL && alive_n >= ix->memo_min && i == n) {
+        /* The whole prompt is what many workers hold. */
+        if (memo_make(ix, m, items, n, alive, alive_n, own, now, until) < 0)
+            goto fail;
+        common = m->common;
+        Py_INCREF(common);
+        cb = n;
+        alive_n = 0;
+    }
+    if (alive_n > 0) {
+        PyObject *v = PyLong_FromSsize_t(i);
+        if (v == NULL)
+            goto fail;
+        for (Py_ssize_t k = 0; k < alive_n; k++) {
+            if (PyDict_SetItem(own, ix->w[alive[k]].name, v) < 0) {
+                Py_DECREF(v);
+                goto fail;
+            }
+        }
+        Py_DECREF(v);
+    }
+    if (common == NULL) {
+        common = empty_set;
+        Py_INCREF(common);
+    }
+    Py_DECREF(seq);
+    PyObject *out = Py_BuildValue("(NnN)", common, cb, own);
+    return out;
+fail:
+    Py_DECREF(seq);
+    Py_XDECREF(own);
+    Py_XDECREF(common);
     return NULL;
 }
 
@@ -852,7 +1180,7 @@ static PyObject *Index_remove_worker(Index *ix, PyObject *name) {
         int32_t next = E->next;
         int32_t i = hold_at(E, slot);
         if (i >= 0) {
-            drop_hold(E, (uint32_t)i);
+            drop_hold(ix, E, (uint32_t)i);
             if (E->n == 0)
                 delete_entry(ix, e);
         }
@@ -884,7 +1212,7 @@ static int expire_one(Index *ix, uint64_t h, double now) {
         return 0;
     for (uint32_t k = 0; k < E->n;) {
         if (hs[k].until <= now)
-            drop_hold(E, k);
+            drop_hold(ix, E, k);
         else
             k++;
     }
@@ -952,6 +1280,9 @@ static PyMethodDef Index_methods[] = {
      "completed(worker_id, hashes, now_s): a request with these blocks finished on the worker."},
     {"match", (PyCFunction)(void (*)(void))Index_match, METH_FASTCALL,
      "match(hashes, now_s) -> {worker: leading blocks held}."},
+    {"match_split", (PyCFunction)(void (*)(void))Index_match_split, METH_FASTCALL,
+     "match_split(hashes, now_s) -> (common, common_blocks, own): match() as a set of workers "
+     "holding common_blocks and the others' counts."},
     {"apply_delta", (PyCFunction)(void (*)(void))Index_apply_delta, METH_VARARGS | METH_KEYWORDS,
      "apply_delta(worker_id, seq, stored, evicted, now_s) -> False if a delta was missed."},
     {"apply_snapshot", (PyCFunction)(void (*)(void))Index_apply_snapshot, METH_VARARGS | METH_KEYWORDS,
@@ -971,10 +1302,12 @@ static PyMethodDef Index_methods[] = {
 
 static PyObject *Index_get_max_blocks(Index *ix, void *c) { return PyLong_FromSsize_t(ix->max_blocks); }
 static PyObject *Index_get_ttl(Index *ix, void *c) { return PyFloat_FromDouble(ix->guess_ttl_s); }
+static PyObject *Index_get_memo_min(Index *ix, void *c) { return PyLong_FromSsize_t(ix->memo_min); }
 
 static PyGetSetDef Index_getset[] = {
     {"max_blocks", (getter)Index_get_max_blocks, NULL, "Most block hashes kept.", NULL},
     {"guess_ttl_s", (getter)Index_get_ttl, NULL, "How long a guess holds.", NULL},
+    {"memo_min_holders", (getter)Index_get_memo_min, NULL, "Holders a chain needs for a memo.", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -1000,6 +1333,8 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__cacheindex(void) {
     if (PyType_Ready(&IndexType) < 0)
+        return NULL;
+    if (empty_set == NULL && (empty_set = PyFrozenSet_New(NULL)) == NULL)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)

@@ -92,8 +92,17 @@ static int speeds_of(PyObject *sp, double *prefill, double *decode) {
 }
 
 /* One candidate; 0 to go on, -1 on an error. */
+/* A prompt's holders as match_split() gives them: `matches` (each one's count), and the others
+ * of `common` (each holding `cb`), all replicas if `rep_common`. */
+typedef struct {
+    PyObject *common;
+    long long cb;
+    int n_common, rep_common;
+} Common;
+
 static int score_one(PyObject *cand, PyObject *acc, PyObject *keep, PyObject *matches,
-                     PyObject *rep_set, int has_reps, const double *wt, long long ibt,
+                     const Common *co, PyObject *rep_set, int has_reps, const double *wt,
+                     long long ibt,
                      long long n_indexed, long long prompt, PyObject *rh, PyObject *speeds,
                      double prior_prefill, double prior_decode, int explores, double now_s,
                      Mins *m) {
@@ -108,7 +117,13 @@ static int score_one(PyObject *cand, PyObject *acc, PyObject *keep, PyObject *ma
     long long blocks = 0;
     PyObject *b = PyDict_GetItemWithError(matches, w);
     if (b == NULL && PyErr_Occurred()) return -1;
-    if (b != NULL && as_ll(b, &blocks) < 0) return -1;
+    if (b != NULL) {
+        if (as_ll(b, &blocks) < 0) return -1;
+    } else if (co->n_common) {
+        int in = PySet_Contains(co->common, w);
+        if (in < 0) return -1;
+        if (in) blocks = co->cb;
+    }
     long long hit = 0;
     if (blocks) {
         hit = blocks * ibt;
@@ -147,7 +162,8 @@ static int score_one(PyObject *cand, PyObject *acc, PyObject *keep, PyObject *ma
     double busy = w_busy * booked / (capacity != 0.0 ? capacity : 1.0);
     int is_rep = 0;
     if (has_reps) {
-        is_rep = PySet_Contains(rep_set, w);
+        is_rep = PySet_GET_SIZE(rep_set) > 0 ? PySet_Contains(rep_set, w) : 0;
+        if (is_rep == 0 && co->rep_common && co->n_common) is_rep = PySet_Contains(co->common, w);
         if (is_rep < 0) return -1;
     }
     double moved = has_reps && !is_rep ? 1.0 : 0.0;
@@ -209,13 +225,13 @@ done:
 
 PyDoc_STRVAR(score_into_doc,
              "score_into(acc, keep, candidates, weights, matches, rep_set, n_indexed, prompt, "
-             "rh, speeds, prior, explores, now_s, /)\n--\n\n"
+             "rh, speeds, prior, explores, now_s, common, common_blocks, rep_common, /)\n--\n\n"
              "sluice.dispatcher.scoring.score_into_pure, in C.");
 
 static PyObject *score_into(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 13) {
-        PyErr_Format(PyExc_TypeError, "score_into() takes 13 arguments (%zd given)", nargs);
+    if (nargs != 16) {
+        PyErr_Format(PyExc_TypeError, "score_into() takes 16 arguments (%zd given)", nargs);
         return NULL;
     }
     PyObject *acc = args[0], *keep = args[1], *candidates = args[2], *weights = args[3],
@@ -229,10 +245,12 @@ static PyObject *score_into(PyObject *self, PyObject *const *args, Py_ssize_t na
         PyErr_SetString(PyExc_TypeError, "speeds must be a dict (or None)");
         return NULL;
     }
-    if (!PyAnySet_Check(rep_set)) {
-        PyErr_SetString(PyExc_TypeError, "rep_set must be a frozenset");
+    if (!PyAnySet_Check(rep_set) || !PyAnySet_Check(args[13])) {
+        PyErr_SetString(PyExc_TypeError, "rep_set and common must be frozensets");
         return NULL;
     }
+    Common co = {args[13], 0, PySet_GET_SIZE(args[13]) > 0, PyObject_IsTrue(args[15])};
+    if (co.rep_common < 0 || as_ll(args[14], &co.cb) < 0) return NULL;
     if (!PyTuple_Check(weights) || PyTuple_GET_SIZE(weights) != 10) {
         PyErr_SetString(PyExc_TypeError, "weights must be a Weights");
         return NULL;
@@ -247,7 +265,7 @@ static PyObject *score_into(PyObject *self, PyObject *const *args, Py_ssize_t na
         return NULL;
     int explores = PyObject_IsTrue(args[11]);
     if (explores < 0) return NULL;
-    int has_reps = PySet_GET_SIZE(rep_set) > 0;
+    int has_reps = PySet_GET_SIZE(rep_set) > 0 || (co.rep_common && co.n_common);
     Mins m;
     if (read_mins(acc, &m, 1) < 0) return NULL;
     if (PyList_CheckExact(candidates)) {
@@ -255,7 +273,7 @@ static PyObject *score_into(PyObject *self, PyObject *const *args, Py_ssize_t na
         for (Py_ssize_t i = 0; i < PyList_GET_SIZE(candidates); i++) {
             PyObject *cand = PyList_GET_ITEM(candidates, i);
             Py_INCREF(cand);
-            int rc = score_one(cand, acc, keep, matches, rep_set, has_reps, wt, ibt, n_indexed,
+            int rc = score_one(cand, acc, keep, matches, &co, rep_set, has_reps, wt, ibt, n_indexed,
                                prompt, rh, speeds, prior_prefill, prior_decode, explores,
                                now_s, &m);
             Py_DECREF(cand);
@@ -267,7 +285,7 @@ static PyObject *score_into(PyObject *self, PyObject *const *args, Py_ssize_t na
     if (it == NULL) return NULL;
     PyObject *cand;
     while ((cand = PyIter_Next(it)) != NULL) {
-        int rc = score_one(cand, acc, keep, matches, rep_set, has_reps, wt, ibt, n_indexed,
+        int rc = score_one(cand, acc, keep, matches, &co, rep_set, has_reps, wt, ibt, n_indexed,
                            prompt, rh, speeds, prior_prefill, prior_decode, explores, now_s,
                            &m);
         Py_DECREF(cand);

@@ -21,6 +21,9 @@ def score_into(
     prior: SpeedsLike,
     explores: bool,
     now_s: float,
+    common: frozenset[str],
+    common_blocks: int,
+    rep_common: bool,
     /,
 ) -> None: ...
 def group_keys(

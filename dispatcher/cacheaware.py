@@ -33,7 +33,10 @@ least loaded of each match length), the ``shortlist_per_group`` least-loaded hol
 match length, the ``shortlist_workers`` least-loaded workers and, for a request that explores,
 the new workers; then any other replica or worker whose load key (a lower bound of its load)
 could still beat the best so far. A prefix every worker caches (a shared system prompt) makes
-every worker a replica: they are walked in load order too, so a decision still scores a few.
+every worker a replica: they are walked in load order too, so a decision still scores a few; and
+the index hands them over as one set it keeps between changes
+(:meth:`~sluice.dispatcher.cacheindex.PureCacheIndex.match_split`), so a decision never lists
+them either.
 The choice is the one scoring everyone would make, but for ties.
 
 ``choose`` changes nothing; ``observe`` (called by the scheduler once the worker accepted)
@@ -46,7 +49,7 @@ from __future__ import annotations
 import collections
 import heapq
 import itertools
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -59,6 +62,7 @@ from sluice.dispatcher.defaults import (
     GUESS_TTL_S,
     HOT_TAU_S,
     INDEX_MAX_BLOCKS,
+    INDEX_MEMO_MIN_HOLDERS,
     KEY_TOKENS,
     MAX_REPLICAS,
     PREFIX_MAX_KEYS,
@@ -83,6 +87,14 @@ from sluice.dispatcher.scoring import LEAST_MAX, Best, Weights, held_at_least, k
 from sluice.schemas.hashing import DEFAULT_BLOCK_TOKENS, DEFAULT_INDEX_TOKENS, index_stride
 
 _U64 = float(2**64)
+_NOBODY: frozenset[str] = frozenset()
+_COMMON_SHARE = 4
+"""A common set (:attr:`_Context.common`) under a quarter of the candidates is listed like any
+holders: walking the load order to find its least loaded would read past too many others."""
+_COMMON_WALK = 8
+"""A walk of the load order for the least loaded of a common set gives up after this many
+workers per one it wants (most of the candidates are full or hold other prefixes), and the
+set is read whole."""
 
 
 @dataclass(frozen=True)
@@ -113,6 +125,10 @@ class CacheAwareConfig:
     decode_step_s: float = 0.03
     guess_ttl_s: float = GUESS_TTL_S
     index_max_blocks: int = INDEX_MAX_BLOCKS
+    index_memo_min_holders: int = INDEX_MEMO_MIN_HOLDERS
+    """A chain of index entries this many workers hold is one set to a decision (the index's
+    memo), never listed: a system prompt every worker caches costs a decision the same on any
+    fleet. Any value gives the same choices."""
     prefix_max_keys: int = PREFIX_MAX_KEYS
     """Prefix keys the stickiness (and the flap meter) remember at most."""
     explain: bool = False
@@ -149,6 +165,8 @@ class CacheAwareConfig:
             raise ValueError("shortlist_workers must be >= 0")
         if self.shortlist_per_group < 1:
             raise ValueError("shortlist_per_group must be >= 1")
+        if self.index_memo_min_holders < 1:
+            raise ValueError("index_memo_min_holders must be >= 1")
 
 
 @dataclass(slots=True)
@@ -175,13 +193,41 @@ class _Context(NamedTuple):
     indexed: int
     """Index entries of the request's prompt."""
     matches: dict[str, int]
-    """Worker -> leading index entries of the prompt it holds."""
+    """Worker -> leading index entries of the prompt it holds, for every holder but the
+    others of ``common`` (every replica among the holders is here)."""
     reps: list[str]
+    """The replicas, but the others of ``common`` if ``rep_common``."""
     budget: int
     rep_set: frozenset[str]
     request_hash: int
     others: int = 0
-    """Holders of the prompt (in ``matches``) that are no replica."""
+    """Holders of the prompt that are no replica."""
+    common: frozenset[str] = frozenset()
+    """Workers holding ``common_blocks`` entries (unless ``matches`` says more): a chain many
+    workers hold, as the index's memo keeps it (:meth:`CacheIndex.match_split`), never
+    listed by a decision."""
+    common_blocks: int = 0
+    rep_common: bool = False
+    """Every worker of ``common`` is a replica (it caches the whole key prefix)."""
+    n_reps: int = 0
+    """How many replicas, ``common``'s included."""
+
+    def blocks(self, worker_id: str) -> int:
+        """Index entries of the prompt the worker holds."""
+        got = self.matches.get(worker_id)
+        if got is not None:
+            return got
+        return self.common_blocks if worker_id in self.common else 0
+
+    def is_rep(self, worker_id: str) -> bool:
+        """Whether the worker is one of the prefix's replicas."""
+        return worker_id in self.rep_set or (self.rep_common and worker_id in self.common)
+
+    def all_reps(self) -> list[str]:
+        """Every replica (``common``'s listed: not for the hot path)."""
+        if not self.rep_common:
+            return self.reps
+        return self.reps + sorted(w for w in self.common if w not in self.matches)
 
 
 _SLACK = 1e-9
@@ -198,7 +244,11 @@ class CacheAware:
 
     def __init__(self, config: CacheAwareConfig | None = None) -> None:
         self.config = c = config or CacheAwareConfig()
-        self.index = CacheIndex(max_blocks=c.index_max_blocks, guess_ttl_s=c.guess_ttl_s)
+        self.index = CacheIndex(
+            max_blocks=c.index_max_blocks,
+            guess_ttl_s=c.guess_ttl_s,
+            memo_min_holders=c.index_memo_min_holders,
+        )
         self.calibration = Calibration(
             prefill_tokens_per_s=c.prefill_tokens_per_s, decode_step_s=c.decode_step_s
         )
@@ -235,17 +285,34 @@ class CacheAware:
     ) -> tuple[list[Scored], list[str], int]:
         """Every candidate's terms, the prefix's replicas and its budget. Changes nothing."""
         ctx = self._context(request, len(candidates), now_s)
-        return self._score(request, ctx, candidates), ctx.reps, ctx.budget
+        return self._score(request, ctx, candidates), ctx.all_reps(), ctx.budget
 
     def _context(self, request: RouteRequest, candidates: int, now_s: float) -> _Context:
         indexed = self._indexed(request.block_hashes)
-        matches = self.index.match(indexed, now_s) if indexed else {}
+        if indexed:
+            common, cb, matches = self.index.match_split(indexed, now_s)
+        else:
+            common, cb, matches = _NOBODY, 0, {}
         key = self._key(request)
         fleet = max(len(self._fleet), candidates)
         reps = self.affinity.replicas(key, now_s) if key is not None else []
+        if common:
+            if _COMMON_SHARE * len(common) < candidates:
+                # Too few of the candidates to find the least loaded of them by walking the
+                # load order: listed, as any holder.
+                matches = {**dict.fromkeys(common, cb), **matches}
+                common = _NOBODY
+            elif reps:
+                # Every replica among the holders by count (set operations run in C: a hot
+                # prefix has up to max_replicas of them).
+                for w in common.intersection(reps).difference(matches):
+                    matches[w] = cb
+        # The others of common: holders not in matches (the chain's, never listed).
+        implicit = len(common) - len(matches.keys() & common) if common else 0
         # Holders that are no replica (on a fleet that caches one system prompt everywhere,
         # none: then nobody walks the holders again to find that out).
-        others = len(matches) - sum(1 for w in reps if w in matches)
+        others = len(matches) + implicit - (len(matches.keys() & reps) if reps else 0)
+        rep_common = False
         if key is not None and self.config.sticky_cached:
             # Workers that still cache the whole key prefix hold it too, however long ago
             # it was routed there.
@@ -253,16 +320,22 @@ class CacheAware:
             cached = held_at_least(matches, need, set(reps) if reps else None)
             others -= len(cached)
             reps += cached
+            if implicit and cb >= need:
+                rep_common = True
+                others -= implicit
         budget = self.affinity.budget(key, fleet, now_s) if key is not None else 1
         rh = request_hash(request.request_id)
-        return _Context(len(indexed), matches, reps, budget, frozenset(reps), rh, others)
+        n_reps = len(reps) + (implicit if rep_common else 0)
+        return _Context(
+            len(indexed), matches, reps, budget, frozenset(reps), rh, others,
+            common, cb, rep_common, n_reps,
+        )  # fmt: skip
 
     def _score(
         self, request: RouteRequest, ctx: _Context, candidates: Sequence[Candidate]
     ) -> list[Scored]:
         c = self.config
-        matches = ctx.matches
-        rep_set = ctx.rep_set
+        blocks_of, is_rep, has_reps = ctx.blocks, ctx.is_rep, ctx.n_reps > 0
         rh = ctx.request_hash
         # The loop below runs for every scored candidate of every decision: constants hoisted.
         n_indexed = ctx.indexed
@@ -276,7 +349,7 @@ class CacheAware:
         out = []
         for cand in candidates:
             w = cand.worker_id
-            blocks = matches.get(w, 0)
+            blocks = blocks_of(w)
             hit = min(blocks * ibt, prompt - 1) if blocks else 0
             fraction = blocks / n_indexed if n_indexed else 0.0
             miss = 1.0 - fraction if fraction >= min_hit else 1.0
@@ -286,7 +359,7 @@ class CacheAware:
             ahead = (ahead if ahead > 0.0 else 0.0) + cand.unreported_prefill_tokens
             own = prompt - hit if prompt - hit > 1 else 1
             ttft = (ahead + own) * per_token + sp.decode_s_per_token
-            moved = 1.0 if rep_set and w not in rep_set else 0.0
+            moved = 1.0 if has_reps and not is_rep(w) else 0.0
             busy = w_busy * cand.booked / (cand.capacity or 1)
             load = ttft / scale + busy
             queue = ahead * per_token / scale + busy
@@ -321,16 +394,11 @@ class CacheAware:
         (the pool's load order), which :meth:`_beyond` then goes on with."""
         picked: dict[str, Candidate] = {}
         matches = ctx.matches
-        if len(ctx.reps) <= self.config.shortlist_workers:
-            for w in ctx.reps:
-                if w not in picked and (cand := pool.get(w)) is not None:
-                    picked[w] = cand
-        else:
-            # Many replicas (a hot prefix, a system prompt every worker caches): grouped by
-            # how much of the prompt they hold, as the holders are, k of each group here.
-            self._groups(ctx.reps, matches, None, pool, picked, left_reps)
+        self._replicas(ctx, pool, picked, left_reps)
         if ctx.others:
             self._groups(matches, matches, ctx.rep_set, pool, picked, left)
+            if ctx.common and not ctx.rep_common:
+                self._common_group(ctx, pool, picked, left)
         if explores:
             # Only a request that explores needs every new worker (and how many there are).
             # A little early, so that the exact test in choose() decides who is new.
@@ -345,6 +413,30 @@ class CacheAware:
                 if w not in picked and (got := pool.get(w)) is not None:
                     picked[w] = got
         return list(picked.values())
+
+    def _replicas(
+        self,
+        ctx: _Context,
+        pool: CandidatePool,
+        picked: dict[str, Candidate],
+        left_reps: list[tuple[int, _Rest]] | None,
+    ) -> None:
+        """The shortlist's replicas: all of a few; of many (a hot prefix, a system prompt
+        every worker caches), grouped by how much of the prompt they hold, as the holders
+        are, k of each group."""
+        matches = ctx.matches
+        if ctx.n_reps <= self.config.shortlist_workers:
+            for w in ctx.all_reps():
+                if w not in picked and (cand := pool.get(w)) is not None:
+                    picked[w] = cand
+        elif ctx.rep_common:
+            # Those of common holding no more than it are in its group.
+            common, cb = ctx.common, ctx.common_blocks
+            listed = [w for w in ctx.reps if w not in common or matches[w] != cb]
+            self._groups(listed, matches, None, pool, picked, left_reps)
+            self._common_group(ctx, pool, picked, left_reps)
+        else:
+            self._groups(ctx.reps, matches, None, pool, picked, left_reps)
 
     def _groups(
         self,
@@ -382,6 +474,56 @@ class CacheAware:
                         return rest
 
                 left.append((blocks, _Rest(least[k:], more)))
+
+    def _common_group(
+        self,
+        ctx: _Context,
+        pool: CandidatePool,
+        picked: dict[str, Candidate],
+        left: list[tuple[int, _Rest]] | None,
+    ) -> None:
+        """:meth:`_groups` for the others of ``ctx.common`` (one group: they hold as much),
+        found by walking the pool's load order, which reads a few workers when the set is
+        most of the fleet, instead of reading the whole set."""
+        k = self.config.shortlist_per_group
+        listed = min(LEAST_MAX, k + self.config.shortlist_workers)
+        common, matches, cb = ctx.common, ctx.matches, ctx.common_blocks
+        # Who of common is not in the group: those holding more (and, unless they are all
+        # replicas, the replicas listed, which are in the replicas' groups).
+        skip: Container[str] = (
+            {w for w, b in matches.items() if b != cb} if ctx.rep_common else matches
+        )
+        least: _Heap = []
+        whole = False
+        budget = _COMMON_WALK * listed
+        for key, w in pool.ids_by_load():
+            if w in common and w not in skip:
+                least.append((key, w))
+                if len(least) == listed:
+                    break
+            budget -= 1
+            if budget == 0:
+                # Most of the order is not the set's: read the set instead.
+                least, count = pool.least_groups(common, _NO_BLOCKS, skip, listed).get(0, ([], 0))
+                whole = count <= len(least)
+                break
+        else:
+            whole = True  # the order ended: these are all
+        for _, w in least[:k]:
+            if w not in picked and (cand := pool.get(w)) is not None:
+                picked[w] = cand
+        if left is None or (whole and len(least) <= k):
+            return
+        more = None
+        if not whole and least:
+
+            def more(after: tuple[float, str] = least[-1]) -> _Heap:
+                group = pool.keyed_groups(common, _NO_BLOCKS, skip).get(0, [])
+                rest = [kw for kw in group if kw > after]
+                heapq.heapify(rest)
+                return rest
+
+        left.append((ctx.common_blocks, _Rest(least[k:], more)))
 
     def load_key(self, booked: int, capacity: int, unreported_prefill_tokens: int) -> float:
         """The queue term (``queue`` of :class:`Scored`) of a worker with this work whose
@@ -440,13 +582,13 @@ class CacheAware:
         now_s: float,
     ) -> Choice:
         """The choice with every scored candidate's terms (the decision log)."""
-        window, reps = self.config.explore_window_s, set(ctx.reps)
+        window = self.config.explore_window_s
 
         def allowed(s: Scored) -> bool:
             if choice.reason == "explore":
                 return now_s - s.candidate.joined_s < window
             if choice.reason == "sticky":
-                return s.candidate.worker_id in reps and not s.over_hard
+                return ctx.is_rep(s.candidate.worker_id) and not s.over_hard
             return True
 
         terms = tuple(_terms(s, allowed(s)) for s in self._score(request, ctx, scored))
@@ -479,6 +621,9 @@ class CacheAware:
             self.calibration.prior,
             explores,
             now_s,
+            ctx.common,
+            ctx.common_blocks,
+            ctx.rep_common,
         )
 
     def _rule(self, acc: Best, ctx: _Context, n: int) -> str:
@@ -486,8 +631,8 @@ class CacheAware:
         if acc.cold is not None and acc.n_cold < n:
             return "explore"
         if acc.sticky is not None:
-            return "sticky" if len(ctx.reps) >= ctx.budget else "expand"
-        return "spill" if ctx.reps else "score"
+            return "sticky" if ctx.n_reps >= ctx.budget else "expand"
+        return "spill" if ctx.n_reps else "score"
 
     def _verdict(self, acc: Best, ctx: _Context, n: int) -> Choice:
         rule = self._rule(acc, ctx, n)
@@ -524,9 +669,9 @@ class CacheAware:
         bounds.settle()
         # The holders the shortlist's groups left off, then the others.
         yield from _walk_groups(left, bounds.could_win, pool, seen, scored)
-        matches, rep_set = ctx.matches, ctx.rep_set
+        matches, rep_set, common = ctx.matches, ctx.rep_set, ctx.common
         for key, w in walk:  # the others, in load order, on from the shortlist's least loaded
-            if w in seen or w in matches or w in rep_set:
+            if w in seen or w in matches or w in rep_set or w in common:
                 continue
             if not bounds.could_win(key, 0):
                 return
@@ -610,6 +755,8 @@ class CacheAware:
 
 _Heap = list[tuple[float, str]]
 """(load key, worker) pairs in heap order (least on top); a sorted list is one."""
+_NO_BLOCKS: dict[str, int] = {}
+"""Grouping a common set's others by their blocks: none listed, one group (0)."""
 
 
 class _Rest:
@@ -676,9 +823,9 @@ class _Bounds:
         self._acc = acc
         self._prompt, self._ibt = request.prompt_tokens, policy.index_block_tokens
         self._indexed = ctx.indexed
-        self._may_expand = len(ctx.reps) < ctx.budget
+        self._may_expand = ctx.n_reps < ctx.budget
         # Who is left off once the replicas are done is no replica: moved is the same for all.
-        self._w_moved = c.w_stable if ctx.reps else 0.0
+        self._w_moved = c.w_stable if ctx.n_reps else 0.0
         self._expand = False
 
     def score(self, key: float, blocks: int) -> float:

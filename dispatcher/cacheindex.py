@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from sluice.dispatcher.defaults import GUESS_TTL_S, INDEX_MAX_BLOCKS
+from sluice.dispatcher.defaults import GUESS_TTL_S, INDEX_MAX_BLOCKS, INDEX_MEMO_MIN_HOLDERS
 
 _REPORTED = float("inf")
 _NO_GUESS = float("-inf")
@@ -45,12 +45,20 @@ class PureCacheIndex:
     """
 
     def __init__(
-        self, *, max_blocks: int = INDEX_MAX_BLOCKS, guess_ttl_s: float = GUESS_TTL_S
+        self,
+        *,
+        max_blocks: int = INDEX_MAX_BLOCKS,
+        guess_ttl_s: float = GUESS_TTL_S,
+        memo_min_holders: int = INDEX_MEMO_MIN_HOLDERS,
     ) -> None:
         if max_blocks < 1 or guess_ttl_s <= 0:
             raise ValueError("max_blocks must be >= 1 and guess_ttl_s > 0")
+        if memo_min_holders < 1:
+            raise ValueError("memo_min_holders must be >= 1")
         self.max_blocks = max_blocks
         self.guess_ttl_s = guess_ttl_s
+        self.memo_min_holders = memo_min_holders
+        """The native index's memo threshold (:meth:`match_split`); no memo here."""
         self._blocks: OrderedDict[int, dict[str, float]] = OrderedDict()
         self._under: dict[tuple[int, str], float] = {}
         """(block, worker) -> until when a guess holds under the worker's report."""
@@ -170,6 +178,16 @@ class PureCacheIndex:
         for w in alive or ():
             result[w] = len(hashes)
         return result
+
+    def match_split(
+        self, hashes: Sequence[int], now_s: float
+    ) -> tuple[frozenset[str], int, dict[str, int]]:
+        """:meth:`match`'s answer in two parts, ``(common, common_blocks, own)``: each worker
+        of ``own`` holds its count, each other worker of ``common`` holds ``common_blocks``.
+        The native index keeps ``common`` for a chain of entries many workers hold (a system
+        prompt every worker caches) and hands out the same set until one of its entries
+        changes holds, so that a decision need not list them; here ``common`` is empty."""
+        return frozenset(), 0, self.match(hashes, now_s)
 
     def reported_blocks(self, worker_id: str) -> int:
         """How many of the index's blocks the worker's own reports list (not guesses)."""

@@ -11,6 +11,10 @@ GUESS_TTL_S = 120.0
 """How long a routed prefix counts as cached on its worker without a report."""
 INDEX_MAX_BLOCKS = 1_000_000
 """Block hashes the cache index keeps at most."""
+INDEX_MEMO_MIN_HOLDERS = 64
+"""A chain of index entries that at least this many workers hold (a system prompt every worker
+caches) is walked once per change of its holds, not once per decision: the native index's
+memo (``CacheIndex.match_split``)."""
 STICKY_WINDOW_S = 30.0
 """A prefix sticks to its replicas this long after it was last routed there; flaps are
 counted over the same window."""

@@ -103,6 +103,9 @@ class ScoreInto(Protocol):
         prior: SpeedsLike,
         explores: bool,
         now_s: float,
+        common: frozenset[str],
+        common_blocks: int,
+        rep_common: bool,
         /,
     ) -> None: ...
 
@@ -121,20 +124,26 @@ def score_into_pure(
     prior: SpeedsLike,
     explores: bool,
     now_s: float,
+    common: frozenset[str],
+    common_blocks: int,
+    rep_common: bool,
     /,
 ) -> None:
     """Score ``candidates`` into ``acc`` (the terms of
     :meth:`~sluice.dispatcher.cacheaware.CacheAware.score`, in one pass). ``candidates`` may
     be a generator that reads ``acc`` between two of them; ``speeds``: every worker's learned
     speeds by id (a dict, which may compute a missing one: ``Calibration.table()``), or None
-    for ``prior`` for all."""
+    for ``prior`` for all. The prompt's holders as ``CacheIndex.match_split`` gives them: each
+    of ``matches`` holds its count of index entries, each other of ``common`` holds
+    ``common_blocks``; the replicas are ``rep_set`` and, if ``rep_common``, ``common``."""
     ibt, min_hit, scale, w_busy, w_load, w_cache, w_stable, hard_fraction, hard_ttft, window = (
         weights
     )
     best, sticky, expand = acc.best, acc.sticky, acc.expand
+    has_reps = bool(rep_set) or (rep_common and bool(common))
     for cand in candidates:
         w = cand.worker_id
-        blocks = matches.get(w, 0)
+        blocks = matches.get(w, common_blocks if w in common else 0)
         hit = min(blocks * ibt, prompt - 1) if blocks else 0
         fraction = blocks / n_indexed if n_indexed else 0.0
         miss = 1.0 - fraction if fraction >= min_hit else 1.0
@@ -145,14 +154,14 @@ def score_into_pure(
         own = prompt - hit if prompt - hit > 1 else 1
         ttft = (ahead + own) * per_token + sp.decode_s_per_token
         busy = w_busy * cand.booked / (cand.capacity or 1)
-        is_rep = w in rep_set
-        moved = 1.0 if rep_set and not is_rep else 0.0
+        is_rep = w in rep_set or (rep_common and w in common)
+        moved = 1.0 if has_reps and not is_rep else 0.0
         s = w_load * (ttft / scale + busy) + w_cache * miss + w_stable * moved
         cold = explores and now_s - cand.joined_s < window
         # Most candidates lose on the score (and queue) alone: only one that could tie or
         # win a rule's minimum gets its tie rank hashed and its tuples compared. Without
         # replicas neither the sticky nor the expand rule can decide.
-        if rep_set:
+        if has_reps:
             rq = round(ahead * per_token / scale + busy, 2)
             if not (
                 cold

@@ -376,3 +376,68 @@ def test_the_native_index_grows_its_table_and_deletes_from_it() -> None:
     for h in probe:
         assert ref.holders(h, 0.0) == nat.holders(h, 0.0)
         assert ref.match([h, h + 1, h + 2], 19_000.0) == nat.match([h, h + 1, h + 2], 19_000.0)
+
+
+def _expanded(split: tuple[frozenset[str], int, dict[str, int]]) -> dict[str, int]:
+    common, blocks, own = split
+    return {**dict.fromkeys(common, blocks), **own}
+
+
+@pytest.mark.skipif(not NATIVE, reason="the native index was not built")
+@settings(max_examples=400, deadline=None)
+@given(
+    ops=st.lists(_OP, max_size=60),
+    max_blocks=st.integers(1, 12),
+    ttl=st.sampled_from([0.5, 2.0, 5.0]),
+    memo_min=st.integers(1, 3),
+)
+def test_the_native_split_match_answers_as_the_reference_with_its_memo(
+    ops: list[tuple[Any, ...]], max_blocks: int, ttl: float, memo_min: int
+) -> None:
+    """``match_split`` (the native index's memo of chains many workers hold, here 1-3) is
+    ``match`` after every operation, at times before, at and after the holds' ends (so that a
+    memo made at a later time is asked at an earlier one too), for prefixes that share their
+    first entries (one memo slot for several chains)."""
+    ref = PureCacheIndex(max_blocks=max_blocks, guess_ttl_s=ttl)
+    nat = CacheIndex(max_blocks=max_blocks, guess_ttl_s=ttl, memo_min_holders=memo_min)
+    seq: dict[str, int] = {}
+    now = 0.0
+    prefixes = ([0, 1, 2, 3], [0, 1, 2], [0, 1, 4, 5], [1, 2, 3], [4, 5, 6, 7, 8, 9], [9, 0])
+    for op in ops:
+        now = _apply_both(op, ref, nat, seq, now)
+        for t in (now + ttl, now, now + ttl / 2, now):
+            for prefix in prefixes:
+                want = ref.match(prefix, t)
+                assert _expanded(nat.match_split(prefix, t)) == want, (op, prefix, t)
+                assert _expanded(ref.match_split(prefix, t)) == want
+
+
+@pytest.mark.skipif(not NATIVE, reason="the native index was not built")
+def test_a_chain_every_worker_holds_is_one_set_until_its_holds_change() -> None:
+    """A system prompt 200 workers report: each decision gets the same set of them (not a
+    list it would have to read), and the few that hold more of the prompt by count; a change
+    of one of the chain's holds makes a new set, a guess lengthened under its time does not."""
+    idx = CacheIndex(guess_ttl_s=10.0)
+    system = list(range(1, 33))
+    for w in range(200):
+        idx.apply_snapshot(f"w{w}", 1, system, 0.0)
+    idx.guess("w7", [*system, 100, 101], 0.0)
+    common, blocks, own = idx.match_split([*system, 100, 101, 102], 1.0)
+    assert (len(common), blocks, own) == (200, 32, {"w7": 34})
+    again = idx.match_split([*system, 200], 2.0)
+    assert again[0] is common and again[1:] == (32, {})
+    idx.guess("w7", [*system, 100], 3.0)  # under reports: nothing changes
+    assert idx.match_split(system, 4.0)[0] is common
+    idx.apply_delta("w3", 2, [], [system[5]], 5.0)  # an eviction inside the chain
+    common2, blocks2, own2 = idx.match_split([*system, 100], 6.0)
+    assert common2 is not common and "w3" not in common2 and own2["w3"] == 5
+    assert _expanded((common2, blocks2, own2)) == idx.match([*system, 100], 6.0)
+    # A guess the memo saw alive ends at its time: the memo does not outlive it.
+    idx.guess("w3", system, 6.0)
+    common3, _, _ = idx.match_split(system, 7.0)
+    assert "w3" in common3
+    assert _expanded(idx.match_split(system, 16.5)) == idx.match(system, 16.5)
+    assert "w3" not in idx.match_split(system, 16.5)[0]
+    # ... and a guess past its time that comes back to life (nothing swept it) is in again.
+    idx.guess("w3", system, 17.0)
+    assert "w3" in idx.match_split(system, 17.5)[0]

@@ -80,6 +80,9 @@ def _case(draw: st.DrawFn) -> dict[str, Any]:
     held = draw(st.lists(st.sampled_from(workers), unique=True))
     matches = {w: draw(st.integers(1, max(n_indexed, 1))) for w in held}
     reps = frozenset(draw(st.lists(st.sampled_from(workers), unique=True, max_size=4)))
+    # Holders in match_split()'s form too: a set of workers holding as many entries, the
+    # others by count (some of the set among them, holding more).
+    common = frozenset(draw(st.lists(st.sampled_from(_WORKERS), unique=True)))
     learned = draw(
         st.none()
         | st.dictionaries(
@@ -91,6 +94,9 @@ def _case(draw: st.DrawFn) -> dict[str, Any]:
         "batches": batches,
         "matches": matches,
         "reps": reps,
+        "common": common,
+        "common_blocks": draw(st.integers(1, max(n_indexed, 1))) if common else 0,
+        "rep_common": draw(st.booleans()),
         "n_indexed": n_indexed,
         "prompt": draw(st.integers(1, 8_000)),
         "rh": draw(st.integers(0, 2**64 - 1)),
@@ -144,6 +150,9 @@ def _scored(run: Any, case: dict[str, Any]) -> tuple[Best, list[tuple[Any, ...]]
             _PRIOR,
             case["explores"],
             100.0,
+            case["common"],
+            case["common_blocks"],
+            case["rep_common"],
         )
     return acc, calls
 
@@ -166,9 +175,16 @@ def test_a_candidate_on_the_prefix_and_idle_wins(run: Any) -> None:
     """The terms, by example: of two idle workers the holder of the prefix scores lower."""
     acc = Best()
     cands = [Candidate("a", 8, 0, 0), Candidate("b", 8, 0, 0)]
-    run(acc, keep, cands, _WEIGHTS, {"b": 10}, frozenset(), 10, 1000, 7, None, _PRIOR, False, 0.0)
+    none: frozenset[str] = frozenset()
+    args = (10, 1000, 7, None, _PRIOR, False, 0.0)
+    run(acc, keep, cands, _WEIGHTS, {"b": 10}, none, *args, none, 0, False)
     assert acc.best is not None and acc.best[2] == "b" and acc.best[3] == 320
     assert acc.sticky is None and acc.expand is None and acc.cold is None
+    # The same holder as a member of the common set, a replica with it.
+    acc = Best()
+    run(acc, keep, cands, _WEIGHTS, {}, none, *args, frozenset({"b", "c"}), 10, True)
+    assert acc.best is not None and acc.best[2] == "b" and acc.best[3] == 320
+    assert acc.sticky is not None and acc.sticky[2] == "b"
 
 
 @each
@@ -191,6 +207,9 @@ def test_an_error_in_keep_reaches_the_caller(run: Any) -> None:
             _PRIOR,
             False,
             0.0,
+            frozenset(),
+            0,
+            False,
         )
 
 
@@ -205,6 +224,8 @@ def test_an_error_in_keep_reaches_the_caller(run: Any) -> None:
         {3: (1, 2)},  # weights too short
         {10: object()},  # a prior without speeds
         {9: lambda w: _PRIOR},  # speeds not a dict
+        {13: ["a"]},  # the common set not a set
+        {14: "1"},  # its count not an int
     ],
 )
 def test_bad_input_to_the_native_loop_is_a_type_error(change: dict[int, Any]) -> None:
@@ -222,13 +243,16 @@ def test_bad_input_to_the_native_loop_is_a_type_error(change: dict[int, Any]) ->
         _PRIOR,
         False,
         0.0,
+        frozenset({"a"}),
+        1,
+        False,
     ]
     for i, v in change.items():
         args[i] = v
     with pytest.raises((TypeError, AttributeError)):
         score_into(*args)
     with pytest.raises(TypeError):
-        score_into(*args[:12])  # one argument short
+        score_into(*args[:15])  # one argument short
 
 
 # ------------------------------------------------------------------- grouping the holders

@@ -10,6 +10,8 @@ whole fleet.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import random
 from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
 
@@ -48,6 +50,7 @@ def _fleet_policy(data: st.DataObject, n: int) -> tuple[CacheAware, list[tuple[i
             explore_share=explore,
             shortlist_workers=k,
             shortlist_per_group=data.draw(st.integers(1, k + 1), label="shortlist_per_group"),
+            index_memo_min_holders=data.draw(st.sampled_from([1, 2, 64]), label="memo_min"),
         )
     )
     rng = random.Random(data.draw(st.integers(0, 2**32 - 1), label="seed"))
@@ -156,6 +159,7 @@ def test_the_bounded_choice_among_replicas_everywhere_is_the_exhaustive_one(
             block_tokens=BT, index_tokens=BT, key_tokens=4 * BT, explore_share=0.0,
             shortlist_workers=k, max_replicas=data.draw(st.sampled_from([1, 64])),
             shortlist_per_group=data.draw(st.integers(1, k + 1), label="shortlist_per_group"),
+            index_memo_min_holders=data.draw(st.sampled_from([1, 3, 64]), label="memo_min"),
         )
     )  # fmt: skip
     system = tuple(range(900, 908))
@@ -211,6 +215,7 @@ def test_no_worker_is_scored_twice(data: st.DataObject) -> None:
             shortlist_workers=data.draw(st.integers(1, 6), label="shortlist_workers"),
             shortlist_per_group=data.draw(st.integers(1, 3), label="shortlist_per_group"),
             sticky_cached=data.draw(st.booleans(), label="sticky_cached"), explain=True,
+            index_memo_min_holders=data.draw(st.sampled_from([1, 3, 64]), label="memo_min"),
         )
     )  # fmt: skip
     prompt = tuple(range(500, 508))
@@ -722,3 +727,86 @@ def test_a_holder_left_off_with_the_best_queue_and_less_miss_wins_the_expand_rul
     into account (seen); the strict comparison is in ``_assert_same_but_ties``."""
     policy, request, cands = _tie_prone(seed)
     _assert_same_but_ties(policy, request, cands, 110.0)
+
+
+@given(st.data())
+@settings(max_examples=200, deadline=None)
+def test_a_chain_many_workers_hold_as_one_set_makes_the_same_choices(data: st.DataObject) -> None:
+    """The index's memo hands a decision the workers of a chain many hold as one set
+    (``index_memo_min_holders``: here 1-3 of 6-40 workers, against never): the same choices,
+    terms and decision log, whether the decision scores its shortlist or every candidate,
+    for prompts of a system prompt some workers cache in part, others' prefixes and sessions
+    placed on them, and with or without caching replicas."""
+    n = data.draw(st.integers(6, 40), label="workers")
+    seed = data.draw(st.integers(0, 2**32 - 1), label="seed")
+    k = data.draw(st.integers(1, 4), label="shortlist_workers")
+    sticky_cached = data.draw(st.booleans(), label="sticky_cached")
+    key_tokens = data.draw(st.sampled_from([2 * BT, 6 * BT, 12 * BT]), label="key_tokens")
+    memo_min = data.draw(st.integers(1, 3), label="memo_min")
+
+    def build(memo: int) -> CacheAware:
+        rng = random.Random(seed)
+        policy = CacheAware(
+            CacheAwareConfig(
+                block_tokens=BT, index_tokens=BT, key_tokens=key_tokens, explore_share=0.0,
+                shortlist_workers=k, sticky_cached=sticky_cached, explain=True,
+                index_memo_min_holders=memo,
+            )
+        )  # fmt: skip
+        system = tuple(range(900, 908))
+        for w in range(n):
+            if rng.random() < 0.8:
+                held = (*system[: rng.choice([8, 8, 8, 5, 2])], rng.randrange(50))
+                policy.heartbeat(f"w{w}", Digest(0, True, held), 50.0)
+            else:
+                policy.heartbeat(f"w{w}", None, 50.0)
+        for i in range(rng.randrange(25)):
+            past = RouteRequest(f"p{i}", "m", 10 * BT, 8, (*system, 1000 + rng.randrange(3)))
+            policy.observe(past, f"w{rng.randrange(n)}", rng.uniform(0.0, 100.0))
+        return policy
+
+    memo, plain = build(memo_min), build(10**6)
+    now = 110.0
+    candidates = _candidates(data, n, now, (0, 2_000, 30_000), (0, 300, 4_000), (0.0, 1.0))
+    own = tuple(range(1000, 1000 + data.draw(st.integers(0, 3))))
+    cut = data.draw(st.sampled_from([8, 8, 6, 3]), label="system blocks")
+    request = RouteRequest("r", "m", 12 * BT + 3, 16, (*tuple(range(900, 908))[:cut], *own))
+    for _ in range(2):  # the second decision of each reads the memo the first made
+        for cands in (candidates, ListPool(candidates, memo.load_key)):
+            got, want = memo.choose(request, cands, now), plain.choose(request, cands, now)
+            assert got == dataclasses.replace(want, terms=got.terms)
+            # The same workers scored, with the same terms (a shortlist in another order).
+            by_worker = functools.partial(sorted, key=lambda t: t["worker"])
+            assert by_worker(got.terms) == by_worker(want.terms)
+        got_scored, got_reps, got_budget = memo.score(request, candidates, now)
+        want_scored, want_reps, want_budget = plain.score(request, candidates, now)
+        assert (got_scored, got_budget) == (want_scored, want_budget)
+        assert sorted(got_reps) == sorted(want_reps) and len(got_reps) == len(want_reps)
+
+
+def test_a_common_set_the_load_order_reaches_late_is_read_whole_and_its_rest_walked() -> None:
+    """200 workers, the 70 that cache the system prompt the most loaded: walking the load
+    order to find their least loaded would read past the 130 others, so the set is read whole
+    instead; the one replica that wins (no reported queue, which load keys leave out) is
+    past its group's listed least and is still found, scoring a few of the 70."""
+    policy = CacheAware(
+        CacheAwareConfig(block_tokens=BT, index_tokens=BT, explore_share=0.0, shortlist_workers=2)
+    )
+    system = tuple(range(1000, 1064))
+    for i in range(70):
+        policy.heartbeat(f"w{i}", Digest(0, True, system), 0.0)
+    cands = [
+        Candidate(f"w{i}", 32, 1, 1000, reported_prefill_tokens=60_000, unreported_prefill_tokens=i)
+        for i in range(70)
+    ]
+    cands[40] = Candidate("w40", 32, 1, 1000, unreported_prefill_tokens=40)
+    cands += [Candidate(f"x{i}", 32, 0, 0) for i in range(130)]
+    request = RouteRequest("r", "m", 70 * BT, 8, (*system, 1, 2))
+    assert policy._context(request, len(cands), 1.0).rep_common  # one set, all replicas
+    pool = _Counting(ListPool(cands, policy.load_key))
+    choice = policy.choose(request, pool, 1.0)
+    assert (choice.worker_id, choice.reason) == ("w40", "sticky")
+    assert choice == policy.choose(request, cands, 1.0)
+    assert pool.regrouped == 1 and pool.asked < 70
+    # The walk gave up after 8 workers per one it wanted (4), not at the end of the order.
+    assert pool.stepped <= 8 * 4 + 2

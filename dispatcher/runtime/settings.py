@@ -391,6 +391,13 @@ class DispatcherSettings(BrokerSettings):
         "has more than routing_shortlist_workers) a decision scores first; the others only "
         "while one could still win.",
     )
+    routing_index_memo_min_holders: int = Field(
+        default=_R.index_memo_min_holders,
+        ge=1,
+        description="A chain of prompt blocks (a system prompt) that at least this many "
+        "workers cache is kept as one set between its changes, so that a decision does not "
+        "list its holders; the same choices for any value.",
+    )
     decision_log: Path | None = Field(
         default=None, description="Write one JSON line per routing decision here (off: unset)."
     )
@@ -469,6 +476,7 @@ class DispatcherSettings(BrokerSettings):
             index_tokens=self.routing_index_tokens,
             shortlist_workers=self.routing_shortlist_workers,
             shortlist_per_group=self.routing_shortlist_per_group,
+            index_memo_min_holders=self.routing_index_memo_min_holders,
             explain=self.decision_log is not None,
         )
 
