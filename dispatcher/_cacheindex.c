@@ -56,7 +56,7 @@ typedef struct {
  * hold alive then expires at the earliest hold's time; a hold not alive then only comes back
  * by a change that moves its entry's `ver`. A chain shared by many requests is walked once
  * per change instead of once per request: walking it costs its entries times its holders. */
-#define MEMO_SLOTS 8
+#define MEMO_SLOTS 64
 typedef struct {
     uint64_t *hashes;
     Py_ssize_t j, cap;
