@@ -244,6 +244,12 @@ class DecisionCosts:
         """A decision at ``workers`` against one at ``base`` workers."""
         return self.decision_us[workers] / self.decision_us[base]
 
+    def shared_growth(self, workers: int, base: int) -> float:
+        """:meth:`growth` where every worker caches the system prompt every request starts
+        with."""
+        shared = self.shared_prompt_decision_us
+        return shared[workers] / shared[base]
+
 
 def decision_costs(
     worker_counts: Sequence[int] = (16, 256, 1024),
@@ -428,10 +434,14 @@ def cost_table(costs: DecisionCosts) -> list[tuple[str, str, str, str]]:
         label = f"a system prompt on all {n:,} workers"
         rows.append((label, f"{us:.1f} us", f"{us / costs.baseline_decision_us:.1f}x", ""))
     rows.append(("minimal FIFO + round-robin", f"{costs.baseline_decision_us:.2f} us", "1.0x", ""))
+    most = TARGET_GROWTH_1024_VS_16
     if 16 in costs.decision_us and 1024 in costs.decision_us:
         g = costs.growth(1024, 16)
-        most = TARGET_GROWTH_1024_VS_16
         row = ("1,024 workers / 16 workers", f"{g:.2f}x", "")
+        rows.append((*row, f"target <= {most:.0f}x: {g / most:.2f}x of it"))
+    if {16, 1024} <= costs.shared_prompt_decision_us.keys():
+        g = costs.shared_growth(1024, 16)
+        row = ("the same, a system prompt on all", f"{g:.2f}x", "")
         rows.append((*row, f"target <= {most:.0f}x: {g / most:.2f}x of it"))
     return rows
 

@@ -308,7 +308,9 @@ class CacheAware:
                 for w in common.intersection(reps).difference(matches):
                     matches[w] = cb
         # The others of common: holders not in matches (the chain's, never listed).
-        implicit = len(common) - len(matches.keys() & common) if common else 0
+        # (frozenset.intersection reads its argument, matches, not the set, as `keys() & set`
+        # does: the set may be the whole fleet.)
+        implicit = len(common) - len(common.intersection(matches)) if common else 0
         # Holders that are no replica (on a fleet that caches one system prompt everywhere,
         # none: then nobody walks the holders again to find that out).
         others = len(matches) + implicit - (len(matches.keys() & reps) if reps else 0)
