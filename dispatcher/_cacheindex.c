@@ -726,7 +726,7 @@ fail:
 /* Whether the memo holds for a prompt whose first hashes are `items` (n of them) at `now`;
  * -1 on error (an item that is no hash). */
 static int memo_holds(Index *ix, Memo *m, PyObject **items, Py_ssize_t n, double now) {
-    if (m->common == NULL || m->j > n || now < m->since || now >= m->until)
+    if (m->common == NULL || m->j > n || !(now >= m->since && now < m->until)) /* NaN: no */
         return 0;
     for (Py_ssize_t k = 0; k < m->j; k++) {
         uint64_t h;

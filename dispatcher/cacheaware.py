@@ -211,6 +211,9 @@ class _Context(NamedTuple):
     """Every worker of ``common`` is a replica (it caches the whole key prefix)."""
     n_reps: int = 0
     """How many replicas, ``common``'s included."""
+    n_affinity: int = 0
+    """The first this many of ``reps`` are the affinity's (the rest: holders caching the key
+    prefix, in the index's order)."""
 
     def blocks(self, worker_id: str) -> int:
         """Index entries of the prompt the worker holds."""
@@ -296,12 +299,12 @@ class CacheAware:
         key = self._key(request)
         fleet = max(len(self._fleet), candidates)
         reps = self.affinity.replicas(key, now_s) if key is not None else []
+        n_affinity = len(reps)
         if common:
             if _COMMON_SHARE * len(common) < candidates:
                 # Too few of the candidates to find the least loaded of them by walking the
                 # load order: listed, as any holder.
-                matches = {**dict.fromkeys(common, cb), **matches}
-                common = _NOBODY
+                matches, common = _listed(common, cb, matches), _NOBODY
             elif reps:
                 # Every replica among the holders by count (set operations run in C: a hot
                 # prefix has up to max_replicas of them).
@@ -311,6 +314,8 @@ class CacheAware:
         # (frozenset.intersection reads its argument, matches, not the set, as `keys() & set`
         # does: the set may be the whole fleet.)
         implicit = len(common) - len(common.intersection(matches)) if common else 0
+        if common and not implicit:
+            common = _NOBODY  # all of it listed by count already
         # Holders that are no replica (on a fleet that caches one system prompt everywhere,
         # none: then nobody walks the holders again to find that out).
         others = len(matches) + implicit - (len(matches.keys() & reps) if reps else 0)
@@ -330,7 +335,7 @@ class CacheAware:
         n_reps = len(reps) + (implicit if rep_common else 0)
         return _Context(
             len(indexed), matches, reps, budget, frozenset(reps), rh, others,
-            common, cb, rep_common, n_reps,
+            common, cb, rep_common, n_reps, n_affinity,
         )  # fmt: skip
 
     def _score(
@@ -401,6 +406,10 @@ class CacheAware:
             self._groups(matches, matches, ctx.rep_set, pool, picked, left)
             if ctx.common and not ctx.rep_common:
                 self._common_group(ctx, pool, picked, left)
+                if left:
+                    # In the order the listed holders come (by how much they hold), so that
+                    # the walk of the groups left off scores what it would without the set.
+                    left.sort(key=_first)
         if explores:
             # Only a request that explores needs every new worker (and how many there are).
             # A little early, so that the exact test in choose() decides who is new.
@@ -437,6 +446,10 @@ class CacheAware:
             listed = [w for w in ctx.reps if w not in common or matches[w] != cb]
             self._groups(listed, matches, None, pool, picked, left_reps)
             self._common_group(ctx, pool, picked, left_reps)
+            if left_reps:
+                # In the order the listed replicas' groups come (the affinity's first).
+                order = _rep_group_order(ctx, pool)
+                left_reps.sort(key=lambda group: order[group[0]])
         else:
             self._groups(ctx.reps, matches, None, pool, picked, left_reps)
 
@@ -753,6 +766,36 @@ class CacheAware:
         counts = [n for n in self.affinity.replica_counts(now_s) if n]
         sets = dict(collections.Counter(counts))
         return PolicyStats(len(self.index), len(counts), max(counts, default=0), sets)
+
+
+def _listed(common: frozenset[str], blocks: int, matches: dict[str, int]) -> dict[str, int]:
+    """``matches`` with every other worker of ``common`` holding ``blocks``, in the index's
+    order (by how much each holds), as ``CacheIndex.match`` answers."""
+    out = {w: b for w, b in matches.items() if b < blocks}
+    out.update(dict.fromkeys(common.difference(matches), blocks))
+    out.update({w: b for w, b in matches.items() if b >= blocks})
+    return out
+
+
+def _rep_group_order(ctx: _Context, pool: CandidatePool) -> dict[int, int]:
+    """Blocks held -> the rank of that group of replicas as listing every replica orders them:
+    by the first candidate of each, the affinity's first (as they come), then those caching
+    the key prefix (by how much they hold, ``ctx.common``'s among them)."""
+    order: dict[int, int] = {}
+    matches = ctx.matches
+    for w in ctx.reps[: ctx.n_affinity]:
+        b = matches.get(w, 0)
+        if b not in order and pool.load_key(w) is not None:
+            order[b] = len(order)
+    rest = {matches[w] for w in ctx.reps[ctx.n_affinity :]}
+    rest.add(ctx.common_blocks)
+    for b in sorted(rest):
+        order.setdefault(b, len(order))
+    return order
+
+
+def _first(group: tuple[int, _Rest]) -> int:
+    return group[0]
 
 
 _Heap = list[tuple[float, str]]

@@ -441,3 +441,5 @@ def test_a_chain_every_worker_holds_is_one_set_until_its_holds_change() -> None:
     # ... and a guess past its time that comes back to life (nothing swept it) is in again.
     idx.guess("w3", system, 17.0)
     assert "w3" in idx.match_split(system, 17.5)[0]
+    # A time that is no time holds no memo (NaN compares false both ways).
+    assert _expanded(idx.match_split(system, float("nan"))) == idx.match(system, float("nan"))
