@@ -619,108 +619,6 @@ static PyObject *Index_completed(Index *ix, PyObject *const *args, Py_ssize_t na
     return guess_impl(ix, name, hashes, now);
 }
 
-/* match(hashes, now_s) */
-static PyObject *Index_match(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
-    if (!ready(ix))
-        return NULL;
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "match() takes hashes and now_s");
-        return NULL;
-    }
-    double now = PyFloat_AsDouble(args[1]);
-    if (now == -1.0 && PyErr_Occurred())
-        return NULL;
-    PyObject *seq = PySequence_Fast(args[0], "hashes must be a sequence of ints");
-    if (seq == NULL)
-        return NULL;
-    PyObject *result = PyDict_New();
-    if (result == NULL) {
-        Py_DECREF(seq);
-        return NULL;
-    }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    Py_ssize_t alive_n = 0;
-    int32_t *alive = NULL;
-    uint64_t cur = 0;
-    Py_ssize_t i;
-    for (i = 0; i < n; i++) {
-        uint64_t h;
-        if (as_hash(items[i], &h) < 0)
-            goto fail;
-        int32_t e = find(ix, h);
-        uint64_t next = ++ix->gen;
-        if (i == 0) {
-            if (e < 0)
-                break;
-            Entry *E = &ix->ent[e];
-            if ((Py_ssize_t)E->n > ix->scratch_cap) {
-                int32_t *s = PyMem_Realloc(ix->scratch, (size_t)E->n * 2 * sizeof(int32_t));
-                if (s == NULL) {
-                    PyErr_NoMemory();
-                    goto fail;
-                }
-                ix->scratch = s;
-                ix->scratch_cap = (Py_ssize_t)E->n * 2;
-            }
-            alive = ix->scratch;
-            Hold *hs = holds_of(E);
-            for (uint32_t k = 0; k < E->n; k++) {
-                if (hs[k].until > now) {
-                    ix->w[hs[k].slot].mark = next;
-                    alive[alive_n++] = hs[k].slot;
-                }
-            }
-        } else {
-            if (e >= 0) {
-                Entry *E = &ix->ent[e];
-                Hold *hs = holds_of(E);
-                for (uint32_t k = 0; k < E->n; k++) {
-                    Worker *W = &ix->w[hs[k].slot];
-                    if (W->mark == cur && hs[k].until > now)
-                        W->mark = next;
-                }
-            }
-            Py_ssize_t kept = 0;
-            for (Py_ssize_t k = 0; k < alive_n; k++) {
-                Worker *W = &ix->w[alive[k]];
-                if (W->mark == next) {
-                    alive[kept++] = alive[k];
-                    continue;
-                }
-                PyObject *v = PyLong_FromSsize_t(i);
-                if (v == NULL || PyDict_SetItem(result, W->name, v) < 0) {
-                    Py_XDECREF(v);
-                    goto fail;
-                }
-                Py_DECREF(v);
-            }
-            alive_n = kept;
-        }
-        cur = next;
-        if (alive_n == 0)
-            break;
-    }
-    if (alive_n > 0) {
-        PyObject *v = PyLong_FromSsize_t(n);
-        if (v == NULL)
-            goto fail;
-        for (Py_ssize_t k = 0; k < alive_n; k++) {
-            if (PyDict_SetItem(result, ix->w[alive[k]].name, v) < 0) {
-                Py_DECREF(v);
-                goto fail;
-            }
-        }
-        Py_DECREF(v);
-    }
-    Py_DECREF(seq);
-    return result;
-fail:
-    Py_DECREF(seq);
-    Py_DECREF(result);
-    return NULL;
-}
-
 /* ------------------------------------------------------------------ match_split and its memo */
 
 /* Whether the memo holds for a prompt whose first hashes are `items` (n of them) at `now`;
@@ -806,16 +704,17 @@ static int scratch_for(Index *ix, Py_ssize_t n) {
 
 static PyObject *empty_set; /* the `common` of a match without a memo */
 
-/* match_split(hashes, now_s) -> (common, common_blocks, own): match()'s answer as the
- * workers of `own` with their counts, and every other worker of `common` holding
- * `common_blocks`. `common` is a memo's frozenset (the same object while the memo holds) or
- * empty: a chain that many workers hold is walked once per change of its holds, and a
- * decision never lists its holders. */
-static PyObject *Index_match_split(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
+/* match(hashes, now_s) -> {worker: leading entries held}, and (with `split`)
+ * match_split(hashes, now_s) -> (common, common_blocks, own): the same answer as the workers
+ * of `own` with their counts, and every other worker of `common` holding `common_blocks`.
+ * `common` is a memo's frozenset (the same object while the memo holds) or empty: a chain
+ * that many workers hold is walked once per change of its holds, and a decision never lists
+ * its holders. Without `split` no memo is read or made. */
+static PyObject *match_impl(Index *ix, PyObject *const *args, Py_ssize_t nargs, int split) {
     if (!ready(ix))
         return NULL;
     if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "match_split() takes hashes and now_s");
+        PyErr_Format(PyExc_TypeError, "%s() takes hashes and now_s", split ? "match_split" : "match");
         return NULL;
     }
     double now = PyFloat_AsDouble(args[1]);
@@ -832,7 +731,7 @@ static PyObject *Index_match_split(Index *ix, PyObject *const *args, Py_ssize_t 
     uint64_t cur = 0;
     double until = INFINITY; /* the earliest time of a hold alive so far */
     Memo *m = NULL;
-    if (n > 0) {
+    if (n > 0 && split) {
         uint64_t h0;
         if (as_hash(items[0], &h0) < 0)
             goto fail;
@@ -970,18 +869,27 @@ static PyObject *Index_match_split(Index *ix, PyObject *const *args, Py_ssize_t 
         }
         Py_DECREF(v);
     }
+    Py_DECREF(seq);
+    if (!split)
+        return own; /* (no memo: common is NULL) */
     if (common == NULL) {
         common = empty_set;
         Py_INCREF(common);
     }
-    Py_DECREF(seq);
-    PyObject *out = Py_BuildValue("(NnN)", common, cb, own);
-    return out;
+    return Py_BuildValue("(NnN)", common, cb, own);
 fail:
     Py_DECREF(seq);
     Py_XDECREF(own);
     Py_XDECREF(common);
     return NULL;
+}
+
+static PyObject *Index_match(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
+    return match_impl(ix, args, nargs, 0);
+}
+
+static PyObject *Index_match_split(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
+    return match_impl(ix, args, nargs, 1);
 }
 
 /* Whether seq != last + 1 (Python ints: a digest number has no bound); -1 on error. */
