@@ -55,8 +55,12 @@ typedef struct {
  * entries changed holds (each entry's `ver` at most `vgen`), at times in [since, until): a
  * hold alive then expires at the earliest hold's time; a hold not alive then only comes back
  * by a change that moves its entry's `ver`. A chain shared by many requests is walked once
- * per change instead of once per request: walking it costs its entries times its holders. */
+ * per change instead of once per request: walking it costs its entries times its holders.
+ * The memos of chains that start with the same block (a system prompt, then one of several
+ * prompts many workers hold each) share a set of MEMO_WAYS slots, the least recently used
+ * made again. */
 #define MEMO_SLOTS 64
+#define MEMO_WAYS 4
 typedef struct {
     uint64_t *hashes;
     Py_ssize_t j, cap;
@@ -66,6 +70,7 @@ typedef struct {
     PyObject *dropped; /* dict: name -> entries held, for those that left before j */
     uint64_t vgen;
     double since, until;
+    uint64_t used; /* Index.memo_clock when last made or read */
 } Memo;
 
 typedef struct {
@@ -90,6 +95,7 @@ typedef struct {
     double since_max; /* the latest time a memo was made at */
     Py_ssize_t memo_min; /* holders a chain needs for a memo */
     Memo memo[MEMO_SLOTS];
+    uint64_t memo_clock;
 } Index;
 
 static const double REPORTED = INFINITY;
@@ -626,13 +632,15 @@ static PyObject *Index_completed(Index *ix, PyObject *const *args, Py_ssize_t na
 static int memo_holds(Index *ix, Memo *m, PyObject **items, Py_ssize_t n, double now) {
     if (m->common == NULL || m->j > n || !(now >= m->since && now < m->until)) /* NaN: no */
         return 0;
-    for (Py_ssize_t k = 0; k < m->j; k++) {
+    for (Py_ssize_t k = m->j - 1; k >= 0; k--) { /* from the end: chains differ there first */
         uint64_t h;
         if (as_hash(items[k], &h) < 0)
             return -1;
         if (h != m->hashes[k])
             return 0;
-        int32_t e = find(ix, h);
+    }
+    for (Py_ssize_t k = 0; k < m->j; k++) {
+        int32_t e = find(ix, m->hashes[k]);
         if (e < 0 || ix->ent[e].ver > m->vgen)
             return 0;
     }
@@ -681,6 +689,7 @@ static int memo_make(Index *ix, Memo *m, PyObject **items, Py_ssize_t j, const i
     m->vgen = ix->vgen;
     m->since = now;
     m->until = until;
+    m->used = ++ix->memo_clock;
     if (now > ix->since_max)
         ix->since_max = now;
     return 0;
@@ -735,11 +744,21 @@ static PyObject *match_impl(Index *ix, PyObject *const *args, Py_ssize_t nargs, 
         uint64_t h0;
         if (as_hash(items[0], &h0) < 0)
             goto fail;
-        m = &ix->memo[mix(h0 ^ 0x5bd1e9955bd1e995ULL) & (MEMO_SLOTS - 1)];
-        int held = memo_holds(ix, m, items, n, now);
-        if (held < 0)
-            goto fail;
+        Memo *set = &ix->memo[(mix(h0 ^ 0x5bd1e9955bd1e995ULL) * MEMO_WAYS) & (MEMO_SLOTS - 1)];
+        int held = 0;
+        for (int w = 0; w < MEMO_WAYS && !held; w++) {
+            m = &set[w];
+            if ((held = memo_holds(ix, m, items, n, now)) < 0)
+                goto fail;
+        }
+        if (!held) { /* the way a new memo goes to: an empty one, else the least recently used */
+            m = &set[0];
+            for (int w = 1; w < MEMO_WAYS && m->common != NULL; w++)
+                if (set[w].common == NULL || set[w].used < m->used)
+                    m = &set[w];
+        }
         if (held) {
+            m->used = ++ix->memo_clock;
             /* Only the memo's survivors through its entries, from the holders of the next. */
             if ((own = PyDict_Copy(m->dropped)) == NULL)
                 goto fail;

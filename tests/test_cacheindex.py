@@ -443,3 +443,19 @@ def test_a_chain_every_worker_holds_is_one_set_until_its_holds_change() -> None:
     assert "w3" in idx.match_split(system, 17.5)[0]
     # A time that is no time holds no memo (NaN compares false both ways).
     assert _expanded(idx.match_split(system, float("nan"))) == idx.match(system, float("nan"))
+
+
+@pytest.mark.skipif(not NATIVE, reason="the native index was not built")
+def test_chains_that_start_alike_keep_a_memo_each() -> None:
+    """One system prompt, then one of three prompts 100 workers hold each: requests that
+    alternate between them each get their chain's own set back, not one made again."""
+    idx = CacheIndex()
+    system = list(range(1, 33))
+    subs = [list(range(100 * k, 100 * k + 16)) for k in (1, 2, 3)]
+    for w in range(300):
+        idx.apply_snapshot(f"w{w}", 1, system + subs[w % 3], 0.0)
+    first = [idx.match_split([*system, *sub, 9999], 1.0) for sub in subs]
+    for k, sub in enumerate(subs):
+        common, blocks, own = idx.match_split([*system, *sub, 9999], 2.0)
+        assert common is first[k][0] and blocks == 48 and len(common) == 100
+        assert _expanded((common, blocks, own)) == idx.match([*system, *sub, 9999], 2.0)
