@@ -686,10 +686,13 @@ class CacheAware:
         yield from _walk_groups(left, bounds.could_win, pool, seen, scored)
         matches, rep_set, common = ctx.matches, ctx.rep_set, ctx.common
         for key, w in walk:  # the others, in load order, on from the shortlist's least loaded
-            if w in seen or w in matches or w in rep_set or w in common:
-                continue
+            # The bound first, also for a worker passed over: no other further on (holding
+            # nothing, at a key as high or higher) could win either. Passing over first read
+            # a fleet of replicas whole (a system prompt everywhere, all over the hard limit).
             if not bounds.could_win(key, 0):
                 return
+            if w in seen or w in matches or w in rep_set or w in common:
+                continue
             if (cand := pool.get(w)) is not None:
                 scored.append(cand)
                 yield cand

@@ -932,3 +932,20 @@ def test_a_common_set_of_replicas_walks_its_group_where_listing_it_would(a0_free
     want = plain.choose(request, ListPool(cands, plain.load_key), 1.0)
     assert (got.worker_id, got.reason) == (want.worker_id, want.reason) == ("a6", "sticky")
     assert sorted(t["worker"] for t in got.terms) == sorted(t["worker"] for t in want.terms)
+
+
+def test_a_saturated_fleet_of_replicas_does_not_walk_the_order_past_the_bound() -> None:
+    """A system prompt on all 1,000 workers and every one over the hard limit (30 of 32
+    slots booked): no replica can stick, the rule is spill, and the walk of the other
+    workers in load order stops at the first key whose bound cannot win, not after passing
+    over every replica (which it read whole before)."""
+    policy, system = _everywhere(1000)
+    cands = [
+        Candidate(f"w{i}", 32, 30, 1000, unreported_prefill_tokens=10 * (i % 13))
+        for i in range(1000)
+    ]
+    request = RouteRequest("r", "m", 70 * BT, 8, (*system, 1, 2, 3))
+    pool = _Counting(ListPool(cands, policy.load_key))
+    choice = policy.choose(request, pool, 1.0)
+    assert choice == policy.choose(request, cands, 1.0) and choice.reason == "spill"
+    assert pool.stepped < 50
