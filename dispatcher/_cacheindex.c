@@ -645,22 +645,26 @@ static PyObject *Index_completed(Index *ix, PyObject *const *args, Py_ssize_t na
 
 /* ------------------------------------------------------------------ match_split and its memo */
 
-/* Whether the memo holds for a prompt whose first hashes are `items` (n of them) at `now`;
- * -1 on error (an item that is no hash). */
+/* Whether the memo holds for a prompt whose first hashes are `items` (n of them) at `now`:
+ * 1, or 2 if it is a memo of the prompt's chain that no longer holds (its way is the one to
+ * make again), 0 if it is another chain's (or none), -1 on error (an item that is no hash:
+ * the items are read in order, as the walk reads them, and the lookups come after). */
 static int memo_holds(Index *ix, Memo *m, PyObject **items, Py_ssize_t n, double now) {
-    if (m->common == NULL || m->j > n || !(now >= m->since && now < m->until)) /* NaN: no */
+    if (m->common == NULL || m->j > n)
         return 0;
-    for (Py_ssize_t k = m->j - 1; k >= 0; k--) { /* from the end: chains differ there first */
+    for (Py_ssize_t k = 0; k < m->j; k++) {
         uint64_t h;
         if (as_hash(items[k], &h) < 0)
             return -1;
         if (h != m->hashes[k])
             return 0;
     }
+    if (!(now >= m->since && now < m->until)) /* (NaN: no) */
+        return 2;
     for (Py_ssize_t k = 0; k < m->j; k++) {
         int32_t e = find(ix, m->hashes[k]);
         if (e < 0 || ix->ent[e].ver > m->vgen)
-            return 0;
+            return 2;
     }
     return 1;
 }
@@ -764,16 +768,26 @@ static PyObject *match_impl(Index *ix, PyObject *const *args, Py_ssize_t nargs, 
             goto fail;
         Memo *set = &ix->memo[(mix(h0 ^ 0x5bd1e9955bd1e995ULL) * MEMO_WAYS) & (MEMO_SLOTS - 1)];
         int held = 0;
-        for (int w = 0; w < MEMO_WAYS && !held; w++) {
+        Memo *stale = NULL;
+        for (int w = 0; w < MEMO_WAYS && held != 1; w++) {
             m = &set[w];
             if ((held = memo_holds(ix, m, items, n, now)) < 0)
                 goto fail;
+            if (held == 2 && stale == NULL)
+                stale = m;
         }
-        if (!held) { /* the way a new memo goes to: an empty one, else the least recently used */
-            m = &set[0];
-            for (int w = 1; w < MEMO_WAYS && m->common != NULL; w++)
-                if (set[w].common == NULL || set[w].used < m->used)
-                    m = &set[w];
+        if (held != 1) {
+            held = 0;
+            /* The way a new memo goes to: the one of this chain that no longer holds (else a
+             * chain asked for often and changing often would push the others out), else an
+             * empty one, else the least recently used. */
+            m = stale;
+            if (m == NULL) {
+                m = &set[0];
+                for (int w = 1; w < MEMO_WAYS && m->common != NULL; w++)
+                    if (set[w].common == NULL || set[w].used < m->used)
+                        m = &set[w];
+            }
         }
         if (held) {
             m->used = ++ix->memo_clock;

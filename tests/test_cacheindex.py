@@ -459,3 +459,35 @@ def test_chains_that_start_alike_keep_a_memo_each() -> None:
         common, blocks, own = idx.match_split([*system, *sub, 9999], 2.0)
         assert common is first[k][0] and blocks == 48 and len(common) == 100
         assert _expanded((common, blocks, own)) == idx.match([*system, *sub, 9999], 2.0)
+
+
+@pytest.mark.skipif(not NATIVE, reason="the native index was not built")
+def test_a_chain_that_changes_often_makes_its_memo_again_in_its_own_way() -> None:
+    """Four chains share a first block; only A's last block changes, and A is asked for the
+    most: its memo is made again where its old one was, so B, C and D keep theirs (a
+    reviewer's case: made in the least recently used way instead, A pushed them out 15
+    times of 18)."""
+    idx = CacheIndex(memo_min_holders=2)
+    chains = {k: [7, 100 * i + 101, 100 * i + 102] for i, k in enumerate("ABCD")}
+    for w in ("w0", "w1", "w2"):
+        idx.apply_snapshot(w, 0, sorted({h for c in chains.values() for h in c}), 0.0)
+    sets = {k: idx.match_split(c, 1.0)[0] for k, c in chains.items()}
+    for r in range(6):
+        for k in "BCD":
+            assert idx.match_split(chains[k], 1.0)[0] is sets[k]
+        for _ in range(3):
+            idx.match_split(chains["A"], 1.0)
+        idx.apply_snapshot("x", r + 1, [chains["A"][2]] if r % 2 == 0 else [], 1.0)
+        sets["A"] = idx.match_split(chains["A"], 1.0)[0]
+
+
+@pytest.mark.skipif(not NATIVE, reason="the native index was not built")
+def test_a_memo_reads_a_prompt_in_order_as_the_walk_does() -> None:
+    """A prompt that leaves the memo's chain at its second block answers as match() does,
+    whatever comes later in it (a memo read from the end refused a bad hash the walk never
+    reads)."""
+    idx = CacheIndex(memo_min_holders=2)
+    for w in ("a", "b"):
+        idx.apply_snapshot(w, 0, [1, 2, 3], 0.0)
+    idx.match_split([1, 2, 3], 1.0)  # the memo of 1, 2, 3
+    assert _expanded(idx.match_split([1, 5, -1], 1.0)) == idx.match([1, 5, -1], 1.0)
