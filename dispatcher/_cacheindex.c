@@ -645,20 +645,28 @@ static PyObject *Index_completed(Index *ix, PyObject *const *args, Py_ssize_t na
 
 /* ------------------------------------------------------------------ match_split and its memo */
 
+/* Whether `o` is the block hash `h`, raising nothing (a bad item is for the walk, which
+ * reads the items in order, to refuse when it reaches it). */
+static int is_hash(PyObject *o, uint64_t h) {
+    if (!PyLong_Check(o))
+        return 0;
+    unsigned long long v = PyLong_AsUnsignedLongLong(o);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    return (uint64_t)v == h;
+}
+
 /* Whether the memo holds for a prompt whose first hashes are `items` (n of them) at `now`:
  * 1, or 2 if it is a memo of the prompt's chain that no longer holds (its way is the one to
- * make again), 0 if it is another chain's (or none), -1 on error (an item that is no hash:
- * the items are read in order, as the walk reads them, and the lookups come after). */
+ * make again), 0 if it is another chain's (or none). */
 static int memo_holds(Index *ix, Memo *m, PyObject **items, Py_ssize_t n, double now) {
     if (m->common == NULL || m->j > n)
         return 0;
-    for (Py_ssize_t k = 0; k < m->j; k++) {
-        uint64_t h;
-        if (as_hash(items[k], &h) < 0)
-            return -1;
-        if (h != m->hashes[k])
+    for (Py_ssize_t k = m->j - 1; k >= 0; k--) /* from the end: chains that start alike differ there */
+        if (!is_hash(items[k], m->hashes[k]))
             return 0;
-    }
     if (!(now >= m->since && now < m->until)) /* (NaN: no) */
         return 2;
     for (Py_ssize_t k = 0; k < m->j; k++) {
@@ -771,8 +779,7 @@ static PyObject *match_impl(Index *ix, PyObject *const *args, Py_ssize_t nargs, 
         Memo *stale = NULL;
         for (int w = 0; w < MEMO_WAYS && held != 1; w++) {
             m = &set[w];
-            if ((held = memo_holds(ix, m, items, n, now)) < 0)
-                goto fail;
+            held = memo_holds(ix, m, items, n, now);
             if (held == 2 && stale == NULL)
                 stale = m;
         }
