@@ -126,9 +126,10 @@ class CacheAwareConfig:
     guess_ttl_s: float = GUESS_TTL_S
     index_max_blocks: int = INDEX_MAX_BLOCKS
     index_memo_min_holders: int = INDEX_MEMO_MIN_HOLDERS
-    """A chain of index entries this many workers hold is one set to a decision (the index's
-    memo), never listed: a system prompt every worker caches costs a decision the same on any
-    fleet. Any value gives the same choices."""
+    """A chain of index entries this many workers hold is one set to a decision (the native
+    index's memo; the pure reference keeps none), never listed: a system prompt every worker
+    caches costs a decision about the same on 256 or 1,024 workers. Any value gives the same
+    choices and scores the same workers."""
     prefix_max_keys: int = PREFIX_MAX_KEYS
     """Prefix keys the stickiness (and the flap meter) remember at most."""
     explain: bool = False
