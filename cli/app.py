@@ -216,6 +216,7 @@ def _core_figures(requests: int, decision_requests: int, as_json: bool) -> dict[
     figures["shared_prompt_decision_us"] = {
         str(n): us for n, us in costs.shared_prompt_decision_us.items()
     }
+    figures["saturated_decision_us"] = {str(n): us for n, us in costs.saturated_decision_us.items()}
     figures["baseline_decision_us"] = costs.baseline_decision_us
     figures["indexed_blocks"] = costs.indexed_blocks
     figures["native_index"] = costs.native_index

@@ -235,6 +235,11 @@ class DecisionCosts:
     native_scoring: bool = False
     """Whether the measured policy scored its candidates with the native loop (else the pure
     Python reference)."""
+    saturated_decision_us: dict[int, float] = field(default_factory=dict)
+    """Worker count -> CPU µs per decision on :attr:`shared_prompt_decision_us`'s fleet with
+    every worker over the hard limit (:data:`SATURATED_SHARE` of its slots booked): no
+    replica can stick, and a decision scores every replica to learn that (it grows with the
+    fleet: docs/BENCHMARKS.md, "Twenty-first pass")."""
 
     def ratio(self, workers: int) -> float:
         """A decision at ``workers`` against the minimal dispatcher's."""
@@ -269,6 +274,7 @@ def decision_costs(
     idle: dict[int, float] = {}
     burst: dict[int, float] = {}
     shared: dict[int, float] = {}
+    saturated: dict[int, float] = {}
     counts: dict[int, int] = {}
     filled = 0
     for n in worker_counts:
@@ -290,9 +296,16 @@ def decision_costs(
     _drive(sched, stream, running, random.Random(seed + 1), 0.0, phases)
     base = _baseline_us(stream, 16, capacity, seed)
     native = not isinstance(getattr(sched.policy, "index", None), PureCacheIndex)
+    for n in worker_counts:  # last: its fleets are the largest the process builds
+        # A fifth of the requests: each decision there scores every replica (the figure
+        # says so), and at 1,024 workers costs milliseconds.
+        saturated[n] = _shared_prompt(
+            n, capacity, indexed_blocks, max(requests // 5, 1), seed, SATURATED_SHARE
+        )
     return DecisionCosts(
-        out, base, filled, counts, phases, idle, at, burst, shared, native, SCORING_NATIVE
-    )
+        out, base, filled, counts, phases, idle, at, burst, shared, native, SCORING_NATIVE,
+        saturated,
+    )  # fmt: skip
 
 
 SYSTEM_PROMPT_BLOCKS = 128
@@ -300,11 +313,16 @@ SYSTEM_PROMPT_BLOCKS = 128
 
 
 def _shared_prompt(
-    workers: int, capacity: int, indexed_blocks: int, requests: int, seed: int
+    workers: int,
+    capacity: int,
+    indexed_blocks: int,
+    requests: int,
+    seed: int,
+    booked_share: float = 0.25,
 ) -> float:
     """The busy fleet of :func:`decision_costs` where every worker's digest also reports one
-    system prompt that every request starts with (2,100-4,000 tokens each): CPU µs per
-    decision."""
+    system prompt that every request starts with (2,100-4,000 tokens each), running
+    ``booked_share`` of its capacity: CPU µs per decision."""
     rng = random.Random(seed + 5)
     system = tuple(rng.getrandbits(63) for _ in range(SYSTEM_PROMPT_BLOCKS))
     stream: _Stream = []
@@ -317,11 +335,17 @@ def _shared_prompt(
     entries = system[stride - 1 :: stride]
     for w in range(workers):  # a delta after _fleet's snapshot: the prompt beside the rest
         sched.policy.heartbeat(f"w{w}", Digest(1, False, entries), -3600.0)
-    running = _warm(sched, workers * capacity // 4, seed)
+    running = _warm(sched, int(workers * capacity * booked_share), seed)
     _fresh_heap()
     t0 = time.process_time()
     decisions = _drive(sched, stream, running, random.Random(seed + 1), 0.0)
     return (time.process_time() - t0) / max(decisions, 1) * 1e6
+
+
+SATURATED_SHARE = 0.95
+"""The booked share of :attr:`DecisionCosts.saturated_decision_us`'s fleet: every worker over
+the routing policy's hard limit (0.9 of its capacity), so that no replica of the system prompt
+can stick."""
 
 
 def _burst(sched: Scheduler, n: int, seed: int) -> float:
@@ -432,6 +456,9 @@ def cost_table(costs: DecisionCosts) -> list[tuple[str, str, str, str]]:
         rows.append((f"one plan of {4 * n:,} onto {n:,} idle workers", f"{us:.1f} us", "", ""))
     for n, us in sorted(costs.shared_prompt_decision_us.items()):
         label = f"a system prompt on all {n:,} workers"
+        rows.append((label, f"{us:.1f} us", f"{us / costs.baseline_decision_us:.1f}x", ""))
+    for n, us in sorted(costs.saturated_decision_us.items()):
+        label = f"the same, {SATURATED_SHARE:.0%} booked (none can stick), {n:,} workers"
         rows.append((label, f"{us:.1f} us", f"{us / costs.baseline_decision_us:.1f}x", ""))
     rows.append(("minimal FIFO + round-robin", f"{costs.baseline_decision_us:.2f} us", "1.0x", ""))
     most = TARGET_GROWTH_1024_VS_16

@@ -470,6 +470,7 @@ def test_decision_costs_runs_at_a_tiny_size() -> None:
     assert set(costs.decision_us) == {4, 16} and costs.baseline_decision_us > 0
     assert set(costs.idle_decision_us) == set(costs.burst_decision_us) == {4, 16}
     assert set(costs.shared_prompt_decision_us) == {4, 16}
+    assert set(costs.saturated_decision_us) == {4, 16}
     assert set(costs.phase_us) == {"enqueue", "plan", "routing", "book", "complete"}
     assert costs.phase_workers == 16
     assert costs.decisions == {4: 200, 16: 200}
