@@ -49,6 +49,7 @@ from __future__ import annotations
 import collections
 import heapq
 import itertools
+import operator
 from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -410,7 +411,7 @@ class CacheAware:
                 if left:
                     # In the order the listed holders come (by how much they hold), so that
                     # the walk of the groups left off scores what it would without the set.
-                    left.sort(key=_first)
+                    left.sort(key=operator.itemgetter(0))
         if explores:
             # Only a request that explores needs every new worker (and how many there are).
             # A little early, so that the exact test in choose() decides who is new.
@@ -796,10 +797,6 @@ def _rep_group_order(ctx: _Context, pool: CandidatePool) -> dict[int, int]:
     for b in sorted(rest):
         order.setdefault(b, len(order))
     return order
-
-
-def _first(group: tuple[int, _Rest]) -> int:
-    return group[0]
 
 
 _Heap = list[tuple[float, str]]
