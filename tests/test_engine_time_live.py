@@ -23,6 +23,7 @@ import pytest
 
 from sluice.client import Client
 from sluice.client.client import RequestHandle
+from sluice.dispatcher.scheduler import Scheduler
 from sluice.dispatcher.shares import DEFAULT_BURST_S
 from sluice.schemas.models import Result
 from sluice.sim.profiles import REFERENCE
@@ -89,6 +90,10 @@ def _prompt(i: int) -> list[int]:
 
 def _dispatcher(floors: dict[str, float]) -> dict[str, object]:
     return {
+        # A lease that outlasts a test process starved of the CPU for a second or two: the
+        # bounds below hold for a dispatcher that leads throughout, and a lost lease would
+        # leave the fleet without one for a lease or more (the takeover is tests/test_leadership).
+        "leader_lease_s": 5.0,
         "band_floors": floors,
         # Aged batch: its requests sort ahead of interactive ones that arrive after them.
         "band_delay_s": {"interactive": 0.0, "standard": 0.0, "batch": 0.0},
@@ -127,7 +132,10 @@ async def test_an_interactive_burst_starts_at_once_while_batch_keeps_its_floor(
         agent={"capacity": CAPACITY, "speed": SPEED},
     )
     async with LocalCluster(nats_url, **kw) as cluster, Client(nats_url) as c:
-        sched = cluster.dispatcher.scheduler
+
+        def sched() -> Scheduler:  # read each time: a new term starts a new one
+            return cluster.dispatcher.scheduler
+
         batch = [
             await c.submit("sim", _prompt(i), max_tokens=BATCH_TOKENS, band="batch")
             for i in range(N_BATCH)
@@ -147,7 +155,7 @@ async def test_an_interactive_burst_starts_at_once_while_batch_keeps_its_floor(
         await asyncio.sleep(BATCH_RUN_S)  # batch now ends and starts in waves, on every slot
         await eventually(saturated, every_s=0.002)  # the burst finds every slot held by batch
         burst_s = time.time()
-        queued_batch = sched.counts().get(("sim", "batch"), (0, 0))[0]
+        queued_batch = sched().counts().get(("sim", "batch"), (0, 0))[0]
         assert queued_batch > 4 * N_INTERACTIVE, "the batch backlog must outlast the burst"
         burst = [
             await c.submit(
@@ -162,11 +170,11 @@ async def test_an_interactive_burst_starts_at_once_while_batch_keeps_its_floor(
             # The agents count a run, the dispatcher releases it on its completion report
             # (both just after the result is stored).
             ran = sum(a.completed for a in cluster.agents)
-            return ran >= N_BATCH + N_INTERACTIVE and sched.running == 0
+            return ran >= N_BATCH + N_INTERACTIVE and sched().running == 0
 
         await eventually(all_counted)
         ran = sum(a.completed for a in cluster.agents)
-        left_queued, left_running = sched.queued, sched.running
+        left_queued, left_running = sched().queued, sched().running
 
     # Exactly once, nothing lost: one ok result per request, per band, and one run each.
     for handles, results, band in (
