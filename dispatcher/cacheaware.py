@@ -680,6 +680,17 @@ class CacheAware:
         settled on the replicas by then, the other holders and workers."""
         bounds = _Bounds(self, acc, request, ctx)
         n = len(pool)
+        if left_reps and acc.sticky is None:
+            # No replica scored can stick. One over the hard limit's booked share, or with
+            # a load key that puts its predicted TTFT over the limit, never can: if the pool
+            # says fewer workers may be under both than there are replicas (a saturated
+            # fleet), score those of them that are replicas, instead of every replica to
+            # learn that none is under the limit; the others can then win only by their
+            # score (spill) or queue (expand).
+            under = pool.under(self.config.hard_load_fraction, bounds.stick_key())
+            if under is not None and under[0] < ctx.n_reps:
+                yield from _may_stick(ctx, pool, under[1], seen, scored)
+                bounds.stickers_scored = True
         yield from _walk_groups(left_reps or (), bounds.replica_could_win, pool, seen, scored)
         if self._rule(acc, ctx, n) not in ("score", "spill", "expand"):
             return
@@ -821,6 +832,24 @@ class _Rest:
         return self.heap[0] if self.heap else None
 
 
+def _may_stick(
+    ctx: _Context,
+    pool: CandidatePool,
+    under: Iterator[str],
+    seen: set[str],
+    scored: list[Candidate],
+) -> Iterator[Candidate]:
+    """The replicas among ``under`` (workers that may be under the hard limit) not scored
+    yet."""
+    for w in under:
+        if w in seen or not ctx.is_rep(w):
+            continue
+        if (cand := pool.get(w)) is not None:
+            seen.add(w)
+            scored.append(cand)
+            yield cand
+
+
 def _walk_groups(
     groups: Iterable[tuple[int, _Rest]],
     could_win: Callable[[float, int], bool],
@@ -854,7 +883,7 @@ class _Bounds:
 
     __slots__ = (
         "_acc", "_c", "_expand", "_f", "_fast_decode", "_fast_prefill", "_ibt", "_indexed",
-        "_may_expand", "_prompt", "_w_moved",
+        "_may_expand", "_prior_prefill", "_prompt", "_w_moved", "stickers_scored",
     )  # fmt: skip
 
     def __init__(self, policy: CacheAware, acc: Best, request: RouteRequest, ctx: _Context):
@@ -865,6 +894,7 @@ class _Bounds:
             if c.calibrate
             else (prior.prefill_s_per_token, prior.decode_s_per_token)
         )
+        self._prior_prefill = prior.prefill_s_per_token
         self._f = min(1.0, self._fast_prefill / prior.prefill_s_per_token)
         self._acc = acc
         self._prompt, self._ibt = request.prompt_tokens, policy.index_block_tokens
@@ -873,6 +903,24 @@ class _Bounds:
         # Who is left off once the replicas are done is no replica: moved is the same for all.
         self._w_moved = c.w_stable if ctx.n_reps else 0.0
         self._expand = False
+        self.stickers_scored = False
+        """Every replica that may be under the hard limit was scored: the others can win
+        only the spill rule (by their score) or the expand rule (by their queue)."""
+
+    def stick_key(self) -> float:
+        """A load key no replica with a predicted TTFT under the hard limit and less than
+        the hard limit's share of its capacity booked reaches: its unreported prefill
+        (which the key holds; the TTFT holds it too, with its reported queue and at least
+        the prompt's own tokens not held by anyone, at the fastest speeds) and its booked
+        share (``w_busy`` of it)."""
+        c = self._c
+        most = min(self._indexed * self._ibt, self._prompt - 1) if self._indexed else 0
+        own = self._prompt - most if self._prompt - most > 1 else 1
+        ahead = (c.hard_ttft_s - self._fast_decode) / self._fast_prefill - own
+        if ahead < 0.0:
+            return 0.0  # its own prefill alone is over the limit: none can
+        limit = ahead * self._prior_prefill / c.ttft_scale_s + c.w_busy * c.hard_load_fraction
+        return limit + _SLACK
 
     def score(self, key: float, blocks: int) -> float:
         """The lowest score a candidate with this load key holding ``blocks`` index entries
@@ -906,8 +954,16 @@ class _Bounds:
         """A replica left off: while no replica under the hard limit was scored it may
         still win the sticky rule; then if its score could beat the best replica's (the
         best replica is never better than the best of all: that covers both), or, for a
-        prefix that may gain a replica, its queue the best queue."""
+        prefix that may gain a replica, its queue the best queue. Once every replica that
+        may be under the limit was scored (:attr:`stickers_scored`), only the spill rule by
+        its score, or the expand rule by its queue."""
         sticky = self._acc.sticky
+        if self.stickers_scored:
+            if sticky is None:
+                best = self._acc.best
+                assert best is not None
+                return self.score(key, blocks) < best[0] - _SLACK
+            return self._may_expand and self.queue_beats(key, blocks)
         if sticky is None or self.score(key, blocks) < sticky[0] - _SLACK:
             return True
         return self._may_expand and self.queue_beats(key, blocks)

@@ -310,6 +310,13 @@ class _Pool(CandidatePool):
                 out.append(c)
         return out
 
+    def under(self, share: float, key: float) -> tuple[int, Iterator[str]] | None:
+        # The scheduler's orders, by booked share and by load key, both of which the plan's
+        # own bookings only raise: a worker over either there is over it here too. (Those
+        # the plan filled are no candidates: get() says so.) The margin keeps in a worker
+        # whose share or key rounds to the limit.
+        return self._state.free.under(self._model, share + _MARGIN, key + _MARGIN)
+
     def _all(self) -> Sequence[Candidate]:
         if self._all_list is None:
             state, model = self._state, self._model
@@ -362,6 +369,7 @@ class _Pool(CandidatePool):
 
 
 _NEVER = float("-inf")
+_MARGIN = 1e-9
 _NO_MOVES: list[tuple[float, str]] = []
 
 

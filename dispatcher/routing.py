@@ -122,6 +122,12 @@ class CandidatePool(Sequence[Candidate], abc.ABC):
     def joined_after(self, t_s: float) -> list[Candidate]:
         """Every candidate whose worker first heartbeated after ``t_s``."""
 
+    def under(self, share: float, key: float) -> tuple[int, Iterator[str]] | None:
+        """How many candidates may have less than ``share`` of their capacity booked and a
+        load key under ``key``, and they (every candidate that has, perhaps a few more),
+        without reading the others; None if the pool keeps no such order."""
+        return None
+
     @abc.abstractmethod
     def _all(self) -> Sequence[Candidate]:
         """Every candidate (built once, on the first iteration or index)."""
@@ -166,6 +172,15 @@ class ListPool(CandidatePool):
 
     def joined_after(self, t_s: float) -> list[Candidate]:
         return [c for c in self._list if c.joined_s > t_s]
+
+    def under(self, share: float, key: float) -> tuple[int, Iterator[str]] | None:
+        keys = self._key
+        under = [
+            c.worker_id
+            for c in self._list
+            if c.booked < share * c.capacity and keys[c.worker_id] < key
+        ]
+        return len(under), iter(under)
 
     def _all(self) -> Sequence[Candidate]:
         return self._list

@@ -337,7 +337,8 @@ class Scheduler:
             self._free.discard(worker_id)
             return
         unreported = self._books.unreported_prefill(worker_id)
-        self._free.put(worker_id, info.models, self._load_key(booked, info.capacity, unreported))
+        key = self._load_key(booked, info.capacity, unreported)
+        self._free.put(worker_id, info.models, key, booked / info.capacity)
 
     def _serve(self, info: WorkerInfo | None, sign: int) -> None:
         if info is None or info.draining:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import random
 from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
 
@@ -160,6 +161,10 @@ def test_the_bounded_choice_among_replicas_everywhere_is_the_exhaustive_one(
             shortlist_workers=k, max_replicas=data.draw(st.sampled_from([1, 64])),
             shortlist_per_group=data.draw(st.integers(1, k + 1), label="shortlist_per_group"),
             index_memo_min_holders=data.draw(st.sampled_from([1, 3, 64]), label="memo_min"),
+            # Hard limits that leave many replicas over them, by share or by TTFT (a
+            # saturated fleet: the decision then scores those the pool says may be under).
+            hard_load_fraction=data.draw(st.sampled_from([0.9, 0.5, 0.2]), label="hard"),
+            hard_ttft_s=data.draw(st.sampled_from([3.0, 0.6, 0.05]), label="hard_ttft"),
         )
     )  # fmt: skip
     system = tuple(range(900, 908))
@@ -175,6 +180,57 @@ def test_the_bounded_choice_among_replicas_everywhere_is_the_exhaustive_one(
     )
     request = RouteRequest("r", "m", 10 * BT + 3, 16, (*system, 7, 8))
     _assert_same_but_ties(policy, request, candidates, now)
+
+
+@given(st.data())
+@settings(max_examples=400, deadline=None)
+def test_the_bounded_choice_on_a_saturated_fleet_of_replicas_is_the_exhaustive_one(
+    data: st.DataObject,
+) -> None:
+    """Every candidate caches one system prompt (some only part of it), nearly all over the
+    hard limit's booked share, with reported queues the load keys leave out: the decision
+    scores the few replicas the pool says may be under the limit, then the others only as
+    far as their score (spill) or queue (expand: a fleet of workers that are no candidates
+    leaves the prefix room to gain replicas) could still win."""
+    n = data.draw(st.integers(8, 40), label="workers")
+    k = data.draw(st.integers(1, 3), label="shortlist_workers")
+    hard = data.draw(st.sampled_from([0.9, 0.5]), label="hard")
+    policy = CacheAware(
+        CacheAwareConfig(
+            block_tokens=BT, index_tokens=BT, key_tokens=4 * BT, explore_share=0.0,
+            shortlist_workers=k, max_replicas=data.draw(st.sampled_from([1, 64])),
+            shortlist_per_group=data.draw(st.integers(1, k + 1), label="shortlist_per_group"),
+            index_memo_min_holders=data.draw(st.sampled_from([1, 3, 64]), label="memo_min"),
+            hard_load_fraction=hard,
+            hard_ttft_s=data.draw(st.sampled_from([3.0, 0.6]), label="hard_ttft"),
+        )
+    )  # fmt: skip
+    system = tuple(range(900, 908))
+    for w in range(n):
+        held = system[: data.draw(st.sampled_from([8, 8, 8, 6, 2]))]
+        policy.heartbeat(f"w{w}", Digest(0, True, held), 50.0)
+    for w in range(n, n + data.draw(st.sampled_from([0, 60]), label="full workers")):
+        policy.heartbeat(f"w{w}", None, 50.0)
+    for i in range(data.draw(st.integers(0, 30), label="bookings")):
+        past = RouteRequest(f"p{i}", "m", 9 * BT, 8, (*system, 1000 + i))
+        policy.observe(past, f"w{data.draw(st.integers(0, n - 1))}", 100.0)
+    now = 110.0
+    cands = []
+    for w in range(n):
+        cap = data.draw(st.sampled_from([8, 16, 32]))
+        under = data.draw(st.integers(0, 9)) == 0
+        over = min(math.ceil(hard * cap), cap - 1)
+        booked = data.draw(st.integers(0, over - 1) if under else st.integers(over, cap - 1))
+        cands.append(
+            Candidate(
+                f"w{w}", cap, booked, data.draw(st.integers(0, 50_000)),
+                reported_prefill_tokens=data.draw(st.sampled_from([0, 2_000, 30_000, 90_000])),
+                unreported_prefill_tokens=data.draw(st.sampled_from([0, 300, 4_000, 20_000])),
+                report_age_s=data.draw(st.sampled_from([0.0, 0.2, 1.0])),
+            )
+        )  # fmt: skip
+    request = RouteRequest("r", "m", 10 * BT + 3, 16, (*system, 7, 8))
+    _assert_same_but_ties(policy, request, cands, now)
 
 
 @pytest.mark.parametrize("per_group", [1, 3])
@@ -307,6 +363,9 @@ class _Counting(CandidatePool):
     def joined_after(self, t_s: float) -> list[Candidate]:
         return self.inner.joined_after(t_s)
 
+    def under(self, share: float, key: float) -> tuple[int, Iterator[str]] | None:
+        return self.inner.under(share, key)
+
     def _all(self) -> Sequence[Candidate]:
         self.walked = True
         return list(self.inner)
@@ -384,6 +443,13 @@ class _Checking(CacheAware):
         assert [w for _, w in candidates.ids_by_load()] == [w for _, w in ref.ids_by_load()]
         cold = {c.worker_id for c in candidates.joined_after(now_s - 30.0)}
         assert cold == {c.worker_id for c in ref.joined_after(now_s - 30.0)}
+        # Who may be under a share and a key: every candidate that is (the plan's own
+        # bookings only raise both), counted as given.
+        for share, key in ((0.5, 0.3), (0.99, 10.0), (0.2, 0.0), (1.0, 0.05)):
+            got, exact = candidates.under(share, key), ref.under(share, key)
+            assert got is not None and exact is not None
+            listed = list(got[1])
+            assert len(listed) == got[0] and set(exact[1]) <= set(listed)
         _Checking.checks += 1
         return super().choose(request, candidates, now_s)
 
@@ -946,7 +1012,49 @@ def test_a_saturated_fleet_of_replicas_does_not_walk_the_order_past_the_bound() 
         for i in range(1000)
     ]
     request = RouteRequest("r", "m", 70 * BT, 8, (*system, 1, 2, 3))
+    assert _assert_same_but_ties(policy, request, cands, 1.0).reason == "spill"
+    pool = _Counting(ListPool(cands, policy.load_key))
+    policy.choose(request, pool, 1.0)
+    assert pool.stepped < 50
+    # Nor are the replicas scored to learn that none is under the limit: the pool says none
+    # may be (every one over the booked share), so only the shortlist and what beats it.
+    assert pool.asked < 50, pool.asked
+
+
+def test_a_saturated_fleet_scores_the_few_replicas_that_may_stick() -> None:
+    """1,000 replicas of a system prompt: all over the hard limit's booked share but three,
+    of which two are over it by their unreported prefill (a predicted TTFT over 3 s); the
+    one under both has a load key above every other's (16 booked and 20,000 tokens of
+    prefill unreported: 4.5 against 3.75-3.77), so that a walk in load order would reach it
+    last. The decision sticks to it, having built a few candidates, not the fleet."""
+    policy, system = _everywhere(1000)
+    cands = [
+        Candidate(f"w{i}", 32, 30, 1000, unreported_prefill_tokens=10 * (i % 13))
+        for i in range(1000)
+    ]
+    cands[400] = Candidate("w400", 32, 10, 1000, unreported_prefill_tokens=60_000)
+    cands[500] = Candidate("w500", 32, 12, 1000, unreported_prefill_tokens=90_000)
+    cands[600] = Candidate("w600", 32, 16, 1000, unreported_prefill_tokens=20_000)
+    request = RouteRequest("r", "m", 70 * BT, 8, (*system, 1, 2, 3))
     pool = _Counting(ListPool(cands, policy.load_key))
     choice = policy.choose(request, pool, 1.0)
-    assert choice == policy.choose(request, cands, 1.0) and choice.reason == "spill"
-    assert pool.stepped < 50
+    assert choice == policy.choose(request, cands, 1.0)
+    assert (choice.worker_id, choice.reason) == ("w600", "sticky")
+    assert pool.asked < 50, pool.asked
+
+
+def test_free_workers_say_who_may_be_under_a_share_and_a_key() -> None:
+    free = FreeWorkers()
+    free.put("a", ["m"], 0.9, 0.5)
+    free.put("b", ["m"], 0.1, 0.75)
+    free.put("c", ["m", "n"], 0.4, 0.25)
+    free.put("d", ["m"], 0.3, 0.0)
+    # Under a share of 0.6: a, c, d (3); under a key of 0.35: b, d (2), the shorter front.
+    n, who = free.under("m", 0.6, 0.35)
+    assert (n, list(who)) == (2, ["b", "d"])
+    n, who = free.under("m", 0.3, 1.0)
+    assert (n, list(who)) == (2, ["d", "c"])
+    free.put("d", ["m"], 0.3, 0.8)  # moved: booked more
+    assert free.share("d") == 0.8 and free.under("m", 0.3, 1.0)[0] == 1
+    free.discard("c")
+    assert free.under("n", 1.0, 1.0)[0] == 0 and free.share("c") is None
