@@ -224,6 +224,8 @@ def _core_figures(requests: int, decision_requests: int, as_json: bool) -> dict[
     figures["decision_growth_1024_vs_16"] = costs.growth(1024, 16)
     shared = costs.shared_growth(1024, 16)
     figures["shared_prompt_growth_1024_vs_16"] = shared
+    saturated = costs.saturated_growth(1024, 16)
+    figures["saturated_growth_1024_vs_16"] = saturated
     at_256, growth = costs.decision_us[256], costs.growth(1024, 16)
     most = TARGET_GROWTH_1024_VS_16
     figures["targets"] = {
@@ -232,6 +234,10 @@ def _core_figures(requests: int, decision_requests: int, as_json: bool) -> dict[
         # The same target where every worker holds the prefix: a fleet's common case.
         "decision growth 1024 / 16 workers, a system prompt on all": _target(
             shared, most, shared <= most
+        ),
+        # And in overload: every worker over the hard limit, none of the replicas can stick.
+        "decision growth 1024 / 16 workers, a system prompt on all, saturated": _target(
+            saturated, most, saturated <= most
         ),
     }
     if not as_json:

@@ -255,6 +255,12 @@ class DecisionCosts:
         shared = self.shared_prompt_decision_us
         return shared[workers] / shared[base]
 
+    def saturated_growth(self, workers: int, base: int) -> float:
+        """:meth:`shared_growth` with every worker over the hard limit
+        (:data:`SATURATED_SHARE` of its slots booked)."""
+        saturated = self.saturated_decision_us
+        return saturated[workers] / saturated[base]
+
 
 def decision_costs(
     worker_counts: Sequence[int] = (16, 256, 1024),
@@ -297,11 +303,7 @@ def decision_costs(
     base = _baseline_us(stream, 16, capacity, seed)
     native = not isinstance(getattr(sched.policy, "index", None), PureCacheIndex)
     for n in worker_counts:  # last: its fleets are the largest the process builds
-        # A fifth of the requests: each decision there scores every replica (the figure
-        # says so), and at 1,024 workers costs milliseconds.
-        saturated[n] = _shared_prompt(
-            n, capacity, indexed_blocks, max(requests // 5, 1), seed, SATURATED_SHARE
-        )
+        saturated[n] = _shared_prompt(n, capacity, indexed_blocks, requests, seed, SATURATED_SHARE)
     return DecisionCosts(
         out, base, filled, counts, phases, idle, at, burst, shared, native, SCORING_NATIVE,
         saturated,
@@ -469,6 +471,10 @@ def cost_table(costs: DecisionCosts) -> list[tuple[str, str, str, str]]:
     if {16, 1024} <= costs.shared_prompt_decision_us.keys():
         g = costs.shared_growth(1024, 16)
         row = ("the same, a system prompt on all", f"{g:.2f}x", "")
+        rows.append((*row, f"target <= {most:.0f}x: {g / most:.2f}x of it"))
+    if {16, 1024} <= costs.saturated_decision_us.keys():
+        g = costs.saturated_growth(1024, 16)
+        row = (f"the same, {SATURATED_SHARE:.0%} booked", f"{g:.2f}x", "")
         rows.append((*row, f"target <= {most:.0f}x: {g / most:.2f}x of it"))
     return rows
 

@@ -197,6 +197,8 @@ def test_bench_json_prints_the_contract() -> None:
     assert all(isinstance(v, int | float) and v > 0 for v in numbers), figures
     assert set(figures["targets"]) >= _LIVE_TARGETS
     assert figures["publish_ack_between_p50_ms"] > 0
+    growths = ("decision", "shared_prompt", "saturated")
+    assert all(figures[f"{g}_growth_1024_vs_16"] > 0 for g in growths)
 
 
 def test_bench_live_only_prints_the_live_contract_alone() -> None:
