@@ -20,6 +20,7 @@ import pytest
 from nats.js.client import JetStreamContext
 
 from sluice.client import Client
+from sluice.dispatcher.scheduler import Scheduler
 from sluice.schemas import names
 from sluice.schemas.codec import encode
 from sluice.schemas.models import Result
@@ -179,6 +180,13 @@ def cluster_kwargs(
         "dispatcher": {**FAST_DISPATCHER, **(dispatcher or {})},
         "agent": {**FAST_AGENT, **(agent or {})},
     }
+
+
+def live_scheduler(cluster: LocalCluster) -> Callable[[], Scheduler]:
+    """The cluster's dispatcher's scheduler, read at each call: a test process starved of the
+    CPU may lose leadership for a moment, and a new term makes a new scheduler (the old one's
+    books stay as they were)."""
+    return lambda: cluster.dispatcher.scheduler
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from sluice.schemas.codec import decode, encode
 from sluice.schemas.models import DeadLetter, SubmitRequest
 from sluice.testing.cluster import LocalCluster
 
-from .conftest import cluster_kwargs, eventually
+from .conftest import cluster_kwargs, eventually, live_scheduler
 
 pytestmark = pytest.mark.e2e
 
@@ -46,10 +46,10 @@ async def test_higher_band_overtakes_lower_under_contention(nats_url: str) -> No
         await _first_token(blocker)  # it holds the only slot now (for about a second)
         b1 = await c.submit("sim", PROMPT, max_tokens=20, band="batch", request_id="b1")
         b2 = await c.submit("sim", PROMPT, max_tokens=20, band="batch", request_id="b2")
-        sched = cluster.dispatcher.scheduler
+        sched = live_scheduler(cluster)
 
         async def both_queued() -> bool:  # in the dispatcher before i1 arrives
-            return sched.is_queued("b1") and sched.is_queued("b2")
+            return sched().is_queued("b1") and sched().is_queued("b2")
 
         await eventually(both_queued)
         i1 = await c.submit("sim", PROMPT, max_tokens=20, band="interactive", request_id="i1")
@@ -255,7 +255,7 @@ async def test_a_quota_change_at_run_time_takes_effect_within_a_second(nats_url:
         agent={"capacity": 8},
     )
     async with LocalCluster(nats_url, **kw) as cluster, Client(nats_url) as c:
-        sched = cluster.dispatcher.scheduler
+        sched = live_scheduler(cluster)
 
         def running_at_agents() -> int:
             return sum(len(a._running) for a in cluster.agents)
@@ -281,7 +281,7 @@ async def test_a_quota_change_at_run_time_takes_effect_within_a_second(nats_url:
         await set_model_quota(c.nc, "sim", QuotaSpec(limit=5))
 
         async def applied() -> bool:
-            return sched.config.quotas.of("sim").limit == 5
+            return sched().config.quotas.of("sim").limit == 5
 
         await eventually(applied, timeout_s=1.0, every_s=0.01)
         took = asyncio.get_running_loop().time() - t0
@@ -302,7 +302,7 @@ async def test_a_quota_change_at_run_time_takes_effect_within_a_second(nats_url:
         assert rc == 2 and "NAME=COUNT" in err
 
         async def three() -> bool:
-            return sched.config.quotas.of("sim").limit == 3
+            return sched().config.quotas.of("sim").limit == 3
 
         await eventually(three, timeout_s=1.0, every_s=0.01)
 
@@ -318,7 +318,7 @@ async def test_a_quota_change_at_run_time_takes_effect_within_a_second(nats_url:
         bad = QuotaSpec(limit=7, band_limits={"gold": 1})
         await change_admission(c.nc, lambda o: o.model_copy(update={"quotas": {"sim": bad}}))
         await asyncio.sleep(0.5)
-        assert sched.config.quotas.of("sim").limit == 3
+        assert sched().config.quotas.of("sim").limit == 3
         overrides, revision = await admission_overrides(c.nc)
         assert revision > 0 and overrides.quotas["sim"].limit == 7
 
@@ -326,7 +326,7 @@ async def test_a_quota_change_at_run_time_takes_effect_within_a_second(nats_url:
         assert rc == 0, err
 
         async def back() -> bool:
-            return sched.config.quotas.of("sim").limit == 2  # the configured quota again
+            return sched().config.quotas.of("sim").limit == 2  # the configured quota again
 
         await eventually(back, timeout_s=1.0, every_s=0.01)
         results = [await h.result(timeout_s=60) for h in handles]

@@ -34,7 +34,7 @@ from sluice.schemas.models import Result
 from sluice.testing.cluster import LocalCluster
 from sluice.testing.engines import build_engine
 
-from .conftest import FAST_AGENT, cluster_kwargs, eventually
+from .conftest import FAST_AGENT, cluster_kwargs, eventually, live_scheduler
 from .test_engine_server import _free_port, _start, _stop, _wait_healthy
 
 pytestmark = pytest.mark.e2e
@@ -115,7 +115,7 @@ async def test_a_hung_engine_takes_its_worker_out_within_the_health_bound_and_ba
                 _wait_healthy(hc, proc)
         kw = cluster_kwargs(workers=0, dispatcher={"routing_explore_share": 0.0})
         async with LocalCluster(nats_url, **kw) as cluster, Client(nats_url) as c:
-            sched = cluster.dispatcher.scheduler
+            sched = live_scheduler(cluster)
             agents = {n: _agent(nats_url, f"http-{n}", urls[n]) for n in procs}
             try:
                 for a in agents.values():
@@ -123,7 +123,7 @@ async def test_a_hung_engine_takes_its_worker_out_within_the_health_bound_and_ba
                 hung_id, other_id = agents["a"].worker_id, agents["b"].worker_id
 
                 def capacity(worker_id: str) -> int | None:
-                    info = sched.workers().get(worker_id)
+                    info = sched().workers().get(worker_id)
                     return None if info is None else info.capacity
 
                 async def both_known() -> bool:
@@ -136,7 +136,7 @@ async def test_a_hung_engine_takes_its_worker_out_within_the_health_bound_and_ba
                 assert {r.worker_id for r in before} == {hung_id, other_id}, "not spread"
 
                 async def idle() -> bool:
-                    return sched.running == 0
+                    return sched().running == 0
 
                 await eventually(idle)  # nothing in flight on the engine about to hang
 

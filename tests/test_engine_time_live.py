@@ -23,13 +23,12 @@ import pytest
 
 from sluice.client import Client
 from sluice.client.client import RequestHandle
-from sluice.dispatcher.scheduler import Scheduler
 from sluice.dispatcher.shares import DEFAULT_BURST_S
 from sluice.schemas.models import Result
 from sluice.sim.profiles import REFERENCE
 from sluice.testing.cluster import LocalCluster
 
-from .conftest import cluster_kwargs, eventually
+from .conftest import cluster_kwargs, eventually, live_scheduler
 
 pytestmark = pytest.mark.e2e
 
@@ -132,10 +131,7 @@ async def test_an_interactive_burst_starts_at_once_while_batch_keeps_its_floor(
         agent={"capacity": CAPACITY, "speed": SPEED},
     )
     async with LocalCluster(nats_url, **kw) as cluster, Client(nats_url) as c:
-
-        def sched() -> Scheduler:  # read each time: a new term starts a new one
-            return cluster.dispatcher.scheduler
-
+        sched = live_scheduler(cluster)
         batch = [
             await c.submit("sim", _prompt(i), max_tokens=BATCH_TOKENS, band="batch")
             for i in range(N_BATCH)

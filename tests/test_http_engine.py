@@ -26,7 +26,7 @@ from sluice.client import Client
 from sluice.testing.cluster import LocalCluster
 from sluice.testing.engines import build_engine
 
-from .conftest import FAST_AGENT, cluster_kwargs, eventually, serving
+from .conftest import FAST_AGENT, cluster_kwargs, eventually, live_scheduler, serving
 from .test_engine_server import _free_port, _free_port_pair, _start, _stop, _wait_healthy
 
 pytestmark = pytest.mark.e2e
@@ -89,10 +89,10 @@ async def test_tokens_stream_through_http_engines_and_a_repeated_prefix_hits(
         first = await h.result(timeout_s=30)
         assert first.ok and len(first.output_tokens) == 12 and first.cached_tokens == 0
         assert "".join(ch.text for ch in chunks) == first.text and first.text.strip()
-        sched = fleet["cluster"].dispatcher.scheduler
+        sched = live_scheduler(fleet["cluster"])
 
         async def released() -> bool:  # else its worker is busy, and the prefix may spread
-            return sched.running == 0
+            return sched().running == 0
 
         await eventually(released)
         again = await (await c.submit("sim", PROMPT, max_tokens=4)).result(timeout_s=30)
@@ -104,15 +104,15 @@ async def test_tokens_stream_through_http_engines_and_a_repeated_prefix_hits(
 async def test_an_engine_killed_mid_generation_costs_an_attempt_not_the_request(
     fleet: dict[str, Any], nats_url: str
 ) -> None:
-    sched = fleet["cluster"].dispatcher.scheduler
+    sched = live_scheduler(fleet["cluster"])
     async with Client(nats_url) as c:
         h = await c.submit("sim", PROMPT, max_tokens=600)  # about 4 s at speed 1
 
         async def running() -> bool:
-            return sched.booking(h.request_id) is not None
+            return sched().booking(h.request_id) is not None
 
         await eventually(running)
-        worker = sched.booking(h.request_id).worker_id
+        worker = sched().booking(h.request_id).worker_id
         proc = fleet["procs"]["tcp" if worker == "http-tcp" else "uds"]
         await asyncio.sleep(0.3)  # mid-generation
         os.kill(proc.pid, signal.SIGKILL)
@@ -121,7 +121,7 @@ async def test_an_engine_killed_mid_generation_costs_an_attempt_not_the_request(
     assert len(result.output_tokens) == 600
 
     async def released() -> bool:
-        return sched.running == 0
+        return sched().running == 0
 
     await eventually(released)  # the quota is back
 
