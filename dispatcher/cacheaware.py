@@ -159,7 +159,7 @@ class CacheAwareConfig:
     def __post_init__(self) -> None:
         if min(self.block_tokens, self.key_tokens, self.index_tokens) < 1:
             raise ValueError("block_tokens, key_tokens and index_tokens must be >= 1")
-        if min(self.w_load, self.w_cache, self.w_stable) < 0 or self.ttft_scale_s <= 0:
+        if min(self.w_load, self.w_cache, self.w_stable, self.w_busy) < 0 or self.ttft_scale_s <= 0:
             raise ValueError("weights must be >= 0 and ttft_scale_s > 0")
         if not 0 <= self.min_hit_fraction <= 1 or not 0 <= self.explore_share <= 1:
             raise ValueError("min_hit_fraction and explore_share must be within [0, 1]")
@@ -241,6 +241,11 @@ _SLACK = 1e-9
 """A worker left off the shortlist is scored only if its lower bound beats the best so far by
 more than this: a tie (or a difference of rounding) is not worth a look, and looking would
 walk a whole fleet of equally idle workers at every decision."""
+
+
+_AHEAD_ROUNDING = 1e-6
+"""Tokens: the prefill a replica may still have ahead of it under the hard TTFT limit can
+compute a hair below 0 for a replica exactly at the limit (which is under it)."""
 
 
 class CacheAware:
@@ -919,8 +924,10 @@ class _Bounds:
         most = min(self._indexed * self._ibt, self._prompt - 1) if self._indexed else 0
         own = self._prompt - most if self._prompt - most > 1 else 1
         ahead = (c.hard_ttft_s - self._fast_decode) / self._fast_prefill - own
-        if ahead < 0.0:
+        if ahead < -_AHEAD_ROUNDING:
             return 0.0  # its own prefill alone is over the limit: none can
+        # (A TTFT exactly at the limit is under it, and this difference may round below 0.)
+        ahead = ahead if ahead > 0.0 else 0.0
         limit = ahead * self._prior_prefill / c.ttft_scale_s + c.w_busy * c.hard_load_fraction
         return limit + _SLACK
 

@@ -339,6 +339,13 @@ def test_the_decision_log_is_bounded(tmp_path: Path) -> None:
         DecisionLog(tmp_path / "x.jsonl", max_bytes=10)
 
 
+@pytest.mark.parametrize("weight", ["w_load", "w_cache", "w_stable", "w_busy"])
+def test_a_negative_weight_is_refused(weight: str) -> None:
+    # The bounds that let a decision leave workers unscored hold for weights >= 0 only.
+    with pytest.raises(ValueError, match="weights must be >= 0"):
+        CacheAwareConfig(**{weight: -0.5})
+
+
 def test_the_core_benchmark_runs_both_policies() -> None:
     from sluice.cli.benchcore import bench_core
 

@@ -1043,6 +1043,31 @@ def test_a_saturated_fleet_scores_the_few_replicas_that_may_stick() -> None:
     assert pool.asked < 50, pool.asked
 
 
+def test_a_replica_exactly_at_the_ttft_limit_still_sticks() -> None:
+    """Its predicted TTFT equals ``hard_ttft_s`` (under the limit: over is above it), and the
+    prefill the limit leaves it ahead computes a hair below 0 in floating point: it is still
+    among those that may stick. The others are over by their reported queues (found by a
+    reviewer: the bounded choice spilled to ``a``)."""
+    own, per_token, decode = 40, 1 / 8000, 0.03
+    hard = own * per_token + decode
+    assert (hard - decode) / per_token - own < 0  # the premise: it rounds below 0
+    policy = CacheAware(
+        CacheAwareConfig(
+            block_tokens=BT, index_tokens=BT, explore_share=0.0, shortlist_workers=2,
+            hard_ttft_s=hard, calibrate=False,
+        )
+    )  # fmt: skip
+    system = tuple(range(1000, 1064))
+    for i in range(20):
+        policy.heartbeat(f"w{i:02d}", Digest(0, True, system), 0.0)
+    policy.heartbeat("a", None, 0.0)
+    cands = [Candidate(f"w{i:02d}", 10, 0, 0, reported_prefill_tokens=100_000) for i in range(19)]
+    cands += [Candidate("w19", 10, 8, 0), Candidate("a", 10, 0, 0)]
+    request = RouteRequest("r", "m", 64 * BT + own, 8, system)
+    choice = _assert_same_but_ties(policy, request, cands, 1.0)
+    assert (choice.worker_id, choice.reason) == ("w19", "sticky")
+
+
 def test_free_workers_say_who_may_be_under_a_share_and_a_key() -> None:
     free = FreeWorkers()
     free.put("a", ["m"], 0.9, 0.5)
