@@ -145,6 +145,40 @@ def test_the_bounded_choice_is_the_exhaustive_one_whenever_that_is_on_the_shortl
     assert policy.choose(request, list(pool), now) == exhaustive
 
 
+def _replicas_everywhere(
+    data: st.DataObject,
+    n: int,
+    hards: Sequence[float],
+    hard_ttfts: Sequence[float],
+    full: Sequence[int],
+    bookings: int,
+) -> tuple[CacheAware, tuple[int, ...]]:
+    """A policy whose ``n`` workers all cache (some only part of) one system prompt, with
+    hard limits drawn from ``hards`` and ``hard_ttfts``, a number drawn from ``full`` of
+    other workers that report nothing, and up to ``bookings`` past requests of the prompt."""
+    k = data.draw(st.integers(1, 3), label="shortlist_workers")
+    policy = CacheAware(
+        CacheAwareConfig(
+            block_tokens=BT, index_tokens=BT, key_tokens=4 * BT, explore_share=0.0,
+            shortlist_workers=k, max_replicas=data.draw(st.sampled_from([1, 64])),
+            shortlist_per_group=data.draw(st.integers(1, k + 1), label="shortlist_per_group"),
+            index_memo_min_holders=data.draw(st.sampled_from([1, 3, 64]), label="memo_min"),
+            hard_load_fraction=data.draw(st.sampled_from(hards), label="hard"),
+            hard_ttft_s=data.draw(st.sampled_from(hard_ttfts), label="hard_ttft"),
+        )
+    )  # fmt: skip
+    system = tuple(range(900, 908))
+    for w in range(n):
+        held = system[: data.draw(st.sampled_from([8, 8, 8, 6, 2]))]
+        policy.heartbeat(f"w{w}", Digest(0, True, held), 50.0)
+    for w in range(n, n + data.draw(st.sampled_from(full), label="full workers")):
+        policy.heartbeat(f"w{w}", None, 50.0)
+    for i in range(data.draw(st.integers(0, bookings), label="bookings")):
+        past = RouteRequest(f"p{i}", "m", 9 * BT, 8, (*system, 1000 + i))
+        policy.observe(past, f"w{data.draw(st.integers(0, n - 1))}", 100.0)
+    return policy, system
+
+
 @given(st.data())
 @settings(max_examples=300, deadline=None)
 def test_the_bounded_choice_among_replicas_everywhere_is_the_exhaustive_one(
@@ -154,26 +188,9 @@ def test_the_bounded_choice_among_replicas_everywhere_is_the_exhaustive_one(
     it, and their reported queues (which load keys leave out) differ widely: the replicas
     the shortlist leaves off are walked as far as one could still win."""
     n = data.draw(st.integers(6, 40), label="workers")
-    k = data.draw(st.integers(1, 3), label="shortlist_workers")
-    policy = CacheAware(
-        CacheAwareConfig(
-            block_tokens=BT, index_tokens=BT, key_tokens=4 * BT, explore_share=0.0,
-            shortlist_workers=k, max_replicas=data.draw(st.sampled_from([1, 64])),
-            shortlist_per_group=data.draw(st.integers(1, k + 1), label="shortlist_per_group"),
-            index_memo_min_holders=data.draw(st.sampled_from([1, 3, 64]), label="memo_min"),
-            # Hard limits that leave many replicas over them, by share or by TTFT (a
-            # saturated fleet: the decision then scores those the pool says may be under).
-            hard_load_fraction=data.draw(st.sampled_from([0.9, 0.5, 0.2]), label="hard"),
-            hard_ttft_s=data.draw(st.sampled_from([3.0, 0.6, 0.05]), label="hard_ttft"),
-        )
-    )  # fmt: skip
-    system = tuple(range(900, 908))
-    for w in range(n):
-        held = system[: data.draw(st.sampled_from([8, 8, 8, 6, 2]))]
-        policy.heartbeat(f"w{w}", Digest(0, True, held), 50.0)
-    for i in range(data.draw(st.integers(0, 20), label="bookings")):
-        past = RouteRequest(f"p{i}", "m", 9 * BT, 8, (*system, 1000 + i))
-        policy.observe(past, f"w{data.draw(st.integers(0, n - 1))}", 100.0)
+    # Hard limits that leave many replicas over them, by share or by TTFT (a saturated
+    # fleet: the decision then scores those the pool says may be under).
+    policy, system = _replicas_everywhere(data, n, (0.9, 0.5, 0.2), (3.0, 0.6, 0.05), (0,), 20)
     now = 110.0
     candidates = _candidates(
         data, n, now, (0, 2_000, 30_000, 90_000), (0, 300, 4_000), (0.0, 0.2, 1.0), (-1e9,)
@@ -193,27 +210,9 @@ def test_the_bounded_choice_on_a_saturated_fleet_of_replicas_is_the_exhaustive_o
     far as their score (spill) or queue (expand: a fleet of workers that are no candidates
     leaves the prefix room to gain replicas) could still win."""
     n = data.draw(st.integers(8, 40), label="workers")
-    k = data.draw(st.integers(1, 3), label="shortlist_workers")
-    hard = data.draw(st.sampled_from([0.9, 0.5]), label="hard")
-    policy = CacheAware(
-        CacheAwareConfig(
-            block_tokens=BT, index_tokens=BT, key_tokens=4 * BT, explore_share=0.0,
-            shortlist_workers=k, max_replicas=data.draw(st.sampled_from([1, 64])),
-            shortlist_per_group=data.draw(st.integers(1, k + 1), label="shortlist_per_group"),
-            index_memo_min_holders=data.draw(st.sampled_from([1, 3, 64]), label="memo_min"),
-            hard_load_fraction=hard,
-            hard_ttft_s=data.draw(st.sampled_from([3.0, 0.6]), label="hard_ttft"),
-        )
-    )  # fmt: skip
-    system = tuple(range(900, 908))
-    for w in range(n):
-        held = system[: data.draw(st.sampled_from([8, 8, 8, 6, 2]))]
-        policy.heartbeat(f"w{w}", Digest(0, True, held), 50.0)
-    for w in range(n, n + data.draw(st.sampled_from([0, 60]), label="full workers")):
-        policy.heartbeat(f"w{w}", None, 50.0)
-    for i in range(data.draw(st.integers(0, 30), label="bookings")):
-        past = RouteRequest(f"p{i}", "m", 9 * BT, 8, (*system, 1000 + i))
-        policy.observe(past, f"w{data.draw(st.integers(0, n - 1))}", 100.0)
+    # Workers that are no candidates (full) leave the prefix room to gain replicas.
+    policy, system = _replicas_everywhere(data, n, (0.9, 0.5), (3.0, 0.6), (0, 60), 30)
+    hard = policy.config.hard_load_fraction
     now = 110.0
     cands = []
     for w in range(n):
