@@ -689,15 +689,25 @@ class CacheAware:
         n = len(pool)
         if left_reps and acc.sticky is None:
             # No replica scored can stick. One over the hard limit's booked share, or with
-            # a load key that puts its predicted TTFT over the limit, never can: if the pool
-            # says fewer workers may be under both than there are replicas (a saturated
-            # fleet), score those of them that are replicas, instead of every replica to
-            # learn that none is under the limit; the others can then win only by their
-            # score (spill) or queue (expand).
-            under = pool.under(self.config.hard_load_fraction, bounds.stick_key())
-            if under is not None and under[0] < ctx.n_reps:
-                yield from _may_stick(ctx, pool, under[1], seen, scored)
+            # more prefill ahead of it (unreported, or reported and not drained yet at the
+            # fastest speed) than the TTFT limit leaves, never can: if the pool says fewer
+            # workers may be under all of these than there are replicas (a saturated fleet),
+            # score those of them that are replicas, instead of every replica to learn that
+            # none is under the limit; the others can then win only by their score (spill)
+            # or queue (expand).
+            ahead = bounds.stick_ahead()
+            if ahead is None:  # the prompt's own prefill is over the limit anywhere
                 bounds.stickers_scored = True
+            else:
+                under = pool.under(
+                    self.config.hard_load_fraction,
+                    bounds.stick_key(ahead),
+                    ahead,
+                    bounds.fastest_drain,
+                )
+                if under is not None and under[0] < ctx.n_reps:
+                    yield from _may_stick(ctx, pool, under[1], seen, scored)
+                    bounds.stickers_scored = True
         yield from _walk_groups(left_reps or (), bounds.replica_could_win, pool, seen, scored)
         if self._rule(acc, ctx, n) not in ("score", "spill", "expand"):
             return
@@ -914,22 +924,31 @@ class _Bounds:
         """Every replica that may be under the hard limit was scored: the others can win
         only the spill rule (by their score) or the expand rule (by their queue)."""
 
-    def stick_key(self) -> float:
-        """A load key no replica with a predicted TTFT under the hard limit and less than
-        the hard limit's share of its capacity booked reaches: its unreported prefill
-        (which the key holds; the TTFT holds it too, with its reported queue and at least
-        the prompt's own tokens not held by anyone, at the fastest speeds) and its booked
-        share (``w_busy`` of it)."""
+    def stick_ahead(self) -> float | None:
+        """The most prefill tokens a replica under the hard limit can have ahead of it (its
+        predicted TTFT holds them, and at least the prompt's own tokens not held by anyone,
+        at the fastest speeds), or None if even with none ahead its TTFT is over the limit."""
         c = self._c
         most = min(self._indexed * self._ibt, self._prompt - 1) if self._indexed else 0
         own = self._prompt - most if self._prompt - most > 1 else 1
         ahead = (c.hard_ttft_s - self._fast_decode) / self._fast_prefill - own
         if ahead < -_AHEAD_ROUNDING:
-            return 0.0  # its own prefill alone is over the limit: none can
+            return None
         # (A TTFT exactly at the limit is under it, and this difference may round below 0.)
-        ahead = ahead if ahead > 0.0 else 0.0
+        return (ahead if ahead > 0.0 else 0.0) + _AHEAD_ROUNDING
+
+    def stick_key(self, ahead: float) -> float:
+        """A load key no replica with at most ``ahead`` prefill tokens ahead of it and less
+        than the hard limit's share of its capacity booked reaches: the key holds its
+        prefill not yet reported and ``w_busy`` of its booked share."""
+        c = self._c
         limit = ahead * self._prior_prefill / c.ttft_scale_s + c.w_busy * c.hard_load_fraction
         return limit + _SLACK
+
+    @property
+    def fastest_drain(self) -> float:
+        """Prefill tokens per second of the fastest worker: no queue drains faster."""
+        return 1.0 / self._fast_prefill
 
     def score(self, key: float, blocks: int) -> float:
         """The lowest score a candidate with this load key holding ``blocks`` index entries

@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
+import math
 from collections import Counter
 from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -310,12 +311,15 @@ class _Pool(CandidatePool):
                 out.append(c)
         return out
 
-    def under(self, share: float, key: float) -> tuple[int, Iterator[str]] | None:
-        # The scheduler's orders, by booked share and by load key, both of which the plan's
-        # own bookings only raise: a worker over either there is over it here too. (Those
-        # the plan filled are no candidates: get() says so.) The margin keeps in a worker
-        # whose share or key rounds to the limit.
-        return self._state.free.under(self._model, share + _MARGIN, key + _MARGIN)
+    def under(
+        self, share: float, key: float, queue: float = math.inf, drain: float = 0.0
+    ) -> tuple[int, Iterator[str]] | None:
+        # The scheduler's orders, by booked share, load key and prefill queued, all of which
+        # the plan's own bookings only raise: a worker over one there is over it here too.
+        # (Those the plan filled are no candidates: get() says so.) The margin keeps in a
+        # worker whose share, key or queue rounds to the limit.
+        free, m, now = self._state.free, self._model, self._now_s
+        return free.under(m, share + _MARGIN, key + _MARGIN, queue + _MARGIN, drain, now)
 
     def _all(self) -> Sequence[Candidate]:
         if self._all_list is None:

@@ -5,10 +5,12 @@ decision never looks at the whole fleet: the planner reads the few least-loaded 
 model from the front of its order, and any other worker by id, at a cost that does not grow
 with the number of workers (an update costs O(log n) comparisons and one list move).
 
-A second order, by booked share (booked / capacity), answers with the first which workers may
-be under a share and a load key without reading the others: on a fleet whose workers are
-nearly all over the hard limit, a decision finds the few a sticky prefix could still go to at
-the front of one of them.
+More orders, by booked share (booked / capacity) and by prefill queued (reported by the worker
+plus booked here since: the queue at its last report, before it drained), answer with the
+first which workers may be under a share, a load key and a queue without reading the others:
+on a fleet whose workers are nearly all over the hard limit, a decision finds the few a
+sticky prefix could still go to at the front of one of them. An order by report time gives
+the oldest report, which bounds how much any queue drained since.
 """
 
 from __future__ import annotations
@@ -18,63 +20,98 @@ import itertools
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 _Entry = tuple[float, str]
+_Placed = tuple[float, float, float, float]
+"""A worker's load key, booked share, prefill queued and report time."""
+_INF = float("inf")
+_LAST = "\U0010ffff"
+"""Sorts after any worker id: (value, _LAST) bisects past every entry of that value."""
 _NONE: Mapping[str, float] = {}
 
 
 class FreeWorkers:
     """Per model: the live workers with free capacity, ordered by a load key (lowest first,
-    ties by worker id), and by booked share."""
+    ties by worker id), by booked share, by prefill queued and by report time."""
 
     def __init__(self) -> None:
         self._order: dict[str, list[_Entry]] = {}
         self._keys: dict[str, dict[str, float]] = {}
         self._shares: dict[str, list[_Entry]] = {}
-        self._placed: dict[str, tuple[float, float, frozenset[str]]] = {}
+        self._queues: dict[str, list[_Entry]] = {}
+        self._reports: dict[str, list[_Entry]] = {}
+        self._placed: dict[str, tuple[_Placed, frozenset[str]]] = {}
 
     def __contains__(self, worker_id: object) -> bool:
         return worker_id in self._placed
 
-    def put(self, worker_id: str, models: Iterable[str], key: float, share: float = 0.0) -> None:
-        """``worker_id`` has room now, with this load key and this share of its capacity
-        booked (placed or moved)."""
+    def put(
+        self,
+        worker_id: str,
+        models: Iterable[str],
+        key: float,
+        share: float = 0.0,
+        queue: float = 0.0,
+        reported_s: float = 0.0,
+    ) -> None:
+        """``worker_id`` has room now, with this load key, this share of its capacity
+        booked, this many prefill tokens queued (at its last report, which was at
+        ``reported_s``, and booked since; placed or moved)."""
         models = frozenset(models)
+        placed = (key, share, queue, reported_s)
         old = self._placed.get(worker_id)
-        if old == (key, share, models):
+        if old == (placed, models):
             return
         if old is not None:
             self.discard(worker_id)
-        self._placed[worker_id] = (key, share, models)
+        self._placed[worker_id] = (placed, models)
         for m in models:
-            bisect.insort(self._order.setdefault(m, []), (key, worker_id))
-            bisect.insort(self._shares.setdefault(m, []), (share, worker_id))
+            for orders, value in zip(self._orders(), placed, strict=True):
+                bisect.insort(orders.setdefault(m, []), (value, worker_id))
             self._keys.setdefault(m, {})[worker_id] = key
+
+    def _orders(self) -> tuple[dict[str, list[_Entry]], ...]:
+        return self._order, self._shares, self._queues, self._reports
 
     def discard(self, worker_id: str) -> None:
         """``worker_id`` has no room, is draining, refused or gone."""
         old = self._placed.pop(worker_id, None)
         if old is None:
             return
-        key, share, models = old
+        placed, models = old
         for m in models:
-            order, shares = self._order[m], self._shares[m]
-            del order[bisect.bisect_left(order, (key, worker_id))]
-            del shares[bisect.bisect_left(shares, (share, worker_id))]
+            for orders, value in zip(self._orders(), placed, strict=True):
+                order = orders[m]
+                del order[bisect.bisect_left(order, (value, worker_id))]
+                if not order:
+                    del orders[m]
             del self._keys[m][worker_id]
-            if not order:
-                del self._order[m]
+            if not self._keys[m]:
                 del self._keys[m]
-                del self._shares[m]
 
-    def under(self, model: str, share: float, key: float) -> tuple[int, Iterator[str]]:
+    def under(
+        self,
+        model: str,
+        share: float,
+        key: float,
+        queue: float = _INF,
+        drain: float = 0.0,
+        now_s: float = 0.0,
+    ) -> tuple[int, Iterator[str]]:
         """Of ``model``'s workers with room, a set that holds every one with less than
-        ``share`` of its capacity booked and a load key under ``key``: the shorter of the
-        two orders' fronts (how many, and they)."""
-        shares, order = self._shares.get(model, ()), self._order.get(model, ())
-        by_share = bisect.bisect_left(shares, (share,))
-        by_key = bisect.bisect_left(order, (key,))
-        front = shares if by_share <= by_key else order
-        n = min(by_share, by_key)
-        return n, (w for _, w in itertools.islice(front, n))
+        ``share`` of its capacity booked, a load key under ``key``, and a prefill queue
+        under ``queue`` tokens once what it reported drained at ``drain`` tokens/s since its
+        report: the shortest of the orders' fronts (how many, and they)."""
+        fronts = [
+            (bisect.bisect_left(self._shares.get(model, ()), (share,)), self._shares),
+            (bisect.bisect_left(self._order.get(model, ()), (key,)), self._order),
+        ]
+        reports = self._reports.get(model)
+        if reports and queue < _INF:
+            # No worker drained more than the one that reported longest ago could have.
+            oldest = now_s - reports[0][0]
+            limit = queue + (oldest if oldest > 0.0 else 0.0) * drain
+            fronts.append((bisect.bisect_right(self._queues[model], (limit, _LAST)), self._queues))
+        n, orders = min(fronts, key=lambda f: f[0])
+        return n, (w for _, w in itertools.islice(orders.get(model, ()), n))
 
     def count(self, model: str) -> int:
         """Workers of ``model`` with room."""
@@ -104,9 +141,9 @@ class FreeWorkers:
 
     def key(self, worker_id: str) -> float | None:
         placed = self._placed.get(worker_id)
-        return None if placed is None else placed[0]
+        return None if placed is None else placed[0][0]
 
     def share(self, worker_id: str) -> float | None:
         """The worker's booked share, as last put."""
         placed = self._placed.get(worker_id)
-        return None if placed is None else placed[1]
+        return None if placed is None else placed[0][1]

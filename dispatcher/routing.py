@@ -16,6 +16,7 @@ from __future__ import annotations
 import abc
 import functools
 import itertools
+import math
 from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol, overload, runtime_checkable
@@ -122,10 +123,14 @@ class CandidatePool(Sequence[Candidate], abc.ABC):
     def joined_after(self, t_s: float) -> list[Candidate]:
         """Every candidate whose worker first heartbeated after ``t_s``."""
 
-    def under(self, share: float, key: float) -> tuple[int, Iterator[str]] | None:
-        """How many candidates may have less than ``share`` of their capacity booked and a
-        load key under ``key``, and they (every candidate that has, perhaps a few more),
-        without reading the others; None if the pool keeps no such order."""
+    def under(
+        self, share: float, key: float, queue: float = math.inf, drain: float = 0.0
+    ) -> tuple[int, Iterator[str]] | None:
+        """How many candidates may have less than ``share`` of their capacity booked, a
+        load key under ``key`` and at most ``queue`` prefill tokens ahead (what they reported,
+        drained at ``drain`` tokens/s since, plus what was booked since), and they (every
+        candidate that has, perhaps a few more), without reading the others; None if the pool
+        keeps no such order."""
         return None
 
     @abc.abstractmethod
@@ -173,12 +178,17 @@ class ListPool(CandidatePool):
     def joined_after(self, t_s: float) -> list[Candidate]:
         return [c for c in self._list if c.joined_s > t_s]
 
-    def under(self, share: float, key: float) -> tuple[int, Iterator[str]] | None:
+    def under(
+        self, share: float, key: float, queue: float = math.inf, drain: float = 0.0
+    ) -> tuple[int, Iterator[str]] | None:
         keys = self._key
         under = [
             c.worker_id
             for c in self._list
-            if c.booked < share * c.capacity and keys[c.worker_id] < key
+            if c.booked < share * c.capacity
+            and keys[c.worker_id] < key
+            and c.reported_prefill_tokens - c.report_age_s * drain + c.unreported_prefill_tokens
+            <= queue
         ]
         return len(under), iter(under)
 

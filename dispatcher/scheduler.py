@@ -338,7 +338,8 @@ class Scheduler:
             return
         unreported = self._books.unreported_prefill(worker_id)
         key = self._load_key(booked, info.capacity, unreported)
-        self._free.put(worker_id, info.models, key, booked / info.capacity)
+        queue = info.reported_prefill_tokens + unreported
+        self._free.put(worker_id, info.models, key, booked / info.capacity, queue, info.reported_s)
 
     def _serve(self, info: WorkerInfo | None, sign: int) -> None:
         if info is None or info.draining:

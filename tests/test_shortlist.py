@@ -362,8 +362,10 @@ class _Counting(CandidatePool):
     def joined_after(self, t_s: float) -> list[Candidate]:
         return self.inner.joined_after(t_s)
 
-    def under(self, share: float, key: float) -> tuple[int, Iterator[str]] | None:
-        return self.inner.under(share, key)
+    def under(
+        self, share: float, key: float, queue: float = math.inf, drain: float = 0.0
+    ) -> tuple[int, Iterator[str]] | None:
+        return self.inner.under(share, key, queue, drain)
 
     def _all(self) -> Sequence[Candidate]:
         self.walked = True
@@ -442,10 +444,18 @@ class _Checking(CacheAware):
         assert [w for _, w in candidates.ids_by_load()] == [w for _, w in ref.ids_by_load()]
         cold = {c.worker_id for c in candidates.joined_after(now_s - 30.0)}
         assert cold == {c.worker_id for c in ref.joined_after(now_s - 30.0)}
-        # Who may be under a share and a key: every candidate that is (the plan's own
-        # bookings only raise both), counted as given.
-        for share, key in ((0.5, 0.3), (0.99, 10.0), (0.2, 0.0), (1.0, 0.05)):
-            got, exact = candidates.under(share, key), ref.under(share, key)
+        # Who may be under a share, a key and a queue drained since its report: every
+        # candidate that is (the plan's own bookings only raise all three), counted as given.
+        for share, key, queue, drain in (
+            (0.5, 0.3, math.inf, 0.0),
+            (0.99, 10.0, 150.0, 100.0),
+            (0.2, 0.0, 0.0, 0.0),
+            (1.0, 0.05, math.inf, 0.0),
+            (1.0, 10.0, 0.0, 1e6),
+            (1.0, 10.0, 200.0, 0.0),
+        ):
+            got = candidates.under(share, key, queue, drain)
+            exact = ref.under(share, key, queue, drain)
             assert got is not None and exact is not None
             listed = list(got[1])
             assert len(listed) == got[0] and set(exact[1]) <= set(listed)
@@ -580,12 +590,15 @@ def test_a_session_sticks_to_its_busy_replicas_on_a_large_fleet() -> None:
     assert choice == policy.choose(request, cands, 1.0) and not pool.walked
 
 
-def _everywhere(n: int, k: int = 8) -> tuple[CacheAware, tuple[int, ...]]:
+def _everywhere(n: int, k: int = 8, hard_ttft_s: float = 3.0) -> tuple[CacheAware, tuple[int, ...]]:
     """A policy whose every one of ``n`` workers reports the same 64-block prompt prefix (a
     system prompt): every worker is a replica of it."""
     policy = CacheAware(
-        CacheAwareConfig(block_tokens=BT, index_tokens=BT, explore_share=0.0, shortlist_workers=k)
-    )
+        CacheAwareConfig(
+            block_tokens=BT, index_tokens=BT, explore_share=0.0, shortlist_workers=k,
+            hard_ttft_s=hard_ttft_s,
+        )
+    )  # fmt: skip
     system = tuple(range(1000, 1064))
     for i in range(n):
         policy.heartbeat(f"w{i}", Digest(0, True, system), 0.0)
@@ -1065,6 +1078,55 @@ def test_a_replica_exactly_at_the_ttft_limit_still_sticks() -> None:
     request = RouteRequest("r", "m", 64 * BT + own, 8, system)
     choice = _assert_same_but_ties(policy, request, cands, 1.0)
     assert (choice.worker_id, choice.reason) == ("w19", "sticky")
+
+
+def test_a_fleet_over_the_limit_by_its_reported_queues_scores_the_few_that_may_stick() -> None:
+    """1,000 replicas of a system prompt with slots free, all but one over the TTFT limit by
+    the prefill they reported (90,000 tokens each, a second ago: more than 3 s at any speed
+    the fleet has), which no load key holds: the one that reported nothing queued sorts last
+    by load (16 booked). The decision sticks to it, having built a few candidates."""
+    policy, system = _everywhere(1000)
+    cands = [
+        Candidate(f"w{i}", 32, 2, 1000, reported_prefill_tokens=90_000, report_age_s=1.0)
+        for i in range(1000)
+    ]
+    cands[600] = Candidate("w600", 32, 16, 1000, report_age_s=1.0)
+    request = RouteRequest("r", "m", 70 * BT, 8, (*system, 1, 2, 3))
+    choice = _assert_same_but_ties(policy, request, cands, 1.0)
+    assert (choice.worker_id, choice.reason) == ("w600", "sticky")
+    pool = _Counting(ListPool(cands, policy.load_key))
+    assert policy.choose(request, pool, 1.0) == choice
+    assert pool.asked < 50, pool.asked
+
+
+def test_a_prompt_whose_own_prefill_is_over_the_ttft_limit_spills_without_a_walk() -> None:
+    """The tokens of the prompt no worker holds take longer than ``hard_ttft_s`` to prefill
+    at any speed the fleet has: no replica can stick, and the decision spills having built
+    a few of its 1,000 replicas."""
+    policy, system = _everywhere(1000, hard_ttft_s=0.05)  # 2,000 own tokens: 0.25 s
+    cands = [Candidate(f"w{i}", 32, i % 7, 1000) for i in range(1000)]
+    request = RouteRequest("r", "m", 64 * BT + 2_000, 8, system)
+    assert _assert_same_but_ties(policy, request, cands, 1.0).reason == "spill"
+    pool = _Counting(ListPool(cands, policy.load_key))
+    policy.choose(request, pool, 1.0)
+    assert pool.asked < 50, pool.asked
+
+
+def test_free_workers_say_who_may_be_under_a_queue_drained_since_its_report() -> None:
+    free = FreeWorkers()
+    free.put("a", ["m"], 0.1, 0.1, 5_000.0, 10.0)
+    free.put("b", ["m"], 0.1, 0.1, 1_000.0, 9.0)  # the oldest report
+    free.put("c", ["m"], 0.1, 0.1, 3_000.0, 10.5)
+    # At 11.0 the oldest report is 2 s old: at 1,000 tokens/s no queue drained more than
+    # 2,000 tokens, so only those queued at most 2,500 + 2,000 when they reported may be
+    # under 2,500 now: b and c.
+    n, who = free.under("m", 1.0, 1.0, 2_500.0, 1_000.0, 11.0)
+    assert (n, list(who)) == (2, ["b", "c"])
+    assert free.under("m", 1.0, 1.0, 2_500.0, 0.0, 11.0)[0] == 1  # nothing drains: b
+    assert free.under("m", 1.0, 1.0, 2_500.0, 1_000.0, 8.0)[0] == 1  # reports after now: b
+    assert free.under("m", 1.0, 1.0)[0] == 3  # no queue asked for: the other fronts
+    free.discard("b")
+    assert free.under("m", 1.0, 1.0, 2_500.0, 1_000.0, 11.0)[0] == 1  # the oldest now 10.0
 
 
 def test_free_workers_say_who_may_be_under_a_share_and_a_key() -> None:
