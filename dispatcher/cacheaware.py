@@ -37,8 +37,9 @@ every worker a replica: they are walked in load order too, so a decision still s
 the index hands them over as one set it keeps between changes
 (:meth:`~sluice.dispatcher.cacheindex.PureCacheIndex.match_split`), so a decision never lists
 them either. When none of the replicas scored is under the hard limit, the pool names those
-that may be (:meth:`~sluice.dispatcher.routing.CandidatePool.under`: by booked share and by
-load key), and only those are scored to find one that sticks (a saturated fleet).
+that may be (:meth:`~sluice.dispatcher.routing.CandidatePool.under`: by booked share, by
+load key and by prefill queued), and only those are scored to find one that sticks (a
+saturated fleet).
 The choice is the one scoring everyone would make, but for ties.
 
 ``choose`` changes nothing; ``observe`` (called by the scheduler once the worker accepted)

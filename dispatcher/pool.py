@@ -28,6 +28,11 @@ _LAST = "\U0010ffff"
 _NONE: Mapping[str, float] = {}
 
 
+def _move(order: list[_Entry], before: _Entry, after: _Entry) -> None:
+    del order[bisect.bisect_left(order, before)]
+    bisect.insort(order, after)
+
+
 class FreeWorkers:
     """Per model: the live workers with free capacity, ordered by a load key (lowest first,
     ties by worker id), by booked share, by prefill queued and by report time."""
@@ -58,7 +63,24 @@ class FreeWorkers:
         models = frozenset(models)
         placed = (key, share, queue, reported_s)
         old = self._placed.get(worker_id)
-        if old == (placed, models):
+        if old is not None and old[1] == models:
+            was = old[0]
+            if was == placed:
+                return
+            # Moved: only the orders whose value changed (a booking leaves the report time,
+            # a heartbeat often the share).
+            self._placed[worker_id] = (placed, models)
+            k0, s0, q0, t0 = was
+            for m in models:
+                if k0 != key:
+                    _move(self._order[m], (k0, worker_id), (key, worker_id))
+                    self._keys[m][worker_id] = key
+                if s0 != share:
+                    _move(self._shares[m], (s0, worker_id), (share, worker_id))
+                if q0 != queue:
+                    _move(self._queues[m], (q0, worker_id), (queue, worker_id))
+                if t0 != reported_s:
+                    _move(self._reports[m], (t0, worker_id), (reported_s, worker_id))
             return
         if old is not None:
             self.discard(worker_id)

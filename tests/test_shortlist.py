@@ -136,7 +136,8 @@ def test_the_bounded_choice_is_the_exhaustive_one_whenever_that_is_on_the_shortl
     pool = ListPool(candidates, policy.load_key)
     shortlist = {c.worker_id for c in policy.shortlist(request, pool, now)}
     k, g = policy.config.shortlist_workers, policy.config.shortlist_per_group
-    assert len(shortlist) <= len(policy._context(request, n, now).reps) + k + g * len(
+    # n_reps: the replicas, a common set's included (reps lists only the others).
+    assert len(shortlist) <= policy._context(request, n, now).n_reps + k + g * len(
         set(policy.index.match(hashes, now).values())
     ) + sum(1 for c in candidates if now - c.joined_s < policy.config.explore_window_s)
     if exhaustive.worker_id in shortlist:
