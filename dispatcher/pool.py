@@ -164,8 +164,3 @@ class FreeWorkers:
     def key(self, worker_id: str) -> float | None:
         placed = self._placed.get(worker_id)
         return None if placed is None else placed[0][0]
-
-    def share(self, worker_id: str) -> float | None:
-        """The worker's booked share, as last put."""
-        placed = self._placed.get(worker_id)
-        return None if placed is None else placed[0][1]

@@ -1142,6 +1142,7 @@ def test_free_workers_say_who_may_be_under_a_share_and_a_key() -> None:
     n, who = free.under("m", 0.3, 1.0)
     assert (n, list(who)) == (2, ["d", "c"])
     free.put("d", ["m"], 0.3, 0.8)  # moved: booked more
-    assert free.share("d") == 0.8 and free.under("m", 0.3, 1.0)[0] == 1
+    assert free.under("m", 0.3, 1.0)[0] == 1
+    assert free.under("m", 0.8, 1.0)[0] == 3 and free.under("m", 0.81, 1.0)[0] == 4  # d at 0.8
     free.discard("c")
-    assert free.under("n", 1.0, 1.0)[0] == 0 and free.share("c") is None
+    assert free.under("n", 1.0, 1.0)[0] == 0 and "c" not in free
