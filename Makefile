@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: demo test test-fast lint install clean routers
 
-$(STAMP): pyproject.toml dispatcher/_cacheindex.c dispatcher/_scoring.c
+$(STAMP): pyproject.toml dispatcher/_cacheindex.c dispatcher/_scoring.c dispatcher/_orders.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
@@ -53,4 +53,4 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) $(ROUTERS) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
-	rm -f dispatcher/_cacheindex*.so dispatcher/_scoring*.so
+	rm -f dispatcher/_cacheindex*.so dispatcher/_scoring*.so dispatcher/_orders*.so

@@ -221,6 +221,7 @@ def _core_figures(requests: int, decision_requests: int, as_json: bool) -> dict[
     figures["indexed_blocks"] = costs.indexed_blocks
     figures["native_index"] = costs.native_index
     figures["native_scoring"] = costs.native_scoring
+    figures["native_orders"] = costs.native_orders
     figures["decision_growth_1024_vs_16"] = costs.growth(1024, 16)
     shared = costs.shared_growth(1024, 16)
     figures["shared_prompt_growth_1024_vs_16"] = shared

@@ -24,6 +24,7 @@ from typing import Any
 from sluice.dispatcher.admission import AdmissionConfig
 from sluice.dispatcher.cacheaware import CacheAwareConfig
 from sluice.dispatcher.cacheindex import PureCacheIndex
+from sluice.dispatcher.orders import NATIVE as ORDERS_NATIVE
 from sluice.dispatcher.policies import build_policy
 from sluice.dispatcher.routing import Digest
 from sluice.dispatcher.scheduler import Request, Scheduler, WorkerInfo
@@ -238,8 +239,11 @@ class DecisionCosts:
     saturated_decision_us: dict[int, float] = field(default_factory=dict)
     """Worker count -> CPU µs per decision on :attr:`shared_prompt_decision_us`'s fleet with
     every worker over the hard limit (:data:`SATURATED_SHARE` of its slots booked): no
-    replica can stick, and a decision scores every replica to learn that (it grows with the
-    fleet: docs/BENCHMARKS.md, "Twenty-first pass")."""
+    replica can stick, which a decision must not learn by scoring every replica (it did, and
+    grew with the fleet, until docs/BENCHMARKS.md's twenty-second pass)."""
+    native_orders: bool = False
+    """Whether the scheduler's worker orders were the native ones (else the pure Python
+    reference)."""
 
     def ratio(self, workers: int) -> float:
         """A decision at ``workers`` against the minimal dispatcher's."""
@@ -306,7 +310,7 @@ def decision_costs(
         saturated[n] = _shared_prompt(n, capacity, indexed_blocks, requests, seed, SATURATED_SHARE)
     return DecisionCosts(
         out, base, filled, counts, phases, idle, at, burst, shared, native, SCORING_NATIVE,
-        saturated,
+        saturated, ORDERS_NATIVE,
     )  # fmt: skip
 
 
@@ -487,5 +491,7 @@ def print_costs(costs: DecisionCosts, echo: Callable[[str], object] = print) -> 
     echo(f"cache index before the measured decisions: {costs.indexed_blocks:,} blocks ({kind})")
     loop = "native" if costs.native_scoring else "pure Python (the native loop was not built)"
     echo(f"scoring loop: {loop}")
+    orders = "native" if costs.native_orders else "pure Python (the native orders were not built)"
+    echo(f"worker orders: {orders}")
     for r in rows:
         echo("  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip())

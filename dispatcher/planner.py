@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import bisect
 import heapq
-import itertools
 import math
 from collections import Counter
 from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
@@ -285,7 +284,7 @@ class _Pool(CandidatePool):
             start += 1
         s.walked[model] = start
         i = 0
-        for key, w in itertools.islice(order, start, None):
+        for key, w in order.iter_from(start):
             if w in moved_key:
                 continue
             while i < len(moved) and moved[i] < (key, w):

@@ -3,7 +3,9 @@
 The scheduler keeps this up to date as workers heartbeat, are booked, finish and leave, so a
 decision never looks at the whole fleet: the planner reads the few least-loaded workers of a
 model from the front of its order, and any other worker by id, at a cost that does not grow
-with the number of workers (an update costs O(log n) comparisons and one list move).
+with the number of workers (each order is a :mod:`~sluice.dispatcher.orders` order: an update
+costs O(log n) comparisons of doubles and one move of the pairs between its old place and its
+new).
 
 More orders, by booked share (booked / capacity) and by prefill queued (reported by the worker
 plus booked here since: the queue at its last report, before it drained), answer with the
@@ -15,22 +17,18 @@ the oldest report, which bounds how much any queue drained since.
 
 from __future__ import annotations
 
-import bisect
 import itertools
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
+
+from sluice.dispatcher.orders import WorkerOrder, new_order
 
 _Entry = tuple[float, str]
 _Placed = tuple[float, float, float, float]
 """A worker's load key, booked share, prefill queued and report time."""
 _INF = float("inf")
-_LAST = "\U0010ffff"
-"""Sorts after any worker id: (value, _LAST) bisects past every entry of that value."""
 _NONE: Mapping[str, float] = {}
-
-
-def _move(order: list[_Entry], before: _Entry, after: _Entry) -> None:
-    del order[bisect.bisect_left(order, before)]
-    bisect.insort(order, after)
+_EMPTY: WorkerOrder = new_order()
+"""The order of a model without workers with room (never changed)."""
 
 
 class FreeWorkers:
@@ -38,11 +36,11 @@ class FreeWorkers:
     ties by worker id), by booked share, by prefill queued and by report time."""
 
     def __init__(self) -> None:
-        self._order: dict[str, list[_Entry]] = {}
+        self._order: dict[str, WorkerOrder] = {}
         self._keys: dict[str, dict[str, float]] = {}
-        self._shares: dict[str, list[_Entry]] = {}
-        self._queues: dict[str, list[_Entry]] = {}
-        self._reports: dict[str, list[_Entry]] = {}
+        self._shares: dict[str, WorkerOrder] = {}
+        self._queues: dict[str, WorkerOrder] = {}
+        self._reports: dict[str, WorkerOrder] = {}
         self._placed: dict[str, tuple[_Placed, frozenset[str]]] = {}
 
     def __contains__(self, worker_id: object) -> bool:
@@ -73,24 +71,27 @@ class FreeWorkers:
             k0, s0, q0, t0 = was
             for m in models:
                 if k0 != key:
-                    _move(self._order[m], (k0, worker_id), (key, worker_id))
+                    self._order[m].move(k0, key, worker_id)
                     self._keys[m][worker_id] = key
                 if s0 != share:
-                    _move(self._shares[m], (s0, worker_id), (share, worker_id))
+                    self._shares[m].move(s0, share, worker_id)
                 if q0 != queue:
-                    _move(self._queues[m], (q0, worker_id), (queue, worker_id))
+                    self._queues[m].move(q0, queue, worker_id)
                 if t0 != reported_s:
-                    _move(self._reports[m], (t0, worker_id), (reported_s, worker_id))
+                    self._reports[m].move(t0, reported_s, worker_id)
             return
         if old is not None:
             self.discard(worker_id)
         self._placed[worker_id] = (placed, models)
         for m in models:
             for orders, value in zip(self._orders(), placed, strict=True):
-                bisect.insort(orders.setdefault(m, []), (value, worker_id))
+                order = orders.get(m)
+                if order is None:
+                    order = orders[m] = new_order()
+                order.add(value, worker_id)
             self._keys.setdefault(m, {})[worker_id] = key
 
-    def _orders(self) -> tuple[dict[str, list[_Entry]], ...]:
+    def _orders(self) -> tuple[dict[str, WorkerOrder], ...]:
         return self._order, self._shares, self._queues, self._reports
 
     def discard(self, worker_id: str) -> None:
@@ -102,7 +103,7 @@ class FreeWorkers:
         for m in models:
             for orders, value in zip(self._orders(), placed, strict=True):
                 order = orders[m]
-                del order[bisect.bisect_left(order, (value, worker_id))]
+                order.remove(value, worker_id)
                 if not order:
                     del orders[m]
             del self._keys[m][worker_id]
@@ -122,22 +123,21 @@ class FreeWorkers:
         ``share`` of its capacity booked, a load key under ``key``, and a prefill queue
         under ``queue`` tokens once what it reported drained at ``drain`` tokens/s since its
         report: the shortest of the orders' fronts (how many, and they)."""
-        fronts = [
-            (bisect.bisect_left(self._shares.get(model, ()), (share,)), self._shares),
-            (bisect.bisect_left(self._order.get(model, ()), (key,)), self._order),
-        ]
+        shares, keys = self._shares.get(model, _EMPTY), self._order.get(model, _EMPTY)
+        fronts = [(shares.count_below(share), shares), (keys.count_below(key), keys)]
         reports = self._reports.get(model)
         if reports and queue < _INF:
             # No worker drained more than the one that reported longest ago could have.
             oldest = now_s - reports[0][0]
             limit = queue + (oldest if oldest > 0.0 else 0.0) * drain
-            fronts.append((bisect.bisect_right(self._queues[model], (limit, _LAST)), self._queues))
-        n, orders = min(fronts, key=lambda f: f[0])
-        return n, (w for _, w in itertools.islice(orders.get(model, ()), n))
+            queues = self._queues[model]
+            fronts.append((queues.count_at_most(limit), queues))
+        n, order = min(fronts, key=lambda f: f[0])
+        return n, (w for _, w in itertools.islice(order, n))
 
     def count(self, model: str) -> int:
         """Workers of ``model`` with room."""
-        return len(self._order.get(model, ()))
+        return len(self._order.get(model, _EMPTY))
 
     def models(self) -> Iterable[str]:
         """Models with at least one worker with room."""
@@ -146,16 +146,16 @@ class FreeWorkers:
     def ordered(self, model: str) -> Iterator[_Entry]:
         """(key, worker) of ``model``'s workers with room, least loaded first (do not change
         the pool while iterating)."""
-        return iter(self._order.get(model, ()))
+        return iter(self._order.get(model, _EMPTY))
 
-    def entries(self, model: str) -> Sequence[_Entry]:
+    def entries(self, model: str) -> WorkerOrder:
         """(key, worker) of ``model``'s workers with room, least loaded first (a live view:
         do not change the pool while reading it)."""
-        return self._order.get(model, ())
+        return self._order.get(model, _EMPTY)
 
     def workers(self, model: str) -> list[str]:
         """``model``'s workers with room, least loaded first."""
-        return [w for _, w in self._order.get(model, ())]
+        return [w for _, w in self._order.get(model, _EMPTY)]
 
     def keys(self, model: str) -> Mapping[str, float]:
         """Worker -> load key of ``model``'s workers with room (a live view: do not change)."""

@@ -24,6 +24,7 @@ from sluice.cli.benchcore import cost_table, decision_costs, print_costs
 from sluice.dispatcher.admission import AdmissionConfig
 from sluice.dispatcher.cacheaware import CacheAware, CacheAwareConfig
 from sluice.dispatcher.cacheindex import NATIVE
+from sluice.dispatcher.orders import NATIVE as ORDERS_NATIVE
 from sluice.dispatcher.pool import FreeWorkers
 from sluice.dispatcher.routing import (
     Candidate,
@@ -553,6 +554,7 @@ def test_decision_costs_runs_at_a_tiny_size() -> None:
     assert costs.indexed_blocks >= 300
     assert costs.native_index == NATIVE  # what the policy ran on, said
     assert costs.native_scoring == SCORING_NATIVE
+    assert costs.native_orders == ORDERS_NATIVE
     rows = cost_table(costs)
     assert rows[-1][0] == "minimal FIFO + round-robin"
     lines: list[str] = []
@@ -561,6 +563,8 @@ def test_decision_costs_runs_at_a_tiny_size() -> None:
     assert any(("(native)" if NATIVE else "(pure Python") in line for line in lines)
     loop = "scoring loop: native" if SCORING_NATIVE else "scoring loop: pure Python"
     assert any(line.startswith(loop) for line in lines)
+    orders = "worker orders: native" if ORDERS_NATIVE else "worker orders: pure Python"
+    assert any(line.startswith(orders) for line in lines)
 
 
 def test_a_request_that_explores_reaches_a_new_worker_outside_the_least_loaded() -> None:
