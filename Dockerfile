@@ -5,9 +5,9 @@
 # NATS is not in it: deploy/compose and deploy/k8s run the official nats image.
 ARG PYTHON_IMAGE=python:3.11-slim
 
-# Wheels of Sluice and of every dependency, built once. Sluice's native cache index and
-# scoring loop (dispatcher/_cacheindex.c, _scoring.c) are compiled here, hence gcc in this
-# stage only; the binary dependencies
+# Wheels of Sluice and of every dependency, built once. Sluice's native cache index, scoring
+# loop and worker orders (dispatcher/_cacheindex.c, _scoring.c, _orders.c) are compiled here,
+# hence gcc in this stage only; the binary dependencies
 # (tokenizers, pyzmq, uvloop, xxhash, msgpack) have manylinux wheels.
 FROM ${PYTHON_IMAGE} AS build
 WORKDIR /src
