@@ -7,8 +7,12 @@
  *   three pointer chases per comparison, which on a dispatcher's large heap are cache misses
  *   (docs/BENCHMARKS.md, twenty-third pass).
  * - Pairs compare as Python compares the tuples: by value, then (on equal values, -0.0 equal
- *   to 0.0) by worker id, as str compares. Ids must be str (no comparison can fail) and
- *   values not NaN (no order holds with it); ints are read as doubles (exact below 2**53).
+ *   to 0.0) by worker id, as str compares. Ids must be exactly str (no comparison can fail
+ *   or run Python code, and an id cannot refer back to its order: the type is not tracked
+ *   by the garbage collector) and values not NaN (no order holds with it); ints are read as
+ *   doubles (exact below 2**53).
+ * - A pair read out takes its id's reference before anything is allocated: an allocation may
+ *   run a garbage collection, whose callbacks may change the order.
  * - A move shifts only the pairs between the old place and the new one.
  */
 #define PY_SSIZE_T_CLEAN
@@ -54,19 +58,23 @@ static Py_ssize_t lower(const Order *o, double v, PyObject *w) {
     return lo;
 }
 
-static int read_pair(PyObject *value, PyObject *worker, double *v) {
-    if (!PyUnicode_Check(worker)) {
-        PyErr_Format(PyExc_TypeError, "a worker id must be a str, not %.80s",
-                     Py_TYPE(worker)->tp_name);
-        return -1;
-    }
+static int read_number(PyObject *value, double *v) {
     if (!PyFloat_Check(value) && !PyLong_Check(value)) {
         PyErr_Format(PyExc_TypeError, "an order's value must be a float or an int, not %.80s",
                      Py_TYPE(value)->tp_name);
         return -1;
     }
     *v = PyFloat_CheckExact(value) ? PyFloat_AS_DOUBLE(value) : PyFloat_AsDouble(value);
-    if (*v == -1.0 && PyErr_Occurred())
+    return (*v == -1.0 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static int read_pair(PyObject *value, PyObject *worker, double *v) {
+    if (!PyUnicode_CheckExact(worker)) {
+        PyErr_Format(PyExc_TypeError, "a worker id must be a str, not %.80s",
+                     Py_TYPE(worker)->tp_name);
+        return -1;
+    }
+    if (read_number(value, v) < 0)
         return -1;
     if (isnan(*v)) {
         PyErr_SetString(PyExc_ValueError, "an order's value must not be NaN");
@@ -76,8 +84,7 @@ static int read_pair(PyObject *value, PyObject *worker, double *v) {
 }
 
 static int read_query(PyObject *value, double *v) {
-    *v = PyFloat_CheckExact(value) ? PyFloat_AS_DOUBLE(value) : PyFloat_AsDouble(value);
-    if (*v == -1.0 && PyErr_Occurred())
+    if (read_number(value, v) < 0)
         return -1;
     if (isnan(*v)) {
         PyErr_SetString(PyExc_ValueError, "an order is not counted against NaN");
@@ -196,7 +203,7 @@ static PyObject *Order_move(Order *o, PyObject *const *args, Py_ssize_t nargs) {
     Py_ssize_t i = place_of(o, old, args[2]);
     if (i < 0)
         return NULL;
-    PyObject *w = o->id[i];
+    PyObject *w = args[2], *was = o->id[i];
     /* Where (v, w) goes among the others: the pair at i is still there, and sorts before
      * it exactly when the value grows. */
     Py_ssize_t j = lower(o, v, w);
@@ -213,7 +220,9 @@ static PyObject *Order_move(Order *o, PyObject *const *args, Py_ssize_t nargs) {
         memmove(&o->id[j + 1], &o->id[j], (size_t)(i - j) * sizeof(PyObject *));
     }
     o->val[j] = v;
+    Py_INCREF(w); /* the pair is (new value, the id given), as the reference's */
     o->id[j] = w;
+    Py_DECREF(was);
     Py_RETURN_NONE;
 }
 
@@ -248,18 +257,18 @@ static PyObject *Order_count_at_most(Order *o, PyObject *value) {
 }
 
 static PyObject *pair(const Order *o, Py_ssize_t i) {
-    PyObject *v = PyFloat_FromDouble(o->val[i]);
-    if (v == NULL)
-        return NULL;
-    Py_INCREF(o->id[i]);
-    PyObject *t = PyTuple_New(2);
+    PyObject *w = o->id[i];
+    double value = o->val[i];
+    Py_INCREF(w); /* before any allocation (the header says why) */
+    PyObject *v = PyFloat_FromDouble(value);
+    PyObject *t = v == NULL ? NULL : PyTuple_New(2);
     if (t == NULL) {
-        Py_DECREF(v);
-        Py_DECREF(o->id[i]);
+        Py_XDECREF(v);
+        Py_DECREF(w);
         return NULL;
     }
     PyTuple_SET_ITEM(t, 0, v);
-    PyTuple_SET_ITEM(t, 1, o->id[i]);
+    PyTuple_SET_ITEM(t, 1, w);
     return t;
 }
 
@@ -286,7 +295,7 @@ static PyObject *iter_at(Order *o, Py_ssize_t start) {
 static PyObject *Order_iter(Order *o) { return iter_at(o, 0); }
 
 static PyObject *Order_iter_from(Order *o, PyObject *start) {
-    Py_ssize_t s = PyLong_AsSsize_t(start);
+    Py_ssize_t s = PyNumber_AsSsize_t(start, NULL); /* an int, clamped to Py_ssize_t */
     if (s == -1 && PyErr_Occurred())
         return NULL;
     return iter_at(o, s);
@@ -295,14 +304,20 @@ static PyObject *Order_iter_from(Order *o, PyObject *start) {
 static PyObject *Order_repr(Order *o) { return PyUnicode_FromFormat("<Order of %zd>", o->n); }
 
 static void OrderIter_dealloc(OrderIter *it) {
-    Py_DECREF(it->order);
+    Py_XDECREF(it->order);
     PyObject_Free(it);
 }
 
 static PyObject *OrderIter_next(OrderIter *it) {
-    if (it->i >= it->order->n)
-        return NULL; /* (a pair removed meanwhile ends it early, as a list's iterator does) */
-    return pair(it->order, it->i++);
+    Order *o = it->order;
+    if (o == NULL)
+        return NULL;
+    if (it->i >= o->n) { /* (a pair removed meanwhile ends it early, as a list's iterator does) */
+        it->order = NULL; /* exhausted for good, as a list's iterator is */
+        Py_DECREF(o);
+        return NULL;
+    }
+    return pair(o, it->i++);
 }
 
 static PyMethodDef Order_methods[] = {

@@ -14,6 +14,7 @@ import bisect
 import itertools
 import math
 import operator
+import sys
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
@@ -68,8 +69,8 @@ class PureOrder:
         del self._pairs[self._place(_checked(value, worker_id))]
 
     def move(self, old_value: float, new_value: float, worker_id: str, /) -> None:
-        i = self._place(_checked(old_value, worker_id))
-        new = _checked(new_value, worker_id)
+        old, new = _checked(old_value, worker_id), _checked(new_value, worker_id)
+        i = self._place(old)
         j = bisect.bisect_left(self._pairs, new)
         if j != i and j < len(self._pairs) and self._pairs[j] == new:
             raise ValueError(f"{new!r} is in the order already")
@@ -83,7 +84,7 @@ class PureOrder:
         return bisect.bisect_right(self._pairs, _query(value), key=_value)
 
     def iter_from(self, start: int, /) -> Iterator[_Pair]:
-        return itertools.islice(self._pairs, max(start, 0), None)
+        return itertools.islice(self._pairs, min(max(operator.index(start), 0), sys.maxsize), None)
 
     def __len__(self) -> int:
         return len(self._pairs)
@@ -105,18 +106,22 @@ class PureOrder:
 
 
 def _checked(value: float, worker_id: str) -> _Pair:
-    if not isinstance(worker_id, str):
+    if type(worker_id) is not str:
         raise TypeError(f"a worker id must be a str, not {type(worker_id).__name__}")
-    if not isinstance(value, (int, float)):
-        raise TypeError(f"an order's value must be a float or an int, not {type(value).__name__}")
-    v = float(value)
+    v = _number(value)
     if math.isnan(v):
         raise ValueError("an order's value must not be NaN")
     return v, worker_id
 
 
+def _number(value: float) -> float:
+    if not isinstance(value, (int, float)):
+        raise TypeError(f"an order's value must be a float or an int, not {type(value).__name__}")
+    return float(value)
+
+
 def _query(value: float) -> float:
-    v = float(value)
+    v = _number(value)
     if math.isnan(v):
         raise ValueError("an order is not counted against NaN")
     return v

@@ -5,7 +5,9 @@ list of tuples would, after any sequence of adds, removes and moves."""
 from __future__ import annotations
 
 import bisect
+import gc
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -165,3 +167,69 @@ def test_a_move_goes_as_far_as_its_value_and_shifts_only_what_lies_between() -> 
     expected = sorted([(float(i), w) for i, w in enumerate(ids) if w not in ("w005", "w190")])
     expected += [(150.5, "w005"), (-1.0, "w190")]
     assert list(order) == sorted(expected)
+
+
+@needs_native
+def test_a_pair_read_while_a_collection_changes_the_order_is_one_that_was_there() -> None:
+    """Reading a pair allocates, an allocation may collect garbage, and a collection's
+    callbacks may change the order: the pair read must be one the order held, with its id's
+    reference taken once (found by a review: the C read the id twice, around the allocation,
+    and returned a pair that never was, one reference short, which crashed later)."""
+    a, b, z = ("".join(["worker-", c]) for c in "ABZ")  # not interned: their counts are ours
+    order = NativeOrder()
+    order.add(1.0, a)
+    order.add(2.0, b)
+    fired: list[int] = []
+
+    def shift(phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and not fired:
+            fired.append(1)
+            order.add(0.0, z)  # what was at place 1 moves to place 2
+
+    before = sys.getrefcount(a), sys.getrefcount(b)
+    hold = [tuple([i, i]) for i in range(5000)]  # no 2-tuple left to reuse: a tuple allocates
+    old = gc.get_threshold()
+    gc.callbacks.append(shift)
+    gc.set_threshold(1)
+    try:
+        got = order[1]
+    finally:
+        gc.set_threshold(*old)
+        gc.callbacks.remove(shift)
+    del hold
+    assert fired, "no collection ran while the pair was read: the test proves nothing"
+    assert got == (2.0, b)
+    del got
+    assert (sys.getrefcount(a), sys.getrefcount(b)) == before
+    assert list(order) == [(0.0, z), (1.0, a), (2.0, b)]
+
+
+@pytest.mark.parametrize("make", [PureOrder, pytest.param("native", marks=needs_native)])
+def test_an_exhausted_iterator_stays_exhausted(make: Any) -> None:
+    order: WorkerOrder = NativeOrder() if make == "native" else make()
+    order.add(1.0, "a")
+    its: list[Iterator[tuple[float, str]]] = [iter(order), order.iter_from(0)]
+    for it in its:
+        assert list(it) == [(1.0, "a")]
+    order.add(2.0, "b")
+    assert [list(it) for it in its] == [[], []]
+
+
+@pytest.mark.parametrize("make", [PureOrder, pytest.param("native", marks=needs_native)])
+def test_ids_are_plain_str_and_a_move_keeps_the_id_it_was_given(make: Any) -> None:
+    order: WorkerOrder = NativeOrder() if make == "native" else make()
+
+    class Named(str):
+        pass
+
+    with pytest.raises(TypeError, match="str"):
+        order.add(1.0, Named("a"))
+    with pytest.raises(TypeError):
+        order.iter_from(1.0)  # type: ignore[arg-type]
+    assert list(order.iter_from(2**70)) == list(order.iter_from(-(2**70))) == []
+    first, second = "".join(["a", "b"]), "".join(["a", "b"])
+    order.add(1.0, first)
+    order.move(1.0, 2.0, second)
+    assert order[0][1] is second
+    with pytest.raises(TypeError, match="float or an int"):
+        order.count_below("1.5")  # type: ignore[arg-type]
