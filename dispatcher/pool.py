@@ -29,6 +29,13 @@ _INF = float("inf")
 _NONE: Mapping[str, float] = {}
 _EMPTY: WorkerOrder = new_order()
 """The order of a model without workers with room (never changed)."""
+_STALE_TRIES = (0, 1, 2, 4, 8, 16)
+"""How many of the oldest reports :meth:`FreeWorkers.under` tries taking whole."""
+_BIG = 1 << 62
+
+
+def _first(front: tuple[int, WorkerOrder]) -> int:
+    return front[0]
 
 
 class FreeWorkers:
@@ -122,18 +129,45 @@ class FreeWorkers:
         """Of ``model``'s workers with room, a set that holds every one with less than
         ``share`` of its capacity booked, a load key under ``key``, and a prefill queue
         under ``queue`` tokens once what it reported drained at ``drain`` tokens/s since its
-        report: the shortest of the orders' fronts (how many, and they)."""
+        report: the shortest of the orders' fronts, or of the queue front and the oldest
+        reports together (at most how many, and they, each once)."""
         shares, keys = self._shares.get(model, _EMPTY), self._order.get(model, _EMPTY)
-        fronts = [(shares.count_below(share), shares), (keys.count_below(key), keys)]
-        reports = self._reports.get(model)
-        if reports and queue < _INF:
-            # No worker drained more than the one that reported longest ago could have.
-            oldest = now_s - reports[0][0]
-            limit = queue + (oldest if oldest > 0.0 else 0.0) * drain
-            queues = self._queues[model]
-            fronts.append((queues.count_at_most(limit), queues))
-        n, order = min(fronts, key=lambda f: f[0])
+        n, order = min(
+            (shares.count_below(share), shares), (keys.count_below(key), keys), key=_first
+        )
+        if self._reports.get(model) and queue < _INF:
+            q, stale = self._queue_front(model, queue, drain, now_s)
+            if q + len(stale) < n:
+                queues = self._queues[model]
+                return q + len(stale), itertools.chain(
+                    stale, (w for _, w in itertools.islice(queues, q))
+                )
         return n, (w for _, w in itertools.islice(order, n))
+
+    def _queue_front(
+        self, model: str, queue: float, drain: float, now_s: float
+    ) -> tuple[int, list[str]]:
+        """The workers that may be under ``queue`` once drained, as the first ``q`` of the
+        queue order (those queued at most a limit when they reported) and the ones of the k
+        oldest reports that are not among them: (q, those), k chosen for the fewest in all.
+        No other worker drained more than the (k+1)-th oldest report lets it, so that one
+        silent worker does not widen the front for the whole fleet."""
+        reports, queues = self._reports[model], self._queues[model]
+        best = (_BIG, 0.0, 0)
+        for k in _STALE_TRIES:
+            if k >= len(reports):
+                break
+            age = now_s - reports[k][0]
+            limit = queue + (age if age > 0.0 else 0.0) * drain
+            q = queues.count_at_most(limit)
+            if q + k < best[0] + best[2]:
+                best = (q, limit, k)
+            if drain <= 0.0:
+                break  # nothing drains: the oldest reports change nothing
+        q, limit, k = best
+        placed = self._placed
+        stale = [w for _, w in itertools.islice(reports, k) if placed[w][0][2] > limit]
+        return q, stale
 
     def count(self, model: str) -> int:
         """Workers of ``model`` with room."""

@@ -1117,6 +1117,58 @@ def test_a_prompt_whose_own_prefill_is_over_the_ttft_limit_spills_without_a_walk
     assert pool.asked < 50, pool.asked
 
 
+def test_one_silent_worker_does_not_widen_the_queue_front_for_the_fleet() -> None:
+    """200 workers reported 90,000 tokens queued half a second ago; one reported nothing
+    queued; one has not reported for 10 s. At 16,000 tokens/s no queue but the silent one's
+    drained more than 8,000 tokens since: only the idle one and the silent one may be under
+    10,000 now (the oldest report alone would let every queue drain 160,000 tokens, and the
+    front be the fleet)."""
+    free = FreeWorkers()
+    for i in range(200):
+        free.put(f"w{i:03d}", ["m"], 0.1, 0.1, 90_000.0, 99.5)
+    free.put("idle", ["m"], 0.1, 0.1, 0.0, 99.5)
+    free.put("silent", ["m"], 0.1, 0.1, 90_000.0, 90.0)
+    n, who = free.under("m", 1.0, 1.0, 10_000.0, 16_000.0, 100.0)
+    assert (n, list(who)) == (2, ["silent", "idle"])
+    free.put("quiet", ["m"], 0.1, 0.1, 0.0, 91.0)  # silent too, but in the queue front anyway
+    n, who = free.under("m", 1.0, 1.0, 10_000.0, 16_000.0, 100.0)
+    assert (n, sorted(who)) == (3, ["idle", "quiet", "silent"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    workers=st.lists(
+        st.tuples(
+            st.sampled_from([0.0, 500.0, 5_000.0, 90_000.0]),
+            st.one_of(st.sampled_from([99.5, 99.9, 100.0, 100.5]), st.floats(0.0, 100.0)),
+        ),
+        min_size=1,
+        max_size=60,
+    ),
+    queue=st.sampled_from([0.0, 1_000.0, 10_000.0]),
+    drain=st.sampled_from([0.0, 100.0, 16_000.0]),
+    now=st.floats(90.0, 110.0),
+)
+def test_the_queue_front_holds_every_worker_under_a_queue_drained_since_its_report(
+    workers: list[tuple[float, float]], queue: float, drain: float, now: float
+) -> None:
+    """Whatever the reports' ages (a few long silent among many fresh), the front names
+    each worker once, as many as it says, and every one whose queue, drained at ``drain``
+    since its report, is at most ``queue``."""
+    free = FreeWorkers()
+    for i, (queued, reported_s) in enumerate(workers):
+        free.put(f"w{i}", ["m"], 0.1, 0.1, queued, reported_s)
+    n, who = free.under("m", 1.0, 1.0, queue, drain, now)
+    listed = list(who)
+    assert len(listed) == len(set(listed)) == n
+    under = {
+        f"w{i}"
+        for i, (queued, reported_s) in enumerate(workers)
+        if queued - max(0.0, now - reported_s) * drain <= queue
+    }
+    assert under <= set(listed)
+
+
 def test_free_workers_say_who_may_be_under_a_queue_drained_since_its_report() -> None:
     free = FreeWorkers()
     free.put("a", ["m"], 0.1, 0.1, 5_000.0, 10.0)
