@@ -98,6 +98,7 @@ typedef struct {
     Py_ssize_t memo_min; /* holders a chain needs for a memo */
     Memo memo[MEMO_SLOTS];
     uint64_t memo_clock;
+    int busy; /* a call runs: another one (re-entered from Python code) is refused */
 } Index;
 
 static const double REPORTED = INFINITY;
@@ -154,7 +155,7 @@ static PyObject *hash_obj(uint64_t h) { return PyLong_FromUnsignedLongLong((unsi
 
 /* The slot of a worker name; -1 (no error set) if unknown and !create; -2 on error. */
 static int32_t slot_of(Index *ix, PyObject *name, int create) {
-    if (!PyUnicode_Check(name)) {
+    if (!PyUnicode_CheckExact(name)) { /* a subclass's __hash__ or __eq__ would run Python */
         PyErr_Format(PyExc_TypeError, "a worker id must be a str, not %.100s", Py_TYPE(name)->tp_name);
         return -2;
     }
@@ -580,12 +581,16 @@ static int parse3(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, co
 
 static PyObject *guess_impl(Index *ix, PyObject *name, PyObject *hashes, double now) {
     double until = now + ix->guess_ttl_s;
-    int32_t slot = slot_of(ix, name, 1);
-    if (slot < 0)
-        return NULL;
+    /* The hashes first: consuming an iterable runs Python code, which must find no slot of
+     * this call's taken yet. */
     PyObject *seq = PySequence_Fast(hashes, "hashes must be a sequence of ints");
     if (seq == NULL)
         return NULL;
+    int32_t slot = slot_of(ix, name, 1);
+    if (slot < 0) {
+        Py_DECREF(seq);
+        return NULL;
+    }
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
     for (Py_ssize_t k = 0; k < n; k++) {
@@ -970,36 +975,51 @@ static PyObject *Index_apply_delta(Index *ix, PyObject *args, PyObject *kwds) {
     if (!ready(ix) ||
         !PyArg_ParseTupleAndKeywords(args, kwds, "UOOOd", kw, &name, &seqno, &stored, &evicted, &now))
         return NULL;
+    /* Every sequence first (consuming one runs Python code), then the slot. */
+    PyObject *ev = PySequence_Fast(evicted, "evicted must be a sequence of ints");
+    if (ev == NULL)
+        return NULL;
+    PyObject *st = PySequence_Fast(stored, "stored must be a sequence of ints");
+    if (st == NULL) {
+        Py_DECREF(ev);
+        return NULL;
+    }
     int32_t slot = slot_of(ix, name, 1);
-    if (slot < 0)
-        return NULL;
-    Worker *W = &ix->w[slot];
     int differs = 0;
-    if (!W->stale && W->seq != NULL && (differs = not_next(W->seq, seqno)) < 0)
+    if (slot >= 0 && !ix->w[slot].stale && ix->w[slot].seq != NULL) {
+        PyObject *last = ix->w[slot].seq;
+        Py_INCREF(last);
+        differs = not_next(last, seqno); /* runs Python code: no Worker pointer is held */
+        Py_DECREF(last);
+    }
+    if (slot < 0 || differs < 0) {
+        Py_DECREF(ev);
+        Py_DECREF(st);
         return NULL;
+    }
+    Worker *W = &ix->w[slot];
     if (W->stale || differs) {
         W->stale = 1;
+        Py_DECREF(ev);
+        Py_DECREF(st);
         Py_RETURN_FALSE;
     }
     Py_INCREF(seqno);
     Py_XSETREF(W->seq, seqno);
-    PyObject *ev = PySequence_Fast(evicted, "evicted must be a sequence of ints");
-    if (ev == NULL)
-        return NULL;
     for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(ev); k++) {
         uint64_t h;
         if (as_hash(PySequence_Fast_GET_ITEM(ev, k), &h) < 0 || unreport(ix, slot, h, 1) < 0) {
             Py_DECREF(ev);
+            Py_DECREF(st);
             return NULL;
         }
     }
     Py_DECREF(ev);
     W = &ix->w[slot];
-    if (W->reported == NULL && (W->reported = PySet_New(NULL)) == NULL)
+    if (W->reported == NULL && (W->reported = PySet_New(NULL)) == NULL) {
+        Py_DECREF(st);
         return NULL;
-    PyObject *st = PySequence_Fast(stored, "stored must be a sequence of ints");
-    if (st == NULL)
-        return NULL;
+    }
     for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(st); k++) {
         PyObject *o = PySequence_Fast_GET_ITEM(st, k);
         uint64_t h;
@@ -1024,6 +1044,21 @@ static PyObject *Index_apply_snapshot(Index *ix, PyObject *args, PyObject *kwds)
     PyObject *keep = PySet_New(blocks);
     if (keep == NULL)
         return NULL;
+    /* Every hash checked before anything changes: one bad item must leave the worker's
+     * reports as they were (not half replaced, its old blocks held with nothing to drop them). */
+    PyObject *all = PyObject_GetIter(keep), *item;
+    uint64_t checked;
+    while (all != NULL && (item = PyIter_Next(all)) != NULL) {
+        int rc = as_hash(item, &checked);
+        Py_DECREF(item);
+        if (rc < 0)
+            break;
+    }
+    Py_XDECREF(all);
+    if (PyErr_Occurred()) {
+        Py_DECREF(keep);
+        return NULL;
+    }
     int32_t slot = slot_of(ix, name, 1);
     if (slot < 0) {
         Py_DECREF(keep);
@@ -1239,29 +1274,91 @@ static PyObject *Index_expire(Index *ix, PyObject *args, PyObject *kwds) {
     return PyLong_FromSsize_t(freed);
 }
 
+/* ------------------------------------------------------------------ one call at a time */
+
+/* A call may run Python code midway (consuming an iterable, a collection's callbacks or a
+ * finaliser when it allocates): code that called the index again there would change the
+ * arrays and memos the call is working on. It is refused instead (RuntimeError). */
+static int enter(Index *ix) {
+    if (ix->busy) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "CacheIndex called while another of its calls runs (from Python code "
+                        "that call ran: an iterable, a finaliser, a garbage collection's callback)");
+        return -1;
+    }
+    ix->busy = 1;
+    return 0;
+}
+
+#define ONE_FASTKW(f)                                                                      \
+    static PyObject *f##_one(Index *ix, PyObject *const *a, Py_ssize_t n, PyObject *k) { \
+        if (enter(ix) < 0)                                                                 \
+            return NULL;                                                                   \
+        PyObject *r = f(ix, a, n, k);                                                      \
+        ix->busy = 0;                                                                      \
+        return r;                                                                          \
+    }
+#define ONE_FAST(f)                                                          \
+    static PyObject *f##_one(Index *ix, PyObject *const *a, Py_ssize_t n) { \
+        if (enter(ix) < 0)                                                   \
+            return NULL;                                                     \
+        PyObject *r = f(ix, a, n);                                           \
+        ix->busy = 0;                                                        \
+        return r;                                                            \
+    }
+#define ONE_KW(f)                                                         \
+    static PyObject *f##_one(Index *ix, PyObject *a, PyObject *k) {      \
+        if (enter(ix) < 0)                                                \
+            return NULL;                                                  \
+        PyObject *r = f(ix, a, k);                                        \
+        ix->busy = 0;                                                     \
+        return r;                                                         \
+    }
+#define ONE_O(f)                                         \
+    static PyObject *f##_one(Index *ix, PyObject *o) {  \
+        if (enter(ix) < 0)                               \
+            return NULL;                                 \
+        PyObject *r = f(ix, o);                          \
+        ix->busy = 0;                                    \
+        return r;                                        \
+    }
+
+ONE_FASTKW(Index_guess)
+ONE_FASTKW(Index_completed)
+ONE_FAST(Index_match)
+ONE_FAST(Index_match_split)
+ONE_KW(Index_apply_delta)
+ONE_KW(Index_apply_snapshot)
+ONE_O(Index_needs_snapshot)
+ONE_O(Index_reported_blocks)
+ONE_FAST(Index_holders)
+ONE_O(Index_blocks_of)
+ONE_O(Index_remove_worker)
+ONE_KW(Index_expire)
+
 static PyMethodDef Index_methods[] = {
-    {"guess", (PyCFunction)(void (*)(void))Index_guess, METH_FASTCALL | METH_KEYWORDS,
+    {"guess", (PyCFunction)(void (*)(void))Index_guess_one, METH_FASTCALL | METH_KEYWORDS,
      "guess(worker_id, hashes, now_s): the dispatcher routed these prefix blocks to the worker."},
-    {"completed", (PyCFunction)(void (*)(void))Index_completed, METH_FASTCALL | METH_KEYWORDS,
+    {"completed", (PyCFunction)(void (*)(void))Index_completed_one, METH_FASTCALL | METH_KEYWORDS,
      "completed(worker_id, hashes, now_s): a request with these blocks finished on the worker."},
-    {"match", (PyCFunction)(void (*)(void))Index_match, METH_FASTCALL,
+    {"match", (PyCFunction)(void (*)(void))Index_match_one, METH_FASTCALL,
      "match(hashes, now_s) -> {worker: leading blocks held}."},
-    {"match_split", (PyCFunction)(void (*)(void))Index_match_split, METH_FASTCALL,
+    {"match_split", (PyCFunction)(void (*)(void))Index_match_split_one, METH_FASTCALL,
      "match_split(hashes, now_s) -> (common, common_blocks, own): match() as a set of workers "
      "holding common_blocks and the others' counts."},
-    {"apply_delta", (PyCFunction)(void (*)(void))Index_apply_delta, METH_VARARGS | METH_KEYWORDS,
+    {"apply_delta", (PyCFunction)(void (*)(void))Index_apply_delta_one, METH_VARARGS | METH_KEYWORDS,
      "apply_delta(worker_id, seq, stored, evicted, now_s) -> False if a delta was missed."},
-    {"apply_snapshot", (PyCFunction)(void (*)(void))Index_apply_snapshot, METH_VARARGS | METH_KEYWORDS,
+    {"apply_snapshot", (PyCFunction)(void (*)(void))Index_apply_snapshot_one, METH_VARARGS | METH_KEYWORDS,
      "apply_snapshot(worker_id, seq, blocks, now_s): replace what the worker reported."},
-    {"needs_snapshot", (PyCFunction)Index_needs_snapshot, METH_O, "True after a missed delta."},
-    {"reported_blocks", (PyCFunction)Index_reported_blocks, METH_O,
+    {"needs_snapshot", (PyCFunction)Index_needs_snapshot_one, METH_O, "True after a missed delta."},
+    {"reported_blocks", (PyCFunction)Index_reported_blocks_one, METH_O,
      "How many of the index's blocks the worker's own reports list."},
-    {"holders", (PyCFunction)(void (*)(void))Index_holders, METH_FASTCALL,
+    {"holders", (PyCFunction)(void (*)(void))Index_holders_one, METH_FASTCALL,
      "holders(block_hash, now_s) -> the workers holding the block."},
-    {"blocks_of", (PyCFunction)Index_blocks_of, METH_O,
+    {"blocks_of", (PyCFunction)Index_blocks_of_one, METH_O,
      "How many blocks hold anything of the worker (alive or not)."},
-    {"remove_worker", (PyCFunction)Index_remove_worker, METH_O, "Forget everything about a worker."},
-    {"expire", (PyCFunction)(void (*)(void))Index_expire, METH_VARARGS | METH_KEYWORDS,
+    {"remove_worker", (PyCFunction)Index_remove_worker_one, METH_O, "Forget everything about a worker."},
+    {"expire", (PyCFunction)(void (*)(void))Index_expire_one, METH_VARARGS | METH_KEYWORDS,
      "expire(now_s, max_blocks=None) -> blocks freed."},
     {NULL, NULL, 0, NULL},
 };

@@ -588,18 +588,23 @@ static PyObject *held_at_least(PyObject *self, PyObject *const *args, Py_ssize_t
     if (as_ll(args[1], &need) < 0) return NULL;
     PyObject *out = PyList_New(0);
     if (out == NULL) return NULL;
-    Py_ssize_t pos = 0;
+    Py_ssize_t pos = 0, size = PyDict_GET_SIZE(matches);
     PyObject *w, *b;
-    while (PyDict_Next(matches, &pos, &w, &b)) { /* borrowed */
+    while (PyDict_Next(matches, &pos, &w, &b)) {
         long long held;
         if (as_ll(b, &held) < 0) goto fail;
         if (held < need) continue;
-        if (exclude != Py_None) {
-            int in = PySequence_Contains(exclude, w);
-            if (in < 0) goto fail;
-            if (in) continue;
+        /* exclude's __contains__ may run Python code that changes matches: the key is held
+         * across it, and a changed dict is an error, as iterating it in Python is. */
+        Py_INCREF(w);
+        int in = exclude == Py_None ? 0 : PySequence_Contains(exclude, w);
+        int rc = in < 0 ? -1 : in ? 0 : PyList_Append(out, w);
+        Py_DECREF(w);
+        if (rc < 0) goto fail;
+        if (PyDict_GET_SIZE(matches) != size) {
+            PyErr_SetString(PyExc_RuntimeError, "dictionary changed size during iteration");
+            goto fail;
         }
-        if (PyList_Append(out, w) < 0) goto fail;
     }
     return out;
 fail:

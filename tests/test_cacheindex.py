@@ -361,6 +361,66 @@ def test_the_native_index_rejects_what_is_not_a_block_hash() -> None:
 
 
 @pytest.mark.skipif(not NATIVE, reason="the native index was not built")
+def test_the_native_index_refuses_a_call_made_from_inside_one_of_its_calls() -> None:
+    """A call may run Python code midway (here: consuming a generator of hashes; as well a
+    collection's callback or a finaliser when it allocates). Code that called the index again
+    there changed the arrays the call was working on: a hold on a freed worker slot, a crash
+    later (found by a review). Such a call is refused, and the index stays as it was."""
+    idx = CacheIndex()
+    idx.apply_snapshot("a", 0, [1, 2], 0.0)
+
+    def hashes() -> Any:
+        yield 1
+        idx.remove_worker("a")
+        yield 2
+
+    with pytest.raises(RuntimeError, match="another of its calls"):
+        idx.guess("a", hashes(), 0.0)
+    assert idx.match([1, 2], 0.0) == {"a": 2}
+    assert idx.holders(1, 0.0) == {"a"}
+
+    class Seq(int):  # a delta's sequence number whose comparison calls the index
+        def __ne__(self, other: object) -> bool:
+            idx.guess("b", [3], 0.0)
+            return False
+
+    with pytest.raises(RuntimeError, match="another of its calls"):
+        idx.apply_delta("a", Seq(1), [3], [], 0.0)
+    assert idx.holders(3, 0.0) == set()
+    assert idx.apply_delta("a", 1, [3], [], 0.0)  # the index goes on as before
+    assert idx.holders(3, 0.0) == {"a"}
+
+
+@pytest.mark.skipif(not NATIVE, reason="the native index was not built")
+def test_the_native_index_takes_worker_ids_that_are_plain_str() -> None:
+    """A str subclass's __hash__ or __eq__ runs Python code while a slot is being made (a
+    review crashed the index with one): refused."""
+
+    class Name(str):
+        pass
+
+    idx = CacheIndex()
+    with pytest.raises(TypeError, match="str"):
+        idx.guess(Name("a"), [1], 0.0)
+    assert len(idx) == 0
+
+
+@pytest.mark.skipif(not NATIVE, reason="the native index was not built")
+def test_a_snapshot_with_a_bad_hash_changes_nothing() -> None:
+    """One bad item in a snapshot fails it before anything changes: the native index had
+    dropped the worker's reports from its set but kept their holds, with nothing left to drop
+    them (found by a review). (The reference checks no hash: the wire bounds them.)"""
+    idx = CacheIndex()
+    idx.apply_snapshot("a", 0, [1, 2], 0.0)
+    with pytest.raises(ValueError, match="2\\*\\*64"):
+        idx.apply_snapshot("a", 1, [5, 2**64], 0.0)
+    assert idx.reported_blocks("a") == 2
+    assert idx.holders(1, 0.0) == {"a"} and idx.holders(5, 0.0) == set()
+    idx.apply_snapshot("a", 2, [5], 0.0)
+    assert idx.holders(1, 0.0) == set() and idx.holders(5, 0.0) == {"a"}
+
+
+@pytest.mark.skipif(not NATIVE, reason="the native index was not built")
 def test_the_native_index_grows_its_table_and_deletes_from_it() -> None:
     """Many blocks in and out again (the table grows, deletions shift entries back), with
     the reference on the same operations."""

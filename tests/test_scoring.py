@@ -333,6 +333,22 @@ def test_the_native_holders_of_a_whole_prefix_are_the_reference(
     assert held_at_least(matches, need, exclude) == expected
 
 
+@pytest.mark.parametrize("holders", [held_at_least_pure, held_at_least])
+def test_holders_changed_while_they_are_read_is_an_error_not_a_freed_id(holders: Any) -> None:
+    """An ``exclude`` whose membership test changes ``matches`` (Python code run midway): the
+    native loop kept a borrowed id across it and appended it freed (found by a review); both
+    now raise as iterating a changed dict does."""
+    matches = {"".join(["w", str(i)]): 3 for i in range(4)}
+
+    class Meddling(set[str]):
+        def __contains__(self, w: object) -> bool:
+            matches.pop(str(w), None)
+            return False
+
+    with pytest.raises(RuntimeError, match="changed size"):
+        holders(matches, 1, Meddling())
+
+
 @pytest.mark.skipif(not NATIVE, reason="the native loop was not built")
 def test_bad_input_to_the_native_holders_is_a_type_error() -> None:
     with pytest.raises(TypeError):
