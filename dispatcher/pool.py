@@ -12,7 +12,7 @@ plus booked here since: the queue at its last report, before it drained), answer
 first which workers may be under a share, a load key and a queue without reading the others:
 on a fleet whose workers are nearly all over the hard limit, a decision finds the few a
 sticky prefix could still go to at the front of one of them. An order by report time gives
-the oldest report, which bounds how much any queue drained since.
+the oldest reports, which bound how much the other queues drained since.
 """
 
 from __future__ import annotations
