@@ -149,13 +149,18 @@ static void Order_dealloc(Order *o) {
     Py_TYPE(o)->tp_free((PyObject *)o);
 }
 
+/* A (value, worker_id) call's arguments, read and checked. */
+static int pair_args(PyObject *const *args, Py_ssize_t nargs, const char *usage, double *v) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, usage);
+        return -1;
+    }
+    return read_pair(args[0], args[1], v);
+}
+
 static PyObject *Order_add(Order *o, PyObject *const *args, Py_ssize_t nargs) {
     double v;
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "add(value, worker_id)");
-        return NULL;
-    }
-    if (read_pair(args[0], args[1], &v) < 0)
+    if (pair_args(args, nargs, "add(value, worker_id)", &v) < 0)
         return NULL;
     Py_ssize_t i = lower(o, v, args[1]);
     if (i < o->n && cmp(o->val[i], o->id[i], v, args[1]) == 0) {
@@ -175,11 +180,7 @@ static PyObject *Order_add(Order *o, PyObject *const *args, Py_ssize_t nargs) {
 
 static PyObject *Order_remove(Order *o, PyObject *const *args, Py_ssize_t nargs) {
     double v;
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "remove(value, worker_id)");
-        return NULL;
-    }
-    if (read_pair(args[0], args[1], &v) < 0)
+    if (pair_args(args, nargs, "remove(value, worker_id)", &v) < 0)
         return NULL;
     Py_ssize_t i = place_of(o, v, args[1]);
     if (i < 0)
@@ -226,14 +227,15 @@ static PyObject *Order_move(Order *o, PyObject *const *args, Py_ssize_t nargs) {
     Py_RETURN_NONE;
 }
 
-static PyObject *Order_count_below(Order *o, PyObject *value) {
+/* How many pairs come first with a value under ``value`` (or at most it, if ``inclusive``). */
+static PyObject *count_first(Order *o, PyObject *value, int inclusive) {
     double v;
     if (read_query(value, &v) < 0)
         return NULL;
     Py_ssize_t lo = 0, hi = o->n;
     while (lo < hi) {
         Py_ssize_t mid = lo + (hi - lo) / 2;
-        if (o->val[mid] < v)
+        if (o->val[mid] < v || (inclusive && o->val[mid] == v))
             lo = mid + 1;
         else
             hi = mid;
@@ -241,20 +243,9 @@ static PyObject *Order_count_below(Order *o, PyObject *value) {
     return PyLong_FromSsize_t(lo);
 }
 
-static PyObject *Order_count_at_most(Order *o, PyObject *value) {
-    double v;
-    if (read_query(value, &v) < 0)
-        return NULL;
-    Py_ssize_t lo = 0, hi = o->n;
-    while (lo < hi) {
-        Py_ssize_t mid = lo + (hi - lo) / 2;
-        if (o->val[mid] <= v)
-            lo = mid + 1;
-        else
-            hi = mid;
-    }
-    return PyLong_FromSsize_t(lo);
-}
+static PyObject *Order_count_below(Order *o, PyObject *value) { return count_first(o, value, 0); }
+
+static PyObject *Order_count_at_most(Order *o, PyObject *value) { return count_first(o, value, 1); }
 
 static PyObject *pair(const Order *o, Py_ssize_t i) {
     PyObject *w = o->id[i];
