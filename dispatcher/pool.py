@@ -31,7 +31,6 @@ _EMPTY: WorkerOrder = new_order()
 """The order of a model without workers with room (never changed)."""
 _STALE_TRIES = (0, 1, 2, 4, 8, 16)
 """How many of the oldest reports :meth:`FreeWorkers.under` tries taking whole."""
-_BIG = 1 << 62
 
 
 def _first(front: tuple[int, WorkerOrder]) -> int:
@@ -153,18 +152,17 @@ class FreeWorkers:
         No other worker drained more than the (k+1)-th oldest report lets it, so that one
         silent worker does not widen the front for the whole fleet."""
         reports, queues = self._reports[model], self._queues[model]
-        best = (_BIG, 0.0, 0)
+        tries = []  # (in all, k, q, limit); the caller has reports, so k = 0 is tried
         for k in _STALE_TRIES:
             if k >= len(reports):
                 break
             age = now_s - reports[k][0]
             limit = queue + (age if age > 0.0 else 0.0) * drain
             q = queues.count_at_most(limit)
-            if q + k < best[0] + best[2]:
-                best = (q, limit, k)
+            tries.append((q + k, k, q, limit))
             if drain <= 0.0:
                 break  # nothing drains: the oldest reports change nothing
-        q, limit, k = best
+        _, k, q, limit = min(tries)
         placed = self._placed
         stale = [w for _, w in itertools.islice(reports, k) if placed[w][0][2] > limit]
         return q, stale
