@@ -1007,11 +1007,15 @@ def loadgen(
         float | None,
         typer.Option(help="...or at this offered load of --workers engines (as replay --load)."),
     ] = None,
-    workers: Annotated[int, typer.Option(help="Engines behind the URL (for --load).", min=1)] = 1,
-    profile: Annotated[str, typer.Option(help="Their profile (for --load).")] = "reference",
+    workers: Annotated[
+        int | None, typer.Option(help="Engines behind the URL (for --load; 1).", min=1)
+    ] = None,
+    profile: Annotated[
+        str | None, typer.Option(help="Their profile (for --load; reference).")
+    ] = None,
     speed: Annotated[
-        float, typer.Option(help="Their clock speed-up (for --load).", min=0.001)
-    ] = 1.0,
+        float | None, typer.Option(help="Their clock speed-up (for --load; 1).", min=0.001)
+    ] = None,
     model: Annotated[str, typer.Option(help="The model to ask for.")] = "sim",
     api: Annotated[str, typer.Option(help="completions or chat.")] = "completions",
     slo_ttft_s: Annotated[float | None, typer.Option(help="TTFT SLO of goodput.", min=0)] = None,
@@ -1045,13 +1049,20 @@ def loadgen(
 
     if json_out is not None:
         output_file(json_out, "--json")
+    if load is None and (workers, profile, speed) != (None, None, None):
+        raise fail("--workers, --profile and --speed size --load: give --load with them")
     try:
         reqs = trace_slice(trace, synthetic, start=start, requests=requests, seed=seed)
         if rate_scale is None and load is None:
             rate_scale = 1.0
-        prof = get_profile(profile) if load is not None else None
+        prof = get_profile(profile or "reference") if load is not None else None
         reqs = scale_arrivals(
-            reqs, rate_scale=rate_scale, load=load, workers=workers, profile=prof, speed=speed
+            reqs,
+            rate_scale=rate_scale,
+            load=load,
+            workers=workers or 1,
+            profile=prof,
+            speed=speed or 1.0,
         )
         cfg = LoadgenConfig(
             urls=tuple(url),

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -112,6 +113,15 @@ class Histogram:
     def mean(self) -> float | None:
         return self.sum / self.count if self.count > 0 else None
 
+    def values(self) -> list[float]:
+        """Every number it holds (its counts, its sum and its count)."""
+        return [*self.buckets.values(), self.sum, self.count]
+
+    def went_down(self) -> bool:
+        """As a difference of two readings: whether a count fell between them (an engine
+        restarted, its counters from zero)."""
+        return self.count < 0 or any(n < 0 for n in self.buckets.values())
+
     def quantile(self, q: float) -> float | None:
         """The ``q`` quantile (0-1), interpolated linearly within its bucket as Prometheus's
         ``histogram_quantile`` does; None without observations."""
@@ -167,6 +177,11 @@ class EngineReading:
         }  # fmt: skip
         return EngineReading(self.hits - other.hits, self.queries - other.queries, lat)
 
+    def went_down(self) -> bool:
+        """As a difference of two readings: whether a counter fell between them."""
+        fell = any(h.went_down() for h in self.latencies.values())
+        return self.hits < 0 or self.queries < 0 or fell
+
     def figures(self) -> dict[str, float | None]:
         """``engine_<name>_{mean,p50,p99}_s`` of each histogram read (the engines' own side of
         the latency: what a router in front of them adds is the difference)."""
@@ -188,9 +203,13 @@ async def read_counters(urls: Sequence[str]) -> EngineReading:
         for url in urls:
             try:
                 r = await http.get(url)
-                r.raise_for_status()
             except httpx.HTTPError as exc:
-                raise LoadgenRunError(f"cannot read engine metrics {url}: {exc}") from exc
+                why = str(exc) or type(exc).__name__  # a timeout's message is empty
+                raise LoadgenRunError(f"cannot read engine metrics {url}: {why}") from exc
+            if r.status_code != 200:
+                raise LoadgenRunError(
+                    f"cannot read engine metrics {url}: HTTP {r.status_code} {r.reason_phrase}"
+                )
             try:
                 got = cache_counters(r.text)
                 latencies = engine_histograms(r.text)
@@ -198,6 +217,9 @@ async def read_counters(urls: Sequence[str]) -> EngineReading:
                 raise LoadgenRunError(f"engine metrics {url} do not parse: {exc}") from exc
             if got is None:
                 raise LoadgenRunError(f"{url} has no prefix-cache counters ({HITS[0]} ...)")
+            values = [*got, *(v for h in latencies.values() for v in h.values())]
+            if not all(math.isfinite(v) for v in values):
+                raise LoadgenRunError(f"engine metrics {url} hold a counter that is not finite")
             total.hits += got[0]
             total.queries += got[1]
             for k, h in latencies.items():
@@ -230,17 +252,25 @@ class _ErrorEvent(Exception):
     began): its request fails with the server's message."""
 
 
-def _chunk(line: str) -> tuple[bool, int | None]:
-    """(whether a streamed line carries text, its usage's completion tokens if it has one);
-    raises ``_BadChunk`` for an event of the wrong shape."""
-    if not line.startswith("data: {"):
-        return False, None
+def _data(line: str) -> str | None:
+    """The value of a server-sent ``data`` field (its one leading space dropped, as the SSE
+    standard says: ``data:{...}`` is the same event as ``data: {...}``); None for any other
+    line (a comment, another field, the blank line that ends an event)."""
+    if not line.startswith("data:"):
+        return None
+    value = line[5:]
+    return value[1:] if value.startswith(" ") else value
+
+
+def _chunk(data: str) -> tuple[bool, int | None]:
+    """(whether a streamed event carries text, its usage's completion tokens if it has one);
+    raises ``_BadChunk`` for an event that is not a JSON object of the right shape."""
     try:
-        obj = json.loads(line[6:])
+        obj = json.loads(data)
     except (ValueError, RecursionError):
-        return False, None
+        raise _BadChunk(f"an event that is not JSON: {data[:80]}") from None
     if not isinstance(obj, dict):
-        raise _BadChunk(f"an event that is not an object: {line[:80]}")
+        raise _BadChunk(f"an event that is not an object: {data[:80]}")
     err = obj.get("error")
     if err is not None:
         message = err.get("message") if isinstance(err, dict) else err
@@ -249,7 +279,7 @@ def _chunk(line: str) -> tuple[bool, int | None]:
     tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
     choices = obj.get("choices") or []
     if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
-        raise _BadChunk(f"choices that are not a list of objects: {line[:80]}")
+        raise _BadChunk(f"choices that are not a list of objects: {data[:80]}")
     text = False
     for c in choices:
         delta = c.get("delta") or {}
@@ -257,6 +287,51 @@ def _chunk(line: str) -> tuple[bool, int | None]:
         text = text or (isinstance(piece, str) and bool(piece))
     good = isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0
     return text, tokens if good else None
+
+
+AFTER_DONE_S = 1.0
+"""How long the rest of a response may take once ``[DONE]`` came (the chunked body's end,
+so that its connection is kept): a server that holds the connection open after it does not
+hold the request."""
+
+
+@dataclass
+class _Read:
+    """What a streamed answer carried so far (times from the run's start)."""
+
+    t0: float
+    first: float | None = None
+    """The first event with text."""
+    done: float | None = None
+    """``[DONE]``: the answer is whole, and nothing after it counts."""
+    chunks: int = 0
+    usage_tokens: int | None = None
+
+    def take(self, line: str) -> bool:
+        """One line of the stream; True if it was ``[DONE]``."""
+        data = _data(line)
+        if data is None or self.done is not None:
+            return False
+        if data == "[DONE]":
+            self.done = time.monotonic() - self.t0
+            return True
+        has_text, tokens = _chunk(data)
+        if has_text:
+            self.chunks += 1
+            if self.first is None:
+                self.first = time.monotonic() - self.t0
+        self.usage_tokens = tokens if tokens is not None else self.usage_tokens
+        return False
+
+    def failed(self, due_s: float, sent: float, error: str) -> Outcome:
+        return Outcome(due_s, sent, self.first, time.monotonic() - self.t0, False, error=error)
+
+    def outcome(self, due_s: float, sent: float) -> Outcome:
+        if self.done is None:
+            return self.failed(due_s, sent, "the stream ended before [DONE]")
+        if self.first is None:
+            return Outcome(due_s, sent, None, self.done, False, error="the stream carried no text")
+        return Outcome(due_s, sent, self.first, self.done, True, self.usage_tokens or self.chunks)
 
 
 async def _one(
@@ -268,36 +343,29 @@ async def _one(
     timeout_s: float,
 ) -> Outcome:
     sent = time.monotonic() - t0
-    first: float | None = None
-    chunks, usage_tokens, done = 0, None, False
+    got = _Read(t0)
     try:
         # The whole request within timeout_s (httpx's own timeout is per read: a server
         # trickling a byte at a time held a request for ever).
-        async with asyncio.timeout(timeout_s), http.stream("POST", path, json=body) as resp:
-            if resp.status_code != 200:
-                text = (await resp.aread()).decode(errors="replace")[:200]
-                end = time.monotonic() - t0
-                return Outcome(due_s, sent, None, end, False, error=f"{resp.status_code} {text}")
-            async for line in resp.aiter_lines():
-                has_text, tokens = _chunk(line)
-                if has_text:
-                    chunks += 1
-                    if first is None:
-                        first = time.monotonic() - t0
-                usage_tokens = tokens if tokens is not None else usage_tokens
-                done = done or line == "data: [DONE]"
+        async with asyncio.timeout(timeout_s) as budget:
+            async with http.stream("POST", path, json=body) as resp:
+                if resp.status_code != 200:
+                    text = (await resp.aread()).decode(errors="replace")[:200]
+                    return got.failed(due_s, sent, f"{resp.status_code} {text}")
+                async for line in resp.aiter_lines():
+                    if got.take(line):
+                        until = asyncio.get_running_loop().time() + AFTER_DONE_S
+                        when = budget.when()
+                        budget.reschedule(until if when is None else min(when, until))
     except TimeoutError:
-        error = f"no whole answer within {timeout_s:g} s"
-        return Outcome(due_s, sent, first, time.monotonic() - t0, False, error=error)
+        if got.done is None:
+            return got.failed(due_s, sent, f"no whole answer within {timeout_s:g} s")
     except (httpx.HTTPError, _BadChunk) as exc:
-        return Outcome(due_s, sent, first, time.monotonic() - t0, False, error=repr(exc))
+        if got.done is None:  # (after [DONE], the answer was whole: its connection's end is not)
+            return got.failed(due_s, sent, repr(exc))
     except _ErrorEvent as exc:
-        error = f"an error event in the stream: {exc}"
-        return Outcome(due_s, sent, first, time.monotonic() - t0, False, error=error)
-    end = time.monotonic() - t0
-    if not done:
-        return Outcome(due_s, sent, first, end, False, error="the stream ended before [DONE]")
-    return Outcome(due_s, sent, first, end, first is not None, usage_tokens or chunks)
+        return got.failed(due_s, sent, f"an error event in the stream: {exc}")
+    return got.outcome(due_s, sent)
 
 
 def _check(cfg: LoadgenConfig) -> None:
@@ -321,7 +389,6 @@ async def run_loadgen(
     :func:`sluice.sim.loadgen.summarize`, plus the errors seen (at most 5)."""
     _check(cfg)
     book = PromptBook(cfg.seed)
-    bodies = [_body(cfg, r, book.prompt(r, i)) for i, r in enumerate(trace)]
     path = "/v1/chat/completions" if cfg.api == "chat" else "/v1/completions"
     before = await read_counters(cfg.engine_metrics) if cfg.engine_metrics else None
     limits = httpx.Limits(
@@ -347,11 +414,14 @@ async def run_loadgen(
             tasks: list[asyncio.Task[Outcome]] = []
             t0 = time.monotonic()
             for i, r in enumerate(trace):
+                # Each body built when it is next, not all before the run: the prompts of
+                # the whole conversation trace are gigabytes of text.
+                body = _body(cfg, r, book.prompt(r, i))
                 delay = r.arrival_s - (time.monotonic() - t0)
                 if delay > 0:
                     await asyncio.sleep(delay)
                 http = next(spread[i % len(cfg.urls)])
-                one = _one(http, path, bodies[i], r.arrival_s, t0, cfg.timeout_s)
+                one = _one(http, path, body, r.arrival_s, t0, cfg.timeout_s)
                 task = asyncio.create_task(one)
                 task.add_done_callback(lambda _: progress.advance(bar))
                 tasks.append(task)
@@ -363,6 +433,11 @@ async def run_loadgen(
     if before is not None:
         try:
             delta = await read_counters(cfg.engine_metrics) - before
+            if delta.went_down():
+                delta = None
+                raise LoadgenRunError(
+                    "the engines' counters went down during the run (an engine restarted?)"
+                )
         except LoadgenRunError as exc:  # the run's own figures stand; the hit rate is unknown
             unread = str(exc)
             if console is not None:
@@ -404,8 +479,13 @@ def trace_slice(
         make = SCENARIOS.get(synthetic)
         if make is None:
             raise LoadgenError(f"unknown scenario {synthetic!r}; known: {', '.join(SCENARIOS)}")
-        shape = Shape(requests=start + (requests or 1000), rate=synthetic_rate, seed=seed)
-        reqs = make(shape)
+        total = start + (requests or SYNTHETIC_REQUESTS)
+        if total > MAX_SYNTHETIC_REQUESTS:
+            raise LoadgenError(
+                f"a synthetic slice ends at request {MAX_SYNTHETIC_REQUESTS:,} at most, not "
+                f"{total:,} (start + requests)"
+            )
+        reqs = make(Shape(requests=total, rate=synthetic_rate, seed=seed))
     else:
         assert trace is not None
         reqs = load_trace(trace)
@@ -413,4 +493,16 @@ def trace_slice(
     out = reqs[start:end]
     if not out:
         raise LoadgenError(f"the slice from {start} has no requests (the trace has {len(reqs)})")
+    if requests is not None and len(out) < requests:
+        raise LoadgenError(
+            f"asked for {requests} requests from {start}, but the trace has {len(out)} there "
+            f"({len(reqs)} in all)"
+        )
     return out
+
+
+SYNTHETIC_REQUESTS = 1000
+"""Requests of a synthetic slice when ``requests`` is not given."""
+MAX_SYNTHETIC_REQUESTS = 1_000_000
+"""Where a synthetic slice must end: the scenario is generated from its first request, in
+memory, before anything is sent."""

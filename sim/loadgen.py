@@ -29,7 +29,7 @@ from sluice.schemas.hashing import TEXT_BYTES_PER_TOKEN
 from sluice.sim.errors import LoadgenError
 from sluice.sim.profiles import EngineProfile
 from sluice.sim.replay import scale_to_load
-from sluice.sim.traces import TraceRequest
+from sluice.sim.traces import MAX_ARRIVAL_S, TraceRequest
 
 _WORDS = [
     "time",
@@ -212,13 +212,22 @@ def scale_arrivals(
     if rate_scale is not None:
         if not rate_scale > 0:
             raise LoadgenError(f"rate_scale must be > 0, not {rate_scale}")
-        return [replace(r, arrival_s=(r.arrival_s - t0) / rate_scale) for r in trace]
-    assert load is not None
-    if not load > 0 or workers < 1 or not speed > 0 or profile is None:
-        raise LoadgenError("load needs load > 0, workers >= 1, speed > 0 and a profile")
-    scaled = scale_to_load(trace, load, workers, profile)
-    s0 = scaled[0].arrival_s
-    return [replace(r, arrival_s=(r.arrival_s - s0) / speed) for r in scaled]
+        out = [replace(r, arrival_s=(r.arrival_s - t0) / rate_scale) for r in trace]
+    else:
+        assert load is not None
+        if not load > 0 or workers < 1 or not speed > 0 or profile is None:
+            raise LoadgenError("load needs load > 0, workers >= 1, speed > 0 and a profile")
+        scaled = scale_to_load(trace, load, workers, profile)
+        s0 = scaled[0].arrival_s
+        out = [replace(r, arrival_s=(r.arrival_s - s0) / speed) for r in scaled]
+    span = max(r.arrival_s for r in out)
+    if not span <= MAX_ARRIVAL_S:  # inf or NaN too: a load generator would sleep for ever
+        how = f"rate_scale {rate_scale:g}" if rate_scale is not None else f"load {load:g}"
+        raise LoadgenError(
+            f"at {how} the slice's arrivals span {span:g} s, more than a year "
+            f"({MAX_ARRIVAL_S:g} s): send faster"
+        )
+    return out
 
 
 @dataclass(frozen=True)

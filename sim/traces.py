@@ -36,9 +36,9 @@ class TraceRequest:
 
     def checked(self) -> TraceRequest:
         """This request, or ``ValueError`` naming the field a replay could not run with."""
-        if not math.isfinite(self.arrival_s) or not 0 <= self.arrival_s <= _MAX_ARRIVAL_S:
+        if not math.isfinite(self.arrival_s) or not 0 <= self.arrival_s <= MAX_ARRIVAL_S:
             raise ValueError(
-                f"timestamp must be a time from 0 to {_MAX_ARRIVAL_S:g} s, not {self.arrival_s}"
+                f"timestamp must be a time from 0 to {MAX_ARRIVAL_S:g} s, not {self.arrival_s}"
             )
         if not 1 <= self.input_tokens <= _MAX_TOKENS:
             raise ValueError(
@@ -61,7 +61,7 @@ class TraceRequest:
         return self
 
 
-_MAX_ARRIVAL_S = 366 * 24 * 3600.0
+MAX_ARRIVAL_S = 366 * 24 * 3600.0
 """A year: a later arrival is a mistake in the trace (a load generator would sleep until it)."""
 _MAX_TOKENS = 10_000_000
 """More prompt or output tokens than any model's context: a mistake (a load generator built the
@@ -71,11 +71,14 @@ _MAX_DEADLINE_MS = 7 * 24 * 3600 * 1000
 
 
 def load_trace(path: str | Path, *, default_band: str = "interactive") -> list[TraceRequest]:
-    """Load a ``.jsonl`` (Mooncake or ours) or ``.csv`` (Azure) trace, sorted by arrival."""
+    """Load a ``.jsonl`` (Mooncake or ours) or ``.csv`` (Azure) trace, sorted by arrival. A
+    UTF-8 byte order mark is allowed; the suffix's case is not significant."""
     p = Path(path)
+    if p.is_dir():
+        raise TraceError(f"{p} is a folder, not a trace file")
     if not p.is_file():
         raise TraceError(f"trace not found: {p}")
-    reader = _azure if p.suffix == ".csv" else _jsonl
+    reader = _azure if p.suffix.lower() == ".csv" else _jsonl
     try:
         reqs = list(reader(p, default_band))
     except (OSError, UnicodeDecodeError) as exc:  # unreadable, or not text
@@ -85,46 +88,105 @@ def load_trace(path: str | Path, *, default_band: str = "interactive") -> list[T
     return sorted(reqs, key=lambda r: r.arrival_s)
 
 
+_LINE_ERRORS = (KeyError, ValueError, TypeError, OverflowError, RecursionError)
+"""What a bad line or row raises while it is read (a deeply nested JSON line: RecursionError)."""
+
+
 def _jsonl(p: Path, default_band: str) -> Iterator[TraceRequest]:
-    with p.open() as f:
+    with p.open(encoding="utf-8-sig") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                obj: dict[str, Any] = json.loads(line)
+                obj = json.loads(line)
+                if not isinstance(obj, dict):
+                    raise ValueError(f"a line is one JSON object, not {type(obj).__name__}")
+                deadline = obj.get("deadline_ms")
                 yield TraceRequest(
                     arrival_s=float(obj["timestamp"]) / 1000.0,
-                    input_tokens=int(obj["input_length"]),
-                    output_tokens=max(1, int(obj["output_length"])),
-                    block_ids=tuple(int(h) for h in obj.get("hash_ids", ())),
-                    block_tokens=int(obj.get("block_tokens", MOONCAKE_BLOCK_TOKENS)),
+                    input_tokens=_whole(obj["input_length"], "input_length"),
+                    output_tokens=max(1, _count(obj["output_length"], "output_length")),
+                    block_ids=_ids(obj),
+                    block_tokens=_whole(
+                        obj.get("block_tokens", MOONCAKE_BLOCK_TOKENS), "block_tokens"
+                    ),
                     band=str(obj.get("priority", default_band)),
                     tenant=str(obj.get("tenant", "default")),
                     model=str(obj.get("model", "sim")),
                     session_id=str(obj.get("session_id", "")),
-                    deadline_ms=None if obj.get("deadline_ms") is None else int(obj["deadline_ms"]),
+                    deadline_ms=None if deadline is None else _whole(deadline, "deadline_ms"),
                 ).checked()
-            except (KeyError, ValueError, TypeError, OverflowError) as exc:
+            except _LINE_ERRORS as exc:
                 raise TraceError(f"{p}:{n}: {_why(exc)}") from exc
 
 
 def _azure(p: Path, default_band: str) -> Iterator[TraceRequest]:
-    with p.open(newline="") as f:
-        rows = csv.DictReader(f)
-        t0: datetime | None = None
-        for n, row in enumerate(rows, 2):
+    """Azure's CSV. Its rows are timed from the earliest, whatever their order in the file."""
+    rows: list[tuple[int, datetime, int, int]] = []
+    with p.open(newline="", encoding="utf-8-sig") as f:
+        reader = csv.DictReader(f)
+        for n, row in enumerate(reader, 2):
             try:
+                if None in row or None in row.values():  # more fields than the header, or fewer
+                    raise ValueError(
+                        f"the row's fields do not match the header's {len(reader.fieldnames or ())}"
+                    )
                 # 7 fractional digits: Python parses at most 6.
                 stamp = datetime.fromisoformat(row["TIMESTAMP"].strip()[:26])
-                t0 = t0 or stamp
-                yield TraceRequest(
-                    arrival_s=(stamp - t0).total_seconds(),
-                    input_tokens=max(1, int(row["ContextTokens"])),
-                    output_tokens=max(1, int(row["GeneratedTokens"])),
-                    band=default_band,
-                ).checked()
-            except (KeyError, ValueError, TypeError, OverflowError) as exc:
+                context = _count(row["ContextTokens"], "ContextTokens")
+                generated = _count(row["GeneratedTokens"], "GeneratedTokens")
+            except _LINE_ERRORS as exc:
                 raise TraceError(f"{p}:{n}: {_why(exc)}") from exc
+            rows.append((n, stamp, context, generated))
+    if not rows:
+        return
+    try:
+        t0 = min(stamp for _, stamp, _, _ in rows)
+    except TypeError as exc:  # some stamps with a time zone, some without
+        raise TraceError(f"{p}: {exc}") from exc
+    for n, stamp, context, generated in rows:
+        try:
+            yield TraceRequest(
+                arrival_s=(stamp - t0).total_seconds(),
+                input_tokens=max(1, context),
+                output_tokens=max(1, generated),
+                band=default_band,
+            ).checked()
+        except _LINE_ERRORS as exc:
+            raise TraceError(f"{p}:{n}: {_why(exc)}") from exc
+
+
+def _whole(value: Any, name: str) -> int:
+    """A whole number of a trace's field: an int, a float with no fraction, or a string of
+    digits (a CSV's); never a bool (JSON's ``true`` is no count)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be a whole number, not {value!r}")
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise ValueError(f"{name} must be a whole number, not {value!r}")
+        return int(value)
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a whole number, not {value!r}") from None
+
+
+def _count(value: Any, name: str) -> int:
+    """:func:`_whole`, and not negative."""
+    n = _whole(value, name)
+    if n < 0:
+        raise ValueError(f"{name} must be >= 0, not {n}")
+    return n
+
+
+def _ids(obj: dict[str, Any]) -> tuple[int, ...]:
+    """A line's ``hash_ids``: a list of whole numbers (ints, the common case, checked at once)."""
+    value = obj.get("hash_ids", [])
+    if not isinstance(value, list):
+        raise ValueError(f"hash_ids must be a list, not {type(value).__name__}")
+    if all(type(h) is int for h in value):
+        return tuple(value)
+    return tuple(_whole(h, "hash_ids") for h in value)
 
 
 def _why(exc: Exception) -> str:

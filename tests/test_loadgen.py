@@ -5,12 +5,14 @@ rate. Every process is stopped by its PID, also when an assertion fails."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -255,6 +257,8 @@ def test_loadgen_rejects_bad_input_clearly(tmp_path: Path) -> None:
     assert done.returncode == 2 and "trace not found" in done.stderr
     done = _run([*base, "--synthetic", "nope"], 30)
     assert done.returncode == 2 and "unknown scenario" in done.stderr
+    done = _run([*base, "--synthetic", "mixed", "--profile", "bogus"], 30)  # ignored, it was
+    assert done.returncode == 2 and "give --load with them" in done.stderr
     # Nothing listens at port 9: every request fails, and that is no run to report with 0.
     trace = tmp_path / "t.jsonl"
     _shared_prefix_trace(trace, 3)
@@ -277,13 +281,41 @@ def test_a_cache_flush_evicts_every_idle_block_and_keeps_pinned_ones() -> None:
     assert cache.drain_digest() == ([], [1, 2, 3])
 
 
+_TEXT = b'data: {"choices": [{"text": "hi"}]}\n\n'
+_DONE = b"data: [DONE]\n\n"
+_STREAMS = {
+    "good": [_TEXT, b'data: {"choices": [], "usage": {"completion_tokens": 1}}\n\n', _DONE],
+    "bad-chunk": [b'data: {"choices": "abc"}\n\n', _DONE],
+    # vLLM's, the gateway's, after the first token:
+    "error-event": [_TEXT, b'data: {"error": {"message": "3 attempts failed", "code": 503}}\n\n'],
+    "trickle": [],  # then a byte now and then, never an answer
+    # An event cut short: it was skipped, and the request counted whole.
+    "bad-json": [_TEXT, b'data: {"choices": [{"text": "x"\n\n', _DONE],
+    "array-event": [_TEXT, b"data: [1, 2]\n\n", _DONE],
+    # Legal SSE: the space after the colon is optional.
+    "no-space": [b'data:{"choices": [{"text": "hi"}]}\n\n', b"data:[DONE]\n\n"],
+    "done-only": [_DONE],
+    "held-open": [_TEXT, _DONE],  # then the connection kept open
+}
+"""The completions stream of each mode of :class:`_Odd`."""
+
+
+def _metrics_page(mode: str, reads: int) -> str:
+    if mode == "garbage-metrics":
+        return "vllm:prefix_cache_hits_total{ 1\n"
+    if mode == "nan-metrics":
+        return "vllm:prefix_cache_hits_total NaN\nvllm:prefix_cache_queries_total +Inf\n"
+    hits, queries = (0, 10)
+    if mode == "restarted":  # counters from zero again after the first reading
+        hits, queries = (100, 200) if reads == 1 else (0, 100)
+    return f"vllm:prefix_cache_hits_total {hits}\nvllm:prefix_cache_queries_total {queries}\n"
+
+
 class _Odd:
     """A real HTTP server (loopback) that answers completions as ``mode`` says, and serves
     metrics that break once read ``metrics_good`` times."""
 
     def __init__(self, mode: str, metrics_good: int = 1_000) -> None:
-        import asyncio
-
         from starlette.applications import Starlette
         from starlette.responses import PlainTextResponse, StreamingResponse
         from starlette.routing import Route
@@ -292,20 +324,13 @@ class _Odd:
 
         async def completions(_: object) -> StreamingResponse:
             async def body() -> AsyncIterator[bytes]:
-                if mode == "bad-chunk":
-                    yield b'data: {"choices": "abc"}\n\n'
-                    yield b"data: [DONE]\n\n"
-                elif mode == "error-event":  # vLLM's, the gateway's, after the first token
-                    yield b'data: {"choices": [{"text": "hi"}]}\n\n'
-                    yield b'data: {"error": {"message": "3 attempts failed", "code": 503}}\n\n'
-                elif mode == "trickle":  # a byte now and then, never an answer
-                    while True:
-                        yield b": ping\n\n"
-                        await asyncio.sleep(0.1)
-                else:
-                    yield b'data: {"choices": [{"text": "hi"}]}\n\n'
-                    yield b'data: {"choices": [], "usage": {"completion_tokens": 1}}\n\n'
-                    yield b"data: [DONE]\n\n"
+                for part in _STREAMS.get(mode, _STREAMS["good"]):
+                    yield part
+                while mode == "trickle":
+                    yield b": ping\n\n"
+                    await asyncio.sleep(0.1)
+                if mode == "held-open":
+                    await asyncio.sleep(3600)
 
             return StreamingResponse(body(), media_type="text/event-stream")
 
@@ -313,11 +338,7 @@ class _Odd:
             self.metrics_reads += 1
             if self.metrics_reads > metrics_good:
                 return PlainTextResponse("gone", status_code=500)
-            if mode == "garbage-metrics":
-                return PlainTextResponse("vllm:prefix_cache_hits_total{ 1\n")
-            return PlainTextResponse(
-                "vllm:prefix_cache_hits_total 0\nvllm:prefix_cache_queries_total 10\n"
-            )
+            return PlainTextResponse(_metrics_page(mode, self.metrics_reads))
 
         routes = [
             Route("/v1/completions", completions, methods=["POST"]),
@@ -370,3 +391,68 @@ async def test_a_run_survives_odd_answers_and_metrics_gone_after_it() -> None:
             await run_loadgen(_reqs(1), cfg)
     with pytest.raises(LoadgenRunError, match="not a URL"):
         await run_loadgen(_reqs(1), LoadgenConfig(urls=("http://[::1",)))
+
+
+async def test_a_stream_counts_only_when_it_is_whole_and_legal_sse() -> None:
+    """Each was wrong before (seen by a helper's probe): an event cut short was skipped and
+    its request counted completed; an event that is a JSON array was ignored; ``data:``
+    without its optional space failed every request; a stream of only ``[DONE]`` failed with
+    no reason; an answer whose server kept the connection open after ``[DONE]`` failed at
+    the timeout."""
+    from sluice.cli.loadgen import AFTER_DONE_S, LoadgenConfig, run_loadgen
+
+    async def one(mode: str, timeout_s: float = 30.0) -> dict[str, Any]:
+        async with _Odd(mode) as odd:
+            cfg = LoadgenConfig(urls=(odd.url,), progress=False, timeout_s=timeout_s)
+            return await run_loadgen(_reqs(1), cfg)
+
+    out = await one("bad-json")
+    assert out["failed"] == 1 and "an event that is not JSON" in out["errors"][0]
+    out = await one("array-event")
+    assert out["failed"] == 1 and "an event that is not an object" in out["errors"][0]
+    out = await one("no-space")
+    assert (out["completed"], out["errors"]) == (1, [])
+    out = await one("done-only")
+    assert out["failed"] == 1 and out["errors"] == ["the stream carried no text"]
+    # Its connection is let go soon after [DONE], not held to the request's timeout (an hour).
+    out = await asyncio.wait_for(one("held-open", timeout_s=3600), AFTER_DONE_S + 30)
+    assert (out["completed"], out["errors"]) == (1, [])
+    assert out["e2e_p50_s"] < AFTER_DONE_S  # the answer ended at [DONE], not at the close
+
+
+async def test_engine_counters_that_are_not_finite_or_went_down_give_no_hit_rate() -> None:
+    """A NaN counter made a NaN hit rate (not JSON); an engine restarted during the run made
+    its counters fall, and the deltas gave a hit rate of 1.0 from negative tokens."""
+    from sluice.cli.loadgen import LoadgenConfig, LoadgenRunError, run_loadgen
+
+    async with _Odd("nan-metrics") as odd:
+        cfg = LoadgenConfig(urls=(odd.url,), engine_metrics=(f"{odd.url}/metrics",))
+        with pytest.raises(LoadgenRunError, match="not finite"):
+            await run_loadgen(_reqs(1), LoadgenConfig(**{**cfg.__dict__, "progress": False}))
+    async with _Odd("restarted") as odd:
+        cfg = LoadgenConfig(urls=(odd.url,), engine_metrics=(f"{odd.url}/metrics",))
+        out = await run_loadgen(_reqs(1), LoadgenConfig(**{**cfg.__dict__, "progress": False}))
+    assert out["completed"] == 1 and out["hit_rate"] is None
+    assert "went down" in out["engine_metrics_error"]
+    json.dumps(out, allow_nan=False)
+
+
+def test_a_slice_that_cannot_be_sent_as_asked_is_refused(tmp_path: Path) -> None:
+    """More requests than the trace has there were cut silently; a synthetic slice far out
+    generated every request before it (a hang); arrivals stretched past a year slept so."""
+    from sluice.cli.loadgen import MAX_SYNTHETIC_REQUESTS, trace_slice
+
+    trace = tmp_path / "t.jsonl"
+    write_jsonl(_reqs(25), trace)
+    assert len(trace_slice(str(trace), None, start=5, requests=20)) == 20
+    with pytest.raises(LoadgenError, match="asked for 21 requests from 5, but the trace has 20"):
+        trace_slice(str(trace), None, start=5, requests=21)
+    with pytest.raises(LoadgenError, match="at most"):
+        trace_slice(None, "mixed", start=10**8, requests=1)
+    with pytest.raises(LoadgenError, match="at most"):
+        trace_slice(None, "mixed", start=MAX_SYNTHETIC_REQUESTS, requests=1)
+    for scale in (1e-300, 1e-10):
+        with pytest.raises(LoadgenError, match="more than a year"):
+            scale_arrivals(_reqs(3), rate_scale=scale)
+    with pytest.raises(LoadgenError, match="more than a year"):
+        scale_arrivals(_reqs(3), load=1e-300, workers=1, profile=REFERENCE)

@@ -73,6 +73,11 @@ def test_bad_trace_lines_name_file_and_line(tmp_path: Path) -> None:
         ('"timestamp": 0, "input_length": 5, "block_tokens": 0', "block_tokens must be within"),
         ('"timestamp": 0, "input_length": 5, "deadline_ms": -1', "deadline_ms must be within"),
         ('"timestamp": 0, "input_length": 5, "deadline_ms": 1e300', "deadline_ms must be within"),
+        # Each was read as another number: clamped to 1, truncated, or true taken as 1.
+        ('"timestamp": 0, "input_length": 10.7', "input_length must be a whole number"),
+        ('"timestamp": 0, "input_length": true', "input_length must be a whole number"),
+        ('"timestamp": 0, "input_length": 5, "hash_ids": [1, 2.5]', "hash_ids must be a whole"),
+        ('"timestamp": 0, "input_length": 5, "hash_ids": "12"', "hash_ids must be a list"),
     ],
 )
 def test_a_trace_value_no_replay_can_run_is_a_trace_error(
@@ -86,6 +91,48 @@ def test_a_trace_value_no_replay_can_run_is_a_trace_error(
                    "{" + fields + ', "output_length": 1}\n')  # fmt: skip
     with pytest.raises(TraceError, match=rf"t\.jsonl:2: {why}"):
         load_trace(bad)
+
+
+def test_odd_trace_files_load_or_say_what_is_wrong(tmp_path: Path) -> None:
+    """Each was a traceback, a misleading message or a silent misreading (a helper's probe):
+    a deeply nested line (RecursionError); a line that is a JSON array; a folder ("not
+    found"); an Azure CSV whose rows are not in time order (timed from its first row, so an
+    earlier row was "before 0"); a ``.CSV`` read as JSONL; a byte order mark hiding the first
+    column's name; a short row ("int() argument ... NoneType"); a negative count clamped."""
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text("[" * 100_000 + "\n")
+    with pytest.raises(TraceError, match=r"deep\.jsonl:1"):
+        load_trace(deep)
+    array = tmp_path / "array.jsonl"
+    array.write_text("[1, 2]\n")
+    with pytest.raises(TraceError, match=r"array\.jsonl:1: a line is one JSON object, not list"):
+        load_trace(array)
+    with pytest.raises(TraceError, match="is a folder"):
+        load_trace(tmp_path)
+    header = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+    rows = "2023-11-16 18:15:50.000,100,10\n2023-11-16 18:15:46.000,200,20\n"
+    for name, data in (("unsorted.csv", header + rows),
+                       ("upper.CSV", header + rows),
+                       ("bom.csv", "\ufeff" + header + rows)):  # fmt: skip
+        path = tmp_path / name
+        path.write_text(data, encoding="utf-8")
+        got = load_trace(path)
+        assert [(r.arrival_s, r.input_tokens) for r in got] == [(0.0, 200), (4.0, 100)], name
+    short = tmp_path / "short.csv"
+    short.write_text(header + "2023-11-16 18:15:50.000,100\n")
+    with pytest.raises(TraceError, match=r"short\.csv:2: the row's fields do not match"):
+        load_trace(short)
+    negative = tmp_path / "negative.csv"
+    negative.write_text(header + "2023-11-16 18:15:50.000,-5,10\n")
+    with pytest.raises(TraceError, match=r"negative\.csv:2: ContextTokens must be >= 0"):
+        load_trace(negative)
+    minus = tmp_path / "minus.jsonl"
+    minus.write_text('{"timestamp": 0, "input_length": 5, "output_length": -5}\n')
+    with pytest.raises(TraceError, match=r"minus\.jsonl:1: output_length must be >= 0"):
+        load_trace(minus)
+    bom = tmp_path / "bom.jsonl"
+    bom.write_text('\ufeff{"timestamp": 0, "input_length": 5, "output_length": 1}\n')
+    assert len(load_trace(bom)) == 1
 
 
 def test_a_trace_that_is_not_text_or_cannot_be_read_is_a_trace_error(tmp_path: Path) -> None:
