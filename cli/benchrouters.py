@@ -63,6 +63,7 @@ from sluice.dispatcher.stats import percentile
 from sluice.sim.loadgen import PromptBook, scale_arrivals
 from sluice.sim.profiles import get_profile
 from sluice.sim.traces import TraceRequest, earlier_turns, hit_ceiling, load_trace
+from sluice.testing.engineserver import check_page_tokens
 from sluice.testing.fleet import HttpEngineFleet
 from sluice.testing.gateway import GatewayProcess
 from sluice.testing.natsserver import EmbeddedNats, _free_ports
@@ -692,16 +693,28 @@ def _latency_phase(cfg: BenchConfig, log_dir: str) -> dict[str, dict[str, float]
     return out
 
 
-def bench_routers(cfg: BenchConfig, console: Console) -> RoutersResult:
-    """Every arm at every load on one fleet, then the added latencies (module docstring)."""
+def _check(cfg: BenchConfig) -> None:
+    """What can be refused before anything starts (it failed after minutes, or as a
+    traceback)."""
     if cfg.repeat < 1:
         raise BenchRoutersError(f"repeat is at least 1, not {cfg.repeat}")
+    if not cfg.arms:
+        raise BenchRoutersError(f"no arm to run; known: {', '.join(ARMS)}")
     unknown = [a for a in cfg.arms if a not in ARMS]
     if unknown:
         raise BenchRoutersError(f"unknown arms {unknown}; known: {', '.join(ARMS)}")
+    try:
+        check_page_tokens(get_profile(PROFILE), cfg.kv_page_tokens)
+    except ValueError as exc:
+        raise BenchRoutersError(f"kv_page_tokens: {exc}") from None
     for arm in cfg.arms:
         if arm in SGLANG_ARMS:
-            _router_python(cfg.routers_venv, arm)  # missing: fail now, not after minutes
+            _router_python(cfg.routers_venv, arm)
+
+
+def bench_routers(cfg: BenchConfig, console: Console) -> RoutersResult:
+    """Every arm at every load on one fleet, then the added latencies (module docstring)."""
+    _check(cfg)
     whole = load_trace(cfg.trace)
     trace = whole[cfg.start : cfg.start + cfg.requests]
     if not trace:

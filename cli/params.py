@@ -73,7 +73,10 @@ def parse_loads(text: str, option: str = "--loads", *, zero: bool = False) -> tu
 
 def output_file(path: Path, option: str) -> Path:
     """``path`` if a file can be written there (its folder exists and is writable, and it is
-    not a folder itself); else the command stops with exit code 2 before doing any work."""
+    not a folder itself, nor named like an option: ``--json --no-progress`` wrote a file
+    named ``--no-progress``); else the command stops with exit code 2 before doing any work."""
+    if path.name.startswith("-"):
+        raise fail(f"{option} takes a file name, not {str(path)!r} (an option?)")
     if path.is_dir():
         raise fail(f"{option} {path}: a folder, not a file")
     folder = path.parent

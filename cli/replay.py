@@ -77,6 +77,8 @@ AdmissionOpt = Annotated[
     ),
 ]
 ALL_POLICIES = ",".join(POLICIES)
+ADMISSIONS = ("engine", "slots")
+"""The admission modes a replay compares (`--admission`, `--admissions`)."""
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON object.")]
 PlotOpt = Annotated[Path | None, typer.Option("--plot", help="Write PNG charts here.")]
 
@@ -105,7 +107,7 @@ def _setup(
     if slow_n > workers:
         raise fail(f"--slow-workers {slow_n} exceeds --workers {workers}")
     mode, batch_floor = admission
-    if mode not in ("engine", "slots"):
+    if mode not in ADMISSIONS:
         raise fail(f"--admission is 'engine' or 'slots', not {mode!r}")
     cfg = ReplayConfig(
         workers=workers,
@@ -229,7 +231,7 @@ def main(
         requests = add_batch_load(requests, batch_load, workers, cfg.profile, seed)
     if batch_share is not None or batch_limit is not None:
         cfg = replace(cfg, batch_share=batch_share, batch_limit=batch_limit)
-    log = None if decisions is None else _decision_log(decisions)
+    log = None if decisions is None else _decision_log(decisions, trace)
     try:
         results = _run_all(requests, cfg, names, "", log)
     finally:
@@ -251,7 +253,9 @@ def main(
     out.print(_table(doc, results))
 
 
-def _decision_log(path: Path) -> DecisionLog:
+def _decision_log(path: Path, trace: Path) -> DecisionLog:
+    if path.resolve() == trace.resolve():  # (it was overwritten, without a word)
+        raise fail(f"--decisions {path} is the trace itself: give another file")
     try:
         path.unlink(missing_ok=True)
         return DecisionLog(path, max_bytes=1 << 40)
@@ -403,6 +407,10 @@ def sweep_batch(
     from sluice.sim.plots import batch_figures
 
     modes = [m.strip() for m in admissions.split(",") if m.strip()]
+    if not modes or any(m not in ADMISSIONS for m in modes):
+        raise fail(
+            f"--admissions is a comma-separated list of 'engine' and 'slots', not {admissions!r}"
+        )
     xs = list(parse_loads(batch_loads, "--batch-loads", zero=True))
     if plot is not None:
         output_folder(plot, "--plot")
@@ -457,9 +465,11 @@ def report(
             doc = json.loads(f.read_text())
             pols: dict[str, dict[str, float]] = doc["policies"]
             fl: dict[str, float] = doc["floor"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise fail(f"{f}: not the output of `sluice replay --json` ({exc})") from exc
-        print(_markdown(f, doc, pols, fl))
+            text = _markdown(f, doc, pols, fl)  # (a field missing in it was a traceback)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            why = f"no {exc}" if isinstance(exc, KeyError) else str(exc)
+            raise fail(f"{f}: not the output of `sluice replay --json` ({why})") from exc
+        print(text)
 
 
 def _markdown(

@@ -35,7 +35,9 @@ import contextlib
 import itertools
 import json
 import logging
+import os
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -805,6 +807,15 @@ def serve(
         check_page_tokens(profile, kv_page_tokens)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if kv_page_tokens is not None and kv_events is None:
+        raise ConfigError("a KV page size shapes the KV events: give an endpoint for them")
+    # Bound here, before anything starts: uvicorn logged a busy port or an unknown host and
+    # exited with its own code (3), and a socket in a missing folder was a traceback.
+    sockets = None
+    if port is not None:
+        sockets = [socket.create_server((host, port))]  # OSError: the caller says where
+    elif not os.path.isdir(os.path.dirname(os.path.abspath(uds or ""))):
+        raise ConfigError(f"no folder for the socket {uds}")
     tok = None if tokenizer is None else PromptTokenizer.from_file(tokenizer)
     publisher = None
     if kv_events is not None:
@@ -826,7 +837,7 @@ def serve(
     config = uvicorn.Config(
         app, host=host, port=port or 0, uds=uds, log_level="warning", lifespan="on"
     )
-    _stopped_by_signal(config).run()
+    _stopped_by_signal(config).run(sockets=sockets)
 
 
 def _stopped_by_signal(config: Any) -> Any:

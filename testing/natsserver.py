@@ -84,11 +84,16 @@ class EmbeddedNats:
 
     def start(self) -> EmbeddedNats:
         """Start the server and wait until it accepts connections."""
+        try:  # (a missing binary left the temporary store behind)
+            binary = find_binary()
+        except NatsServerError:
+            self.stop()
+            raise
         Path(self.store_dir).mkdir(parents=True, exist_ok=True)
         log_path = Path(self.store_dir) / "nats-server.log"
         config = [] if self.config_file is None else ["-c", self.config_file]
         cmd = [
-            find_binary(),
+            binary,
             *config,
             "-a", "127.0.0.1",
             "-p", str(self._port_arg),

@@ -146,3 +146,62 @@ def test_up_with_settings_the_gateway_refuses_stops_before_starting_anything() -
     assert code == 2 and "not a loopback address" in out and "nats-server pid" not in out, out
     code, out = _run("up", "--workers", "100000")
     assert code == 2 and "less than or equal to 64" in out, out
+
+
+def test_the_benchmarks_refuse_what_they_cannot_run_as_asked(
+    tmp_path: Path, trace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each was a traceback, a silent empty run, or a file named like an option (a helper's
+    probe of the benchmark commands); each is now exit code 2 and one line, before any
+    engine, router or nats-server starts."""
+    missing = str(tmp_path / "nope.jsonl")
+    for args, said in [
+        (["bench-routers", "--simulate", "--trace", missing], "trace not found"),
+        (["bench-routers", "--arms", ",", "--trace", str(trace)], "no arm to run"),
+        (
+            ["bench-routers", "--arms", "round-robin", "--kv-page-tokens", "3"],
+            "kv_page_tokens: the KV page size divides",
+        ),
+        (["bench-routers", "--simulate", "--arms", "bogus"], "--arms: not for --simulate"),
+        (["bench-routers", "--arms", ",", "--json", "--no-progress"], "--json takes a file"),
+        (["bench", "--skip-live", "--live-requests", "10"], "--live-requests: size the live"),
+        (["replay", "sweep-batch", "--trace", str(trace), "--admissions", ","], "--admissions"),
+        (["replay", "--trace", str(trace), "--decisions", str(trace)], "is the trace itself"),
+    ]:
+        code, out = _run(*args)
+        assert code == 2 and said in out, (args, out)
+    assert trace.read_text().startswith('{"timestamp"')  # not overwritten by --decisions
+    partial = tmp_path / "r.json"
+    partial.write_text('{"policies": {"x": 1}, "floor": {}}')
+    code, out = _run("replay", "report", str(partial))
+    assert code == 2 and "not the output of `sluice replay --json`" in out, out
+
+    # No nats-server: said at once (it was a traceback after the core's minutes).
+    from sluice.testing import natsserver
+    from sluice.testing.errors import NatsServerError
+
+    def no_binary() -> str:
+        raise NatsServerError("nats-server not found")
+
+    monkeypatch.setattr(natsserver, "find_binary", no_binary)
+    code, out = _run("bench", "--requests", "10", "--decision-requests", "10")
+    assert code == 2 and "or give --skip-live" in out, out
+
+
+def test_the_engine_refuses_an_address_it_cannot_serve_on() -> None:
+    """A busy port or an unknown host was uvicorn's log line and exit code 3; a socket in a
+    missing folder a traceback; a page size without KV events was ignored."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = str(busy.getsockname()[1])
+        code, out = _run("engine", "--port", port)
+        assert code == 2 and f"cannot serve on http://127.0.0.1:{port}" in out, out
+    code, out = _run("engine", "--port", "18001", "--host", "999.1.1.1")
+    assert code == 2 and "cannot serve on http://999.1.1.1:18001" in out, out
+    code, out = _run("engine", "--uds", "/nonexistent/dir/sock")
+    assert code == 2 and "no folder for the socket" in out, out
+    code, out = _run("engine", "--uds", "/tmp/x.sock", "--kv-page-tokens", "4")
+    assert code == 2 and "give an endpoint for them" in out, out
+    code, out = _run("engine", "--port", "18001", "--kv-events-port", "65535")
+    assert code == 2, out  # its replay port would be 65536
