@@ -150,6 +150,10 @@ class Proc:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         stop_processes([self.proc], timeout_s=timeout_s)
+        self.close()
+
+    def close(self) -> None:
+        """Close its log (once it stopped)."""
         self._log.close()
 
 
@@ -283,9 +287,10 @@ def sluice_stack(
     cli = [sys.executable, "-m", "sluice.cli"]
     with EmbeddedNats() as nats, contextlib.ExitStack() as stack:
 
-        def stop_all() -> None:
-            for p in reversed(procs):
-                p.stop()
+        def stop_all() -> None:  # all at once: one deadline for them all, then SIGKILL
+            stop_processes(p.proc for p in procs)
+            for p in procs:
+                p.close()
 
         stack.callback(stop_all)
         env = {"SLUICE_NATS_URL": nats.url}

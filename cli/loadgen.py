@@ -177,6 +177,12 @@ class EngineReading:
         }  # fmt: skip
         return EngineReading(self.hits - other.hits, self.queries - other.queries, lat)
 
+    def __add__(self, other: EngineReading) -> EngineReading:
+        lat = dict(self.latencies)
+        for k, h in other.latencies.items():
+            lat[k] = lat[k] + h if k in lat else h
+        return EngineReading(self.hits + other.hits, self.queries + other.queries, lat)
+
     def went_down(self) -> bool:
         """As a difference of two readings: whether a counter fell between them."""
         fell = any(h.went_down() for h in self.latencies.values())
@@ -196,9 +202,9 @@ class EngineReading:
         return out
 
 
-async def read_counters(urls: Sequence[str]) -> EngineReading:
-    """The engines' counters and latency histograms, summed over ``urls``."""
-    total = EngineReading()
+async def read_counters(urls: Sequence[str]) -> list[EngineReading]:
+    """Each engine's counters and latency histograms, in the order of ``urls``."""
+    out: list[EngineReading] = []
     async with httpx.AsyncClient(timeout=10) as http:
         for url in urls:
             try:
@@ -220,10 +226,23 @@ async def read_counters(urls: Sequence[str]) -> EngineReading:
             values = [*got, *(v for h in latencies.values() for v in h.values())]
             if not all(math.isfinite(v) for v in values):
                 raise LoadgenRunError(f"engine metrics {url} hold a counter that is not finite")
-            total.hits += got[0]
-            total.queries += got[1]
-            for k, h in latencies.items():
-                total.latencies[k] = total.latencies[k] + h if k in total.latencies else h
+            out.append(EngineReading(got[0], got[1], latencies))
+    return out
+
+
+def run_delta(
+    urls: Sequence[str], before: Sequence[EngineReading], after: Sequence[EngineReading]
+) -> EngineReading:
+    """What the engines counted over a run, summed: each engine's own difference first, so
+    that one engine restarted (its counters fell) is not hidden by another's growth."""
+    total = EngineReading()
+    for url, b, a in zip(urls, before, after, strict=True):
+        delta = a - b
+        if delta.went_down():
+            raise LoadgenRunError(
+                f"the counters of {url} went down during the run (the engine restarted?)"
+            )
+        total = total + delta
     return total
 
 
@@ -255,7 +274,7 @@ class _ErrorEvent(Exception):
 def _data(line: str) -> str | None:
     """The value of a server-sent ``data`` field (its one leading space dropped, as the SSE
     standard says: ``data:{...}`` is the same event as ``data: {...}``); None for any other
-    line (a comment, another field, the blank line that ends an event)."""
+    line (a comment, another field)."""
     if not line.startswith("data:"):
         return None
     value = line[5:]
@@ -297,7 +316,9 @@ hold the request."""
 
 @dataclass
 class _Read:
-    """What a streamed answer carried so far (times from the run's start)."""
+    """What a streamed answer carried so far (times from the run's start), read as
+    server-sent events: an event's ``data:`` lines, joined, are dispatched at the blank line
+    that ends it (an event without data is not)."""
 
     t0: float
     first: float | None = None
@@ -306,11 +327,23 @@ class _Read:
     """``[DONE]``: the answer is whole, and nothing after it counts."""
     chunks: int = 0
     usage_tokens: int | None = None
+    lines: list[str] = field(default_factory=list)
+    """The data lines of the event being read."""
 
     def take(self, line: str) -> bool:
-        """One line of the stream; True if it was ``[DONE]``."""
+        """One line of the stream; True if it ended the ``[DONE]`` event."""
+        if not line:
+            return self.event()
         data = _data(line)
-        if data is None or self.done is not None:
+        if data is not None and self.done is None:
+            self.lines.append(data)
+        return False
+
+    def event(self) -> bool:
+        """Dispatch the event read so far (also at the stream's end: an event whose blank
+        line never came still counts); True if it was ``[DONE]``."""
+        data, self.lines = "\n".join(self.lines), []
+        if not data or self.done is not None:
             return False
         if data == "[DONE]":
             self.done = time.monotonic() - self.t0
@@ -357,6 +390,7 @@ async def _one(
                         until = asyncio.get_running_loop().time() + AFTER_DONE_S
                         when = budget.when()
                         budget.reschedule(until if when is None else min(when, until))
+                got.event()
     except TimeoutError:
         if got.done is None:
             return got.failed(due_s, sent, f"no whole answer within {timeout_s:g} s")
@@ -366,6 +400,29 @@ async def _one(
     except _ErrorEvent as exc:
         return got.failed(due_s, sent, f"an error event in the stream: {exc}")
     return got.outcome(due_s, sent)
+
+
+PREBUILT_PROMPT_BYTES = 256 * 2**20
+"""Prompt text built before the run starts; the requests after it are built as they come
+due. A body takes about a millisecond to build: built in the send loop, bursts of arrivals
+went out tens of milliseconds late (the head to head's slice: send lag p99 35 ms against
+2 ms); built all before, the whole conversation trace took gigabytes."""
+
+
+def _bodies_ahead(
+    cfg: LoadgenConfig, trace: Sequence[TraceRequest], book: PromptBook
+) -> list[dict[str, Any] | None]:
+    """The bodies of the trace's first requests, up to :data:`PREBUILT_PROMPT_BYTES` of
+    prompt text."""
+    out: list[dict[str, Any] | None] = []
+    size = 0
+    for i, r in enumerate(trace):
+        if size >= PREBUILT_PROMPT_BYTES:
+            break
+        prompt = book.prompt(r, i)
+        size += len(prompt)
+        out.append(_body(cfg, r, prompt))
+    return out
 
 
 def _check(cfg: LoadgenConfig) -> None:
@@ -389,6 +446,7 @@ async def run_loadgen(
     :func:`sluice.sim.loadgen.summarize`, plus the errors seen (at most 5)."""
     _check(cfg)
     book = PromptBook(cfg.seed)
+    ready = _bodies_ahead(cfg, trace, book)
     path = "/v1/chat/completions" if cfg.api == "chat" else "/v1/completions"
     before = await read_counters(cfg.engine_metrics) if cfg.engine_metrics else None
     limits = httpx.Limits(
@@ -414,9 +472,11 @@ async def run_loadgen(
             tasks: list[asyncio.Task[Outcome]] = []
             t0 = time.monotonic()
             for i, r in enumerate(trace):
-                # Each body built when it is next, not all before the run: the prompts of
-                # the whole conversation trace are gigabytes of text.
-                body = _body(cfg, r, book.prompt(r, i))
+                if i < len(ready):
+                    body, ready[i] = ready[i], None  # (let go once sent)
+                else:
+                    body = _body(cfg, r, book.prompt(r, i))
+                assert body is not None
                 delay = r.arrival_s - (time.monotonic() - t0)
                 if delay > 0:
                     await asyncio.sleep(delay)
@@ -432,12 +492,8 @@ async def run_loadgen(
     unread = None
     if before is not None:
         try:
-            delta = await read_counters(cfg.engine_metrics) - before
-            if delta.went_down():
-                delta = None
-                raise LoadgenRunError(
-                    "the engines' counters went down during the run (an engine restarted?)"
-                )
+            after = await read_counters(cfg.engine_metrics)
+            delta = run_delta(cfg.engine_metrics, before, after)
         except LoadgenRunError as exc:  # the run's own figures stand; the hit rate is unknown
             unread = str(exc)
             if console is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -103,7 +104,7 @@ def _jsonl(p: Path, default_band: str) -> Iterator[TraceRequest]:
                     raise ValueError(f"a line is one JSON object, not {type(obj).__name__}")
                 deadline = obj.get("deadline_ms")
                 yield TraceRequest(
-                    arrival_s=float(obj["timestamp"]) / 1000.0,
+                    arrival_s=_time_ms(obj["timestamp"]) / 1000.0,
                     input_tokens=_whole(obj["input_length"], "input_length"),
                     output_tokens=max(1, _count(obj["output_length"], "output_length")),
                     block_ids=_ids(obj),
@@ -165,10 +166,21 @@ def _whole(value: Any, name: str) -> int:
         if not value.is_integer():
             raise ValueError(f"{name} must be a whole number, not {value!r}")
         return int(value)
-    try:
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and _DIGITS.fullmatch(value.strip()):  # ("1_000": int() takes it)
         return int(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a whole number, not {value!r}") from None
+    raise ValueError(f"{name} must be a whole number, not {value!r}")
+
+
+_DIGITS = re.compile(r"[+-]?[0-9]+")
+
+
+def _time_ms(value: Any) -> float:
+    """A JSONL line's ``timestamp`` (ms): a number, never a bool."""
+    if isinstance(value, bool):
+        raise ValueError(f"timestamp must be a number of milliseconds, not {value!r}")
+    return float(value)
 
 
 def _count(value: Any, name: str) -> int:

@@ -813,7 +813,7 @@ def serve(
     # exited with its own code (3), and a socket in a missing folder was a traceback.
     sockets = None
     if port is not None:
-        sockets = [socket.create_server((host, port))]  # OSError: the caller says where
+        sockets = _listen(host, port)  # OSError: the caller says where
     elif not os.path.isdir(os.path.dirname(os.path.abspath(uds or ""))):
         raise ConfigError(f"no folder for the socket {uds}")
     tok = None if tokenizer is None else PromptTokenizer.from_file(tokenizer)
@@ -838,6 +838,26 @@ def serve(
         app, host=host, port=port or 0, uds=uds, log_level="warning", lifespan="on"
     )
     _stopped_by_signal(config).run(sockets=sockets)
+
+
+def _listen(host: str, port: int) -> list[socket.socket]:
+    """Sockets bound to every address of ``host`` (an IPv6 one too), as asyncio's
+    ``create_server`` binds them for uvicorn; an ``OSError`` closes what was bound."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:  # (its own address only, as asyncio binds it)
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+    except OSError:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
 
 
 def _stopped_by_signal(config: Any) -> Any:

@@ -83,3 +83,27 @@ def test_the_engine_refuses_a_kv_endpoint_it_cannot_bind(tmp_path: Path) -> None
 
     with pytest.raises(ConfigError, match="cannot publish KV events"):
         serve(get_profile("reference"), model="sim", uds=str(tmp_path / "s"), kv_events="x://")
+
+
+def _ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+def test_the_engine_serves_on_an_ipv6_host() -> None:
+    """It binds its sockets itself (so that a busy port is one line, not uvicorn's exit 3):
+    bound as IPv4 whatever the host, ``--host ::1`` failed ("address family not supported")."""
+    port = _free_port()
+    proc = _start(["--host", "::1", "--port", str(port)])
+    try:
+        with httpx.Client(base_url=f"http://[::1]:{port}", timeout=5) as client:
+            _wait_healthy(client, proc)
+    finally:
+        _stop(proc)

@@ -296,6 +296,11 @@ _STREAMS = {
     "no-space": [b'data:{"choices": [{"text": "hi"}]}\n\n', b"data:[DONE]\n\n"],
     "done-only": [_DONE],
     "held-open": [_TEXT, _DONE],  # then the connection kept open
+    # One event's data over two lines (SSE joins them), and an event without data (not
+    # dispatched): both were errors once every data line had to be JSON.
+    "split-event": [b'data: {"choices":\ndata: [{"text": "hi"}]}\n\n', _DONE],
+    "empty-data": [b"data:\n\n", _TEXT, b"data: \n\n", _DONE],
+    "no-blank-end": [_TEXT, b"data: [DONE]"],  # the last event's blank line never comes
 }
 """The completions stream of each mode of :class:`_Odd`."""
 
@@ -307,7 +312,9 @@ def _metrics_page(mode: str, reads: int) -> str:
         return "vllm:prefix_cache_hits_total NaN\nvllm:prefix_cache_queries_total +Inf\n"
     hits, queries = (0, 10)
     if mode == "restarted":  # counters from zero again after the first reading
-        hits, queries = (100, 200) if reads == 1 else (0, 100)
+        hits, queries = (100, 200) if reads == 1 else (10, 20)
+    if mode == "growing":
+        hits, queries = (1000, 2000) if reads == 1 else (1500, 2500)
     return f"vllm:prefix_cache_hits_total {hits}\nvllm:prefix_cache_queries_total {queries}\n"
 
 
@@ -412,6 +419,9 @@ async def test_a_stream_counts_only_when_it_is_whole_and_legal_sse() -> None:
     assert out["failed"] == 1 and "an event that is not an object" in out["errors"][0]
     out = await one("no-space")
     assert (out["completed"], out["errors"]) == (1, [])
+    for mode in ("split-event", "empty-data", "no-blank-end"):
+        out = await one(mode)
+        assert (out["completed"], out["errors"]) == (1, []), mode
     out = await one("done-only")
     assert out["failed"] == 1 and out["errors"] == ["the stream carried no text"]
     # Its connection is let go soon after [DONE], not held to the request's timeout (an hour).
@@ -429,12 +439,27 @@ async def test_engine_counters_that_are_not_finite_or_went_down_give_no_hit_rate
         cfg = LoadgenConfig(urls=(odd.url,), engine_metrics=(f"{odd.url}/metrics",))
         with pytest.raises(LoadgenRunError, match="not finite"):
             await run_loadgen(_reqs(1), LoadgenConfig(**{**cfg.__dict__, "progress": False}))
-    async with _Odd("restarted") as odd:
-        cfg = LoadgenConfig(urls=(odd.url,), engine_metrics=(f"{odd.url}/metrics",))
-        out = await run_loadgen(_reqs(1), LoadgenConfig(**{**cfg.__dict__, "progress": False}))
+    # One engine restarted, another grew more than it fell: the sum of the two hid the fall
+    # (a hit rate of 1.28). Each engine's own difference is looked at first.
+    async with _Odd("restarted") as odd, _Odd("growing") as other:
+        metrics = (f"{odd.url}/metrics", f"{other.url}/metrics")
+        cfg = LoadgenConfig(urls=(odd.url,), engine_metrics=metrics, progress=False)
+        out = await run_loadgen(_reqs(1), cfg)
     assert out["completed"] == 1 and out["hit_rate"] is None
-    assert "went down" in out["engine_metrics_error"]
+    assert f"the counters of {odd.url}/metrics went down" in out["engine_metrics_error"]
     json.dumps(out, allow_nan=False)
+
+
+def test_bodies_are_built_before_the_run_up_to_a_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Built in the send loop, a millisecond each, they made bursts of arrivals late; all
+    built before the run, the whole trace took gigabytes."""
+    from sluice.cli import loadgen
+
+    trace = [TraceRequest(0.0, 512, 2, (i,)) for i in range(10)]
+    cfg = loadgen.LoadgenConfig(urls=("http://127.0.0.1:9",))
+    assert len(loadgen._bodies_ahead(cfg, trace, PromptBook(0))) == 10
+    monkeypatch.setattr(loadgen, "PREBUILT_PROMPT_BYTES", 3 * 512 * TEXT_BYTES_PER_TOKEN)
+    assert len(loadgen._bodies_ahead(cfg, trace, PromptBook(0))) == 3
 
 
 def test_a_slice_that_cannot_be_sent_as_asked_is_refused(tmp_path: Path) -> None:
@@ -456,3 +481,15 @@ def test_a_slice_that_cannot_be_sent_as_asked_is_refused(tmp_path: Path) -> None
             scale_arrivals(_reqs(3), rate_scale=scale)
     with pytest.raises(LoadgenError, match="more than a year"):
         scale_arrivals(_reqs(3), load=1e-300, workers=1, profile=REFERENCE)
+
+
+async def test_a_run_past_the_prebuilt_bodies_builds_the_rest_as_they_come_due(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from sluice.cli import loadgen
+
+    monkeypatch.setattr(loadgen, "PREBUILT_PROMPT_BYTES", 1)  # one body ahead, the rest later
+    async with _Odd("good") as odd:
+        cfg = loadgen.LoadgenConfig(urls=(odd.url,), progress=False)
+        out = await loadgen.run_loadgen(_reqs(4), cfg)
+    assert (out["completed"], out["errors"]) == (4, [])

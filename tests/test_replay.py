@@ -78,6 +78,8 @@ def test_bad_trace_lines_name_file_and_line(tmp_path: Path) -> None:
         ('"timestamp": 0, "input_length": true', "input_length must be a whole number"),
         ('"timestamp": 0, "input_length": 5, "hash_ids": [1, 2.5]', "hash_ids must be a whole"),
         ('"timestamp": 0, "input_length": 5, "hash_ids": "12"', "hash_ids must be a list"),
+        ('"timestamp": 0, "input_length": "1_000"', "input_length must be a whole number"),
+        ('"timestamp": true, "input_length": 5', "timestamp must be a number"),
     ],
 )
 def test_a_trace_value_no_replay_can_run_is_a_trace_error(
