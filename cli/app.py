@@ -17,7 +17,13 @@ import typer
 from rich.console import Console
 
 from sluice.cli.console import err, fail, make_client, run, with_client
-from sluice.cli.params import FiniteGroup, output_file, parse_loads, write_output
+from sluice.cli.params import (
+    FiniteGroup,
+    output_file,
+    output_folder,
+    parse_loads,
+    write_output,
+)
 from sluice.common.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -338,6 +344,12 @@ def nats(
         raise fail(f"--cluster takes an odd number of nodes (a quorum), not {cluster}")
     if sync_interval is not None and cluster == 1:
         raise fail("--sync-interval needs --cluster (a single server is for trying Sluice)")
+    if port == 0:  # (nats-server takes 0 for its default port, 4222)
+        raise fail("--port 0 is no port: give -1 for any free one")
+    if port + cluster - 1 > 65535:
+        raise fail(f"--port {port}: a cluster of {cluster} needs ports up to {port + cluster - 1}")
+    if store_dir is not None:
+        output_folder(store_dir, "--store-dir")
     server: EmbeddedNats | NatsCluster
     try:
         if cluster == 1:
@@ -616,6 +628,8 @@ def up(
 
     if engines not in ("inproc", "sim", "http"):
         raise fail(f"--engines is inproc or http, not {engines!r}")
+    if not model.strip() or model.startswith("-"):  # ("--model --speed" served "--speed")
+        raise fail(f"--model takes a model name, not {model!r}")
     cfg = UpConfig(
         workers=workers,
         engines="http" if engines == "http" else "inproc",
@@ -640,8 +654,12 @@ def bench_failover_cmd(
     the time from the kill to the new leader's first dispatch, and whether anything was lost or
     ran twice."""
     from sluice.cli.benchfailover import bench_failover
+    from sluice.testing.errors import LocalRunError
 
-    f = run(bench_failover(runs=runs, workers=workers))
+    try:
+        f = run(bench_failover(runs=runs, workers=workers))
+    except (ConfigError, LocalRunError) as exc:
+        raise fail(str(exc)) from exc
     console.print(
         f"leader kill -> first dispatch by the new leader over {len(f.takeovers_s)} runs: "
         f"min {f.min_s:.2f} s, median {f.median_s:.2f} s, max {f.max_s:.2f} s "
@@ -655,13 +673,22 @@ def bench_failover_cmd(
 @app.command("bench-lease")
 def bench_lease_cmd(
     runs: Annotated[int, typer.Option(help="Silenced workers.", min=1)] = 5,
-    lease_s: Annotated[float, typer.Option(help="The dispatcher's lease_s.", min=0.5)] = 4.0,
+    lease_s: Annotated[
+        float,
+        typer.Option(
+            help="The dispatcher's lease_s: at least 3 of the agents' 1 s heartbeats.", min=3.0
+        ),
+    ] = 4.0,
 ) -> None:
     """Cut a worker off without a word, several times: the time from its silence to its quota
     reclaimed (every booking on it released and queued again elsewhere)."""
     from sluice.cli.benchlease import bench_lease
+    from sluice.testing.errors import LocalRunError
 
-    f = run(bench_lease(runs=runs, lease_s=lease_s))
+    try:
+        f = run(bench_lease(runs=runs, lease_s=lease_s))
+    except (ConfigError, LocalRunError) as exc:
+        raise fail(str(exc)) from exc
     console.print(
         f"worker silent -> its quota reclaimed over {runs} runs (lease_s {f.lease_s:g}): "
         f"min {f.min_s:.2f} s, median {f.median_s:.2f} s, max {f.max_s:.2f} s "
@@ -752,7 +779,7 @@ def bench_gateway_cmd(
     )
     try:
         r = run(bench_gateway(requests, burst, concurrency, max_tokens, speed, workers))
-    except (BenchError, LocalRunError) as exc:
+    except (BenchError, LocalRunError, ConfigError) as exc:
         raise fail(str(exc)) from exc
     console.print(table(r))
     console.print(verdict(r))
@@ -909,7 +936,8 @@ def bench_broker_failover_cmd(
     ] = 0.01,
     warmup_s: Annotated[float, typer.Option(help="Load before the kill.", min=0.1)] = 1.0,
     publish_timeout_s: Annotated[
-        float | None, typer.Option(help="The client's publish_timeout_s (default: its own).")
+        float | None,
+        typer.Option(help="The client's publish_timeout_s (default: its own).", min=0.001),
     ] = None,
 ) -> None:
     """Kill a node of a local three-node JetStream cluster under a stream of submits: the time
@@ -918,9 +946,11 @@ def bench_broker_failover_cmd(
 
     from rich.table import Table
 
-    from sluice.cli.benchbroker import BenchError, bench_broker_failover
+    from sluice.cli.benchbroker import TARGETS, BenchError, bench_broker_failover
     from sluice.testing.errors import NatsServerError
 
+    if target not in TARGETS:  # (before the banner, which named it)
+        raise fail(f"--target is one of {', '.join(TARGETS)}, not {target!r}")
     err.print(
         f"[dim]{runs} runs: a submit every {interval_s * 1000:g} ms, {target} SIGKILLed after "
         f"{warmup_s:g} s[/dim]"

@@ -45,10 +45,17 @@ class LeaseFigures:
 async def _until_booked(
     scheduler: Scheduler, worker_id: str, booked: bool, timeout_s: float
 ) -> None:
-    """Poll every 5 ms (the figure's resolution) until the worker has bookings (``booked``) or
-    has none."""
+    """Poll every 5 ms (the figure's resolution) until the worker has bookings its agent
+    accepted (``booked``: no offer in flight, which cut off would end at the offer's
+    timeout, not at the lease) or has none."""
     deadline = time.monotonic() + timeout_s
-    while bool(scheduler.booked_on(worker_id)) != booked:
+
+    def there() -> bool:
+        if not booked:
+            return not scheduler.booked_on(worker_id)
+        return bool(scheduler.booked_on(worker_id)) and scheduler.reserved == 0
+
+    while not there():
         if time.monotonic() > deadline:
             raise TimeoutError(
                 f"{worker_id} still {'un' if booked else ''}booked after {timeout_s:g} s"

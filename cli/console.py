@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from sluice.common.errors import ConfigError
 
@@ -22,8 +23,9 @@ err = Console(stderr=True, width=None if sys.stderr.isatty() else 150)
 
 
 def fail(message: str, code: int = 2) -> typer.Exit:
-    """Print ``error: message`` on stderr; raise the result to exit with ``code``."""
-    err.print(f"[red]error:[/red] {message}")
+    """Print ``error: message`` on stderr (the message as it is: a ``[...]`` in it is no
+    markup, which dropped it or raised); raise the result to exit with ``code``."""
+    err.print(f"[red]error:[/red] {escape(message)}")
     return typer.Exit(code)
 
 

@@ -92,6 +92,8 @@ def output_file(path: Path, option: str) -> Path:
 def output_folder(path: Path, option: str) -> Path:
     """``path`` as a folder to write into, made if missing; else the command stops with exit
     code 2 before doing any work."""
+    if path.name.startswith("-"):
+        raise fail(f"{option} takes a folder, not {str(path)!r} (an option?)")
     if path.exists() and not path.is_dir():
         raise fail(f"{option} {path}: a file, not a folder")
     try:

@@ -205,3 +205,46 @@ def test_the_engine_refuses_an_address_it_cannot_serve_on() -> None:
     assert code == 2 and "give an endpoint for them" in out, out
     code, out = _run("engine", "--port", "18001", "--kv-events-port", "65535")
     assert code == 2, out  # its replay port would be 65536
+
+
+def test_the_stack_and_broker_commands_refuse_before_they_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each was a traceback, a silent misreading or a figure of nothing (a helper's probe of
+    ``up``, ``nats``, ``bench-lease``, ``bench-failover`` and ``bench-broker-failover``)."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for args, said in [
+        # A message holding "[...]" was read as markup: dropped, or a MarkupError traceback.
+        (["up", "--engines", "[/x]"], "not '[/x]'"),
+        (["up", "--engines", "[test]"], "not '[test]'"),
+        (["up", "--model", ""], "--model takes a model name"),
+        (["up", "--model", "--speed"], "--model takes a model name"),
+        (["nats", "--port", "0"], "give -1 for any free one"),
+        (["nats", "--cluster", "3", "--port", "65534"], "needs ports up to 65536"),
+        (["nats", "--store-dir", str(afile)], "a file, not a folder"),
+        (["nats", "--store-dir", "--cluster"], "--store-dir takes a folder"),
+        (["bench-lease", "--lease-s", "0.5"], "greater than or equal to 3"),  # 3 heartbeats
+        (["bench-broker-failover", "--publish-timeout-s", "-1"], "'--publish-timeout-s'"),
+        (["bench-broker-failover", "--target", "[bogus]"], "not '[bogus]'"),
+    ]:
+        code, out = _run(*args)
+        assert code == 2 and said in out, (args, out)
+    assert not (Path.cwd() / "--cluster").exists()
+
+    # Settings from the environment that do not validate: one line, not pydantic's traceback.
+    monkeypatch.setenv("SLUICE_DISPATCHER_LEASE_S", "abc")
+    code, out = _run("bench-failover", "--runs", "1", "--workers", "1")
+    assert code == 2 and "invalid settings" in out and "lease_s" in out, out
+    monkeypatch.delenv("SLUICE_DISPATCHER_LEASE_S")
+
+    from sluice.testing import natsserver
+    from sluice.testing.errors import NatsServerError
+
+    def no_binary() -> str:
+        raise NatsServerError("nats-server not found")
+
+    monkeypatch.setattr(natsserver, "find_binary", no_binary)
+    for args in (["bench-failover", "--runs", "1"], ["bench-lease", "--runs", "1"]):
+        code, out = _run(*args)
+        assert code == 2 and "nats-server not found" in out, (args, out)

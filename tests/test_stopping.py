@@ -14,6 +14,8 @@ from sluice.testing import natsserver
 from sluice.testing.errors import NatsServerError
 from sluice.testing.processes import stop_processes
 
+from .conftest import eventually
+
 _DEAF = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); time.sleep(60)"  # noqa: E501
 """A process that ignores SIGTERM (until SIGKILL)."""
 
@@ -54,3 +56,43 @@ def test_a_nats_server_that_cannot_start_leaves_no_store(
     with pytest.raises(NatsServerError), server:
         pass
     assert not store.exists()
+
+
+@pytest.mark.bench
+async def test_bench_lease_measures_the_lease_not_an_offer_in_flight() -> None:
+    """It cut the worker off as soon as it had a booking, which could be an offer not yet
+    accepted: the run then measured the offer's 2 s timeout (2.00 s, "-2.00 s over the
+    lease", in every try of a helper's probe), not the lease."""
+    from sluice.cli.benchlease import bench_lease
+
+    f = await bench_lease(runs=1, lease_s=4.0, heartbeat_s=1.0)
+    # Silent at most one heartbeat after its last one: the lease ends no sooner than that.
+    assert f.reclaimed_s[0] >= 4.0 - 1.0, f.reclaimed_s
+
+
+async def test_a_local_cluster_left_on_an_error_does_not_wait_for_its_agents_drain(
+    nats_url: str,
+) -> None:
+    """Leaving on an error or an interrupt, it drained every agent (up to its drain timeout,
+    30 s each, for the long requests of ``sluice bench-lease``): Ctrl-C took 31-61 s."""
+    from sluice.client import Client
+    from sluice.testing.cluster import LocalCluster
+
+    cluster = LocalCluster(
+        nats_url,
+        workers=1,
+        dispatcher={"models": ["sim"], "learn_s": 0.3},
+        agent={"models": ["sim"], "drain_timeout_s": 600.0},
+    )
+    t0 = 0.0
+    with pytest.raises(RuntimeError, match="interrupted"):
+        async with cluster, Client(nats_url) as c:
+            await c.submit("sim", list(range(64)), max_tokens=200_000)
+
+            async def running() -> bool:
+                return cluster.agents[0].in_flight > 0
+
+            await eventually(running)
+            t0 = time.monotonic()
+            raise RuntimeError("interrupted")
+    assert time.monotonic() - t0 < 60.0  # a drain would wait out its 600 s
