@@ -102,6 +102,8 @@ def demo(
 
     if engines not in ("sim", "http"):
         raise fail(f"--engines is sim or http, not {engines!r}")
+    if sessions == 0 and rag_rate == 0 and batch_rate == 0:  # (it ran, then said none ended)
+        raise fail("no load: give --sessions, --rag-rate or --batch-rate above zero")
     cfg = DemoConfig(
         nats_url=os.environ.get("SLUICE_NATS_URL") or None,
         duration_s=duration,
@@ -727,7 +729,14 @@ def bench_memory_cmd(
     ] = 1_000_000,
     prefixes: Annotated[int, typer.Option(help="Prefix keys booked.", min=1)] = 200_000,
     prompts: Annotated[int, typer.Option(help="Prompts cached behind the agent.", min=1)] = 10_000,
-    prompt_tokens: Annotated[int, typer.Option(help="Tokens per prompt.", min=1)] = 1_024,
+    prompt_tokens: Annotated[
+        int,
+        typer.Option(
+            help="Tokens per prompt (at least 128: the cost per token is measured against "
+            "64-token prompts).",
+            min=128,
+        ),
+    ] = 1_024,
     runs: Annotated[int, typer.Option(help="Measurements of each figure.", min=1)] = 3,
     attribution: Annotated[
         bool, typer.Option(help="Also name the source lines holding the memory (tracemalloc).")

@@ -227,6 +227,10 @@ def test_the_stack_and_broker_commands_refuse_before_they_start(
         (["bench-lease", "--lease-s", "0.5"], "greater than or equal to 3"),  # 3 heartbeats
         (["bench-broker-failover", "--publish-timeout-s", "-1"], "'--publish-timeout-s'"),
         (["bench-broker-failover", "--target", "[bogus]"], "not '[bogus]'"),
+        # Past these, a run of nothing (then "no request completed"), and a cost per prompt
+        # token measured over no span ("+ 0.0 B per prompt token").
+        (["demo", "--sessions", "0", "--rag-rate", "0", "--batch-rate", "0"], "no load"),
+        (["bench-memory", "--prompt-tokens", "64"], "'--prompt-tokens'"),
     ]:
         code, out = _run(*args)
         assert code == 2 and said in out, (args, out)
