@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from sluice.cli.console import err, fail, make_client, run, with_client
 from sluice.cli.params import (
@@ -986,7 +987,7 @@ def bench_broker_failover_cmd(
     )
     for r in results:
         for e in r.errors:
-            err.print(f"[red]failed:[/red] {e}", markup=True)
+            err.print(f"[red]failed:[/red] {escape(e)}", markup=True)
 
 
 @app.command()
@@ -1039,7 +1040,7 @@ def engine(
     except KeyError as exc:
         raise fail(str(exc.args[0])) from None
     where = f"unix:{uds}" if uds else f"http://{host}:{port}"
-    err.print(f"simulated engine ({prof.name}, speed x{speed:g}) serving {model!r} on {where}")
+    banner = f"simulated engine ({prof.name}, speed x{speed:g}) serving {model!r} on {where}"
     try:
         serve(
             prof,
@@ -1051,6 +1052,7 @@ def engine(
             kv_events=kv_events,
             tokenizer=tokenizer,
             kv_page_tokens=kv_page_tokens,
+            announce=lambda: err.print(banner, markup=False),
         )
     except ConfigError as exc:
         raise fail(str(exc)) from exc
@@ -1241,14 +1243,14 @@ async def _submit(
                     sys.stdout.flush()
                 sys.stdout.write("\n")
             result = await handle.result(timeout_s=timeout_s)
-    except QueueFull as exc:
-        err.print(f"[red]queue full:[/red] {exc}")
+    except QueueFull as exc:  # (the messages as they are: a "[...]" in them is no markup)
+        err.print(f"[red]queue full:[/red] {escape(str(exc))}")
         return 3
     except Rejected as exc:
-        err.print(f"[red]rejected ({exc.reason}):[/red] {exc.rejection.message}")
+        err.print(f"[red]rejected ({exc.reason}):[/red] {escape(exc.rejection.message)}")
         return 4
     except SluiceError as exc:
-        err.print(f"[red]{type(exc).__name__}:[/red] {exc}")
+        err.print(f"[red]{type(exc).__name__}:[/red] {escape(str(exc))}")
         return 2
     if as_json:
         print(json.dumps(result.model_dump(mode="json")))

@@ -44,7 +44,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -67,6 +67,7 @@ from sluice.common.tokenizer import PromptTokenizer
 from sluice.schemas.hashing import block_hashes, estimate_text_tokens, text_block_hashes
 from sluice.sim.engine import SimEngine
 from sluice.sim.profiles import EngineProfile
+from sluice.testing.processes import stop_processes
 
 _MAX_LAG_S = 0.05
 """A server that fell further behind its clock than this (a busy machine) does not race to
@@ -794,11 +795,13 @@ def serve(
     kv_events: str | None = None,
     tokenizer: str | None = None,
     kv_page_tokens: int | None = None,
+    announce: Callable[[], object] | None = None,
 ) -> None:
     """Run the server until interrupted (on ``host:port``, or on the Unix socket ``uds``);
     ``kv_events``: publish vLLM-format KV events on this ZMQ endpoint (replay beside it), or
     with ``kv_page_tokens`` SGLang's, a hash per page of that many tokens; ``tokenizer``: a
-    ``tokenizer.json`` for text prompts (a bad file or page size is a ``ConfigError``)."""
+    ``tokenizer.json`` for text prompts (a bad file or page size is a ``ConfigError``);
+    ``announce`` is called once the server is bound and set up, before it serves."""
     import uvicorn
 
     if (port is None) == (uds is None):
@@ -816,34 +819,44 @@ def serve(
         sockets = _listen(host, port)  # OSError: the caller says where
     elif not os.path.isdir(os.path.dirname(os.path.abspath(uds or ""))):
         raise ConfigError(f"no folder for the socket {uds}")
-    tok = None if tokenizer is None else PromptTokenizer.from_file(tokenizer)
-    publisher = None
-    if kv_events is not None:
-        import zmq
-
-        try:
-            publisher = KVEventPublisher(kv_events)
-        except (KVEventError, zmq.ZMQError) as exc:
-            raise ConfigError(f"cannot publish KV events on {kv_events}: {exc}") from exc
-    server = SimServer(
-        profile,
-        model=model,
-        speed=speed,
-        kv_events=publisher,
-        tokenizer=tok,
-        kv_page_tokens=kv_page_tokens,
-    )
+    try:
+        server = SimServer(
+            profile,
+            model=model,
+            speed=speed,
+            kv_events=_publisher(kv_events),
+            tokenizer=None if tokenizer is None else PromptTokenizer.from_file(tokenizer),
+            kv_page_tokens=kv_page_tokens,
+        )
+    except BaseException:
+        for sock in sockets or ():
+            sock.close()
+        raise
     app = build_app(server)
     config = uvicorn.Config(
         app, host=host, port=port or 0, uds=uds, log_level="warning", lifespan="on"
     )
+    if announce is not None:  # (bound and set up: a failure before is the only line)
+        announce()
     _stopped_by_signal(config).run(sockets=sockets)
+
+
+def _publisher(endpoint: str | None) -> KVEventPublisher | None:
+    if endpoint is None:
+        return None
+    import zmq
+
+    try:
+        return KVEventPublisher(endpoint)
+    except (KVEventError, zmq.ZMQError) as exc:
+        raise ConfigError(f"cannot publish KV events on {endpoint}: {exc}") from exc
 
 
 def _listen(host: str, port: int) -> list[socket.socket]:
     """Sockets bound to every address of ``host`` (an IPv6 one too), as asyncio's
     ``create_server`` binds them for uvicorn; an ``OSError`` closes what was bound."""
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    # ("": every address, as asyncio reads it; getaddrinfo refuses it.)
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     sockets: list[socket.socket] = []
     try:
         for family, kind, proto, _, address in dict.fromkeys(infos):
@@ -961,11 +974,12 @@ class EngineProcess:
         raise EngineError(f"sluice engine on {self.url} did not start in {timeout_s:g} s")
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        if self.proc is None:
             return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_processes([self.proc])
+        self.close()
+
+    def close(self) -> None:
+        """Close its stderr pipe (once it stopped)."""
+        if self.proc is not None and self.proc.stderr is not None:
+            self.proc.stderr.close()

@@ -89,6 +89,8 @@ class HttpEngineFleet:
     def stop(self) -> None:
         """Stop every engine by its PID, all at once (one deadline, then SIGKILL)."""
         stop_processes(e.proc for e in self.engines.values() if e.proc is not None)
+        for e in self.engines.values():
+            e.close()
         self.engines.clear()
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)

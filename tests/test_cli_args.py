@@ -197,6 +197,7 @@ def test_the_engine_refuses_an_address_it_cannot_serve_on() -> None:
         port = str(busy.getsockname()[1])
         code, out = _run("engine", "--port", port)
         assert code == 2 and f"cannot serve on http://127.0.0.1:{port}" in out, out
+        assert "serving" not in out, out  # one line: the banner comes once it is bound
     code, out = _run("engine", "--port", "18001", "--host", "999.1.1.1")
     assert code == 2 and "cannot serve on http://999.1.1.1:18001" in out, out
     code, out = _run("engine", "--uds", "/nonexistent/dir/sock")

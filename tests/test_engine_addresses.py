@@ -107,3 +107,15 @@ def test_the_engine_serves_on_an_ipv6_host() -> None:
             _wait_healthy(client, proc)
     finally:
         _stop(proc)
+
+
+def test_the_engine_serves_on_every_address_for_an_empty_host() -> None:
+    """``--host ""``: every address, as uvicorn read it before the engine bound its own
+    sockets (getaddrinfo refuses "")."""
+    port = _free_port()
+    proc = _start(["--host", "", "--port", str(port)])
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5) as client:
+            _wait_healthy(client, proc)
+    finally:
+        _stop(proc)

@@ -64,12 +64,14 @@ def test_separate_processes_serve_a_cli_submission(nats_url: str, procs: Procs) 
     assert result["ok"] and result["worker_id"] == "proc-worker"
     assert len(result["output_tokens"]) == 12
 
-    # Unknown model through the CLI: a typed rejection and a distinct exit code.
+    # Unknown model through the CLI: a typed rejection and a distinct exit code. The model's
+    # name is printed as it is (read as markup, "[/x]" was a MarkupError traceback).
     bad = subprocess.run(
-        [*SLUICE, "submit", "--model", "nope", "--tokens", "1,2,3", "--timeout-s", "20"],
+        [*SLUICE, "submit", "--model", "no[/x]pe", "--tokens", "1,2,3", "--timeout-s", "20"],
         env={**os.environ, **env}, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
-    assert bad.returncode == 4 and "unknown_model" in bad.stderr
+    assert bad.returncode == 4 and "unknown_model" in bad.stderr, bad.stderr
+    assert "no[/x]pe" in bad.stderr, bad.stderr
 
     procs.stop_all()
     assert dispatcher.returncode == 0, dispatcher.stderr
