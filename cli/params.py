@@ -58,6 +58,11 @@ class FiniteGroup(typer.core.TyperGroup):
         return super().main(*args, **kwargs)
 
 
+MIN_LOAD = 0.01
+"""The least offered load a list of loads takes, as ``--load`` (1e-300 stretched a trace over
+10^301 s)."""
+
+
 def parse_loads(text: str, option: str = "--loads", *, zero: bool = False) -> tuple[float, ...]:
     """Comma-separated offered loads: finite numbers above zero (or zero too, if ``zero``),
     at least one; else the command stops with exit code 2."""
@@ -65,9 +70,13 @@ def parse_loads(text: str, option: str = "--loads", *, zero: bool = False) -> tu
         loads = tuple(float(x) for x in text.split(",") if x.strip())
     except ValueError as exc:
         raise fail(f"{option} takes comma-separated numbers, not {text!r}") from exc
-    low = "zero or more" if zero else "above zero"
-    if not loads or not all(math.isfinite(x) and (x > 0 or (zero and x == 0)) for x in loads):
+    low = "zero or more" if zero else f"of {MIN_LOAD:g} or more"
+    if not loads or not all(
+        math.isfinite(x) and (x >= MIN_LOAD or (zero and x == 0)) for x in loads
+    ):
         raise fail(f"{option} takes finite numbers {low}, not {text!r}")
+    if len(set(loads)) < len(loads):  # (a repeat ran twice)
+        raise fail(f"{option} names a load more than once: {text!r}")
     return loads
 
 

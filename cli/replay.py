@@ -50,7 +50,8 @@ SlowOpt = Annotated[
     int, typer.Option("--slow-workers", min=0, help="This many workers run slower (see below).")
 ]
 SlowFactorOpt = Annotated[
-    float, typer.Option("--slow-factor", min=1.0, help="How many times slower they run.")
+    float,
+    typer.Option("--slow-factor", min=1.0, max=1000.0, help="How many times slower they run."),
 ]
 SeedOpt = Annotated[int, typer.Option(help="Seed of every random choice.")]
 SloOpt = Annotated[float, typer.Option("--slo-ttft-s", help="TTFT SLO for goodput.", min=0)]
@@ -102,7 +103,11 @@ def _setup(
     names = [p.strip() for p in compare.split(",") if p.strip()]
     unknown = [p for p in names if p not in POLICIES + ABLATIONS]
     if unknown or not names:
-        raise fail(f"unknown policies {unknown}; known: {', '.join(POLICIES + ABLATIONS)}")
+        raise fail(
+            f"--compare names {'no policy' if not names else f'unknown policies {unknown}'}; "
+            f"known: {', '.join(POLICIES + ABLATIONS)}"
+        )
+    _no_repeats(names, "--compare")
     slow_n, slow_f = slow
     if slow_n > workers:
         raise fail(f"--slow-workers {slow_n} exceeds --workers {workers}")
@@ -209,6 +214,8 @@ def main(
         return
     if trace == Path():
         raise fail("--trace is required")
+    if decisions is not None:
+        output_file(decisions, "--decisions")
     if plot is not None:
         output_folder(plot, "--plot")
     requests, cfg, names = _setup(
@@ -223,7 +230,7 @@ def main(
         (admission, batch_floor),
     )
     if load is not None:
-        requests = scale_to_load(requests, load, workers, cfg.profile)
+        requests = _at_load(requests, load, workers, cfg)
     if deadline_s is not None:
         ms = round(deadline_s * 1000)
         requests = [replace(r, deadline_ms=ms) if r.band != "batch" else r for r in requests]
@@ -251,6 +258,26 @@ def main(
         print(json.dumps(doc))
         return
     out.print(_table(doc, results))
+
+
+def _no_repeats(items: list[str], option: str) -> None:
+    """Each item once (a repeat ran twice, and its results overwrote each other)."""
+    repeated = sorted({x for x in items if items.count(x) > 1})
+    if repeated:
+        raise fail(f"{option} names {', '.join(repeated)} more than once")
+
+
+def _at_load(
+    requests: list[TraceRequest], load: float, workers: int, cfg: ReplayConfig
+) -> list[TraceRequest]:
+    """The trace stretched to ``load``; a trace whose arrivals span no time has no rate to
+    stretch (its result was the same at every load, without a word)."""
+    if requests[-1].arrival_s <= requests[0].arrival_s:
+        raise fail(
+            f"a load needs arrivals that span time; the trace's {len(requests)} requests all "
+            f"arrive at {requests[0].arrival_s:g} s"
+        )
+    return scale_to_load(requests, load, workers, cfg.profile)
 
 
 def _decision_log(path: Path, trace: Path) -> DecisionLog:
@@ -359,7 +386,7 @@ def sweep(
     requests, cfg, names = _setup(trace, workers, profile, compare, seed, slo_ttft_s, capacity)
     series: dict[str, list[PolicyResult]] = {n: [] for n in names}
     for x in xs:
-        scaled = scale_to_load(requests, x, workers, cfg.profile)
+        scaled = _at_load(requests, x, workers, cfg)
         for n, r in _run_all(scaled, cfg, names, f"load {x:g}: ").items():
             series[n].append(r)
     if plot is not None:
@@ -411,6 +438,9 @@ def sweep_batch(
         raise fail(
             f"--admissions is a comma-separated list of 'engine' and 'slots', not {admissions!r}"
         )
+    _no_repeats(modes, "--admissions")
+    if policy not in POLICIES + ABLATIONS:  # (one policy: a list was a traceback)
+        raise fail(f"--policy is one of {', '.join(POLICIES + ABLATIONS)}, not {policy!r}")
     xs = list(parse_loads(batch_loads, "--batch-loads", zero=True))
     if plot is not None:
         output_folder(plot, "--plot")
@@ -419,7 +449,7 @@ def sweep_batch(
         requests, cfg, _ = _setup(
             trace, workers, profile, policy, seed, 2.0, capacity, admission=(mode, None)
         )
-        scaled = scale_to_load(requests, load, workers, cfg.profile)
+        scaled = _at_load(requests, load, workers, cfg)
         for x in xs:
             mixed = add_batch_load(scaled, x, workers, cfg.profile, seed)
             r = _run_all(mixed, cfg, [policy], f"{mode}, batch load {x:g}: ")[policy]
@@ -459,17 +489,24 @@ def sweep_batch(
 def report(
     files: Annotated[list[Path], typer.Argument(help="Outputs of `sluice replay --json`.")],
 ) -> None:
-    """Print Markdown tables of replay results, with each policy's distance to the floor."""
+    """Print Markdown tables of replay results, with each policy's distance to the floor.
+    Every file is read before anything is printed."""
+    texts = []
     for f in files:
         try:
-            doc = json.loads(f.read_text())
+            doc = json.loads(f.read_text(), parse_constant=_not_finite)
             pols: dict[str, dict[str, float]] = doc["policies"]
             fl: dict[str, float] = doc["floor"]
-            text = _markdown(f, doc, pols, fl)  # (a field missing in it was a traceback)
+            texts.append(_markdown(f, doc, pols, fl))  # (a field missing was a traceback)
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             why = f"no {exc}" if isinstance(exc, KeyError) else str(exc)
             raise fail(f"{f}: not the output of `sluice replay --json` ({why})") from exc
+    for text in texts:
         print(text)
+
+
+def _not_finite(name: str) -> float:
+    raise ValueError(f"{name} is no figure")
 
 
 def _markdown(

@@ -69,7 +69,7 @@ def test_every_float_of_the_command_line_refuses_inf_and_nan() -> None:
         ["replay", "--trace", "{trace}", "--workers", "2", "--compare", "sluice",
          "--deadline-s", "inf"],
         ["replay", "--trace", "{trace}", "--workers", "2", "--compare", "sluice",
-         "--slow-workers", "1", "--slow-factor", "inf"],
+         "--slo-ttft-s", "inf"],
         ["replay", "--trace", "{trace}", "--workers", "2", "--compare", "sluice",
          "--batch-load", "inf"],
         ["submit", "--model", "m", "--deadline-s", "nan", "--prompt", "hi"],
@@ -83,12 +83,12 @@ def test_a_number_that_is_not_finite_is_refused(args: list[str], trace: Path) ->
 @pytest.mark.parametrize(
     ("args", "said"),
     [
-        (["replay", "sweep", "--trace", "{trace}", "--loads", "nan"], "finite numbers above zero"),
-        (["replay", "sweep", "--trace", "{trace}", "--loads", "0.5,0"], "above zero"),
+        (["replay", "sweep", "--trace", "{trace}", "--loads", "nan"], "numbers of 0.01 or more"),
+        (["replay", "sweep", "--trace", "{trace}", "--loads", "0.5,0"], "of 0.01 or more"),
         (["replay", "sweep", "--trace", "{trace}", "--loads", "a"], "comma-separated numbers"),
         (["replay", "sweep-batch", "--trace", "{trace}", "--batch-loads", "0,inf"],
          "zero or more"),
-        (["bench-routers", "--trace", "{trace}", "--loads", "-1", "--simulate"], "above zero"),
+        (["bench-routers", "--trace", "{trace}", "--loads", "-1", "--simulate"], "of 0.01 or more"),
     ],
 )  # fmt: skip
 def test_loads_are_finite_and_positive(args: list[str], said: str, trace: Path) -> None:
@@ -253,3 +253,41 @@ def test_the_stack_and_broker_commands_refuse_before_they_start(
     for args in (["bench-failover", "--runs", "1"], ["bench-lease", "--runs", "1"]):
         code, out = _run(*args)
         assert code == 2 and "nats-server not found" in out, (args, out)
+
+
+def test_replays_refuse_what_they_would_run_twice_or_not_at_all(
+    tmp_path: Path, trace: Path
+) -> None:
+    """Each was a traceback, a silent repeat, a load that changed nothing, or a file named
+    like an option (a helper's probe of ``sluice replay``)."""
+    instant = tmp_path / "instant.jsonl"
+    instant.write_text(
+        "".join('{"timestamp": 1000, "input_length": 64, "output_length": 4}\n' for _ in range(5))
+    )
+    good = tmp_path / "good.json"
+    code, out = _run("replay", "--trace", str(trace), "--workers", "2", "--compare", "random",
+                     "--json")  # fmt: skip
+    assert code == 0, out
+    doc = next(line for line in out.splitlines() if line.startswith("{"))  # (stderr mixed in)
+    good.write_text(doc)
+    bad = tmp_path / "bad.json"
+    bad.write_text(doc.replace('"goodput_rps": ', '"goodput_rps": NaN, "x": ', 1))
+    for args, said in [
+        (["replay", "sweep-batch", "--trace", str(trace), "--batch-loads", "0",
+          "--policy", "sluice,random"], "--policy is one of"),
+        (["replay", "--trace", str(trace), "--slow-workers", "1", "--slow-factor", "1e308"],
+         "'--slow-factor'"),
+        (["replay", "--trace", str(trace), "--decisions", "--json"], "--decisions takes a file"),
+        (["replay", "--trace", str(instant), "--load", "0.5"], "a load needs arrivals"),
+        (["replay", "sweep", "--trace", str(trace), "--loads", "1e-300"], "of 0.01 or more"),
+        (["replay", "sweep", "--trace", str(trace), "--loads", "1,1"], "more than once"),
+        (["replay", "--trace", str(trace), "--compare", "random, random"], "random more than once"),
+        (["replay", "--trace", str(trace), "--compare", " , "], "--compare names no policy"),
+        (["replay", "sweep-batch", "--trace", str(trace), "--admissions", "engine,engine"],
+         "engine more than once"),
+        (["replay", "report", str(good), str(bad)], "NaN is no figure"),
+    ]:  # fmt: skip
+        code, out = _run(*args)
+        assert code == 2 and said in out, (args, out)
+        assert "**good**" not in out  # nothing printed before every file was read
+    assert not (Path.cwd() / "--json").exists()
