@@ -96,26 +96,25 @@ def _ipv6_loopback() -> bool:
     return True
 
 
-@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
-def test_the_engine_serves_on_an_ipv6_host() -> None:
+@pytest.mark.parametrize(
+    ("host", "base"),
+    [
+        pytest.param(
+            "::1",
+            "http://[::1]",
+            marks=pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here"),
+        ),
+        ("", "http://127.0.0.1"),  # every address, as uvicorn read it (getaddrinfo refuses "")
+    ],
+)
+def test_the_engine_serves_on_an_ipv6_host_and_on_every_address(host: str, base: str) -> None:
     """It binds its sockets itself (so that a busy port is one line, not uvicorn's exit 3):
-    bound as IPv4 whatever the host, ``--host ::1`` failed ("address family not supported")."""
+    bound as IPv4 whatever the host, ``--host ::1`` failed ("address family not supported"),
+    and ``--host ""`` failed once it went to getaddrinfo as it is."""
     port = _free_port()
-    proc = _start(["--host", "::1", "--port", str(port)])
+    proc = _start(["--host", host, "--port", str(port)])
     try:
-        with httpx.Client(base_url=f"http://[::1]:{port}", timeout=5) as client:
-            _wait_healthy(client, proc)
-    finally:
-        _stop(proc)
-
-
-def test_the_engine_serves_on_every_address_for_an_empty_host() -> None:
-    """``--host ""``: every address, as uvicorn read it before the engine bound its own
-    sockets (getaddrinfo refuses "")."""
-    port = _free_port()
-    proc = _start(["--host", "", "--port", str(port)])
-    try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5) as client:
+        with httpx.Client(base_url=f"{base}:{port}", timeout=5) as client:
             _wait_healthy(client, proc)
     finally:
         _stop(proc)
