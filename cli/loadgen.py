@@ -405,8 +405,9 @@ async def _one(
 PREBUILT_PROMPT_BYTES = 256 * 2**20
 """Prompt text built before the run starts; the requests after it are built as they come
 due. A body takes about a millisecond to build: built in the send loop, bursts of arrivals
-went out tens of milliseconds late (the head to head's slice: send lag p99 35 ms against
-2 ms); built all before, the whole conversation trace took gigabytes."""
+went out tens of milliseconds late (the head to head's slice, in a reviewer's measurement:
+send lag p99 35 ms against 2 ms); built all before, the whole conversation trace took
+gigabytes."""
 
 
 def _bodies_ahead(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import os
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,8 +64,8 @@ MIN_LOAD = 0.01
 
 
 def parse_loads(text: str, option: str = "--loads", *, zero: bool = False) -> tuple[float, ...]:
-    """Comma-separated offered loads: finite numbers above zero (or zero too, if ``zero``),
-    at least one; else the command stops with exit code 2."""
+    """Comma-separated offered loads: finite numbers of at least :data:`MIN_LOAD` (or zero
+    too, if ``zero``), at least one, each once; else the command stops with exit code 2."""
     try:
         loads = tuple(float(x) for x in text.split(",") if x.strip())
     except ValueError as exc:
@@ -75,9 +75,16 @@ def parse_loads(text: str, option: str = "--loads", *, zero: bool = False) -> tu
         math.isfinite(x) and (x >= MIN_LOAD or (zero and x == 0)) for x in loads
     ):
         raise fail(f"{option} takes finite numbers {low}, not {text!r}")
-    if len(set(loads)) < len(loads):  # (a repeat ran twice)
-        raise fail(f"{option} names a load more than once: {text!r}")
+    no_repeats([f"{x:g}" for x in loads], option)
     return loads
+
+
+def no_repeats(items: Sequence[str], option: str) -> None:
+    """Each item of a list option once (a repeat ran twice, and its results overwrote each
+    other); else the command stops with exit code 2."""
+    repeated = sorted({x for x in items if items.count(x) > 1})
+    if repeated:
+        raise fail(f"{option} names {', '.join(repeated)} more than once")
 
 
 def output_file(path: Path, option: str) -> Path:

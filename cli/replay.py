@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sluice.cli.console import err, fail
-from sluice.cli.params import output_file, output_folder, parse_loads
+from sluice.cli.params import no_repeats, output_file, output_folder, parse_loads
 from sluice.dispatcher.decisions import DecisionLog
 from sluice.sim.errors import TraceError
 from sluice.sim.policies import ABLATIONS, POLICIES
@@ -107,7 +107,7 @@ def _setup(
             f"--compare names {'no policy' if not names else f'unknown policies {unknown}'}; "
             f"known: {', '.join(POLICIES + ABLATIONS)}"
         )
-    _no_repeats(names, "--compare")
+    no_repeats(names, "--compare")
     slow_n, slow_f = slow
     if slow_n > workers:
         raise fail(f"--slow-workers {slow_n} exceeds --workers {workers}")
@@ -258,13 +258,6 @@ def main(
         print(json.dumps(doc))
         return
     out.print(_table(doc, results))
-
-
-def _no_repeats(items: list[str], option: str) -> None:
-    """Each item once (a repeat ran twice, and its results overwrote each other)."""
-    repeated = sorted({x for x in items if items.count(x) > 1})
-    if repeated:
-        raise fail(f"{option} names {', '.join(repeated)} more than once")
 
 
 def _at_load(
@@ -438,7 +431,7 @@ def sweep_batch(
         raise fail(
             f"--admissions is a comma-separated list of 'engine' and 'slots', not {admissions!r}"
         )
-    _no_repeats(modes, "--admissions")
+    no_repeats(modes, "--admissions")
     if policy not in POLICIES + ABLATIONS:  # (one policy: a list was a traceback)
         raise fail(f"--policy is one of {', '.join(POLICIES + ABLATIONS)}, not {policy!r}")
     xs = list(parse_loads(batch_loads, "--batch-loads", zero=True))

@@ -819,7 +819,9 @@ def serve(
         sockets = _listen(host, port)  # OSError: the caller says where
     elif not os.path.isdir(os.path.dirname(os.path.abspath(uds or ""))):
         raise ConfigError(f"no folder for the socket {uds}")
-    try:
+    with contextlib.ExitStack() as bound:  # (closed if what follows fails)
+        for sock in sockets or ():
+            bound.callback(sock.close)
         server = SimServer(
             profile,
             model=model,
@@ -828,10 +830,7 @@ def serve(
             tokenizer=None if tokenizer is None else PromptTokenizer.from_file(tokenizer),
             kv_page_tokens=kv_page_tokens,
         )
-    except BaseException:
-        for sock in sockets or ():
-            sock.close()
-        raise
+        bound.pop_all()
     app = build_app(server)
     config = uvicorn.Config(
         app, host=host, port=port or 0, uds=uds, log_level="warning", lifespan="on"

@@ -118,3 +118,19 @@ def test_the_engine_serves_on_an_ipv6_host_and_on_every_address(host: str, base:
             _wait_healthy(client, proc)
     finally:
         _stop(proc)
+
+
+def test_an_engine_that_fails_after_binding_lets_its_port_go() -> None:
+    """Its sockets are bound before the rest is set up: a later failure (a KV endpoint it
+    cannot use) closed none of them (seen as a ResourceWarning, the port held meanwhile)."""
+    import socket
+
+    from sluice.sim.profiles import REFERENCE
+    from sluice.testing.engineserver import serve
+
+    port = _free_port()
+    with pytest.raises(ConfigError, match="cannot publish KV events") as failed:
+        serve(REFERENCE, model="sim", port=port, kv_events="x://nowhere")
+    assert failed.tb is not None  # (its frames, and what they hold, stay alive meanwhile)
+    with socket.socket() as again:  # (no SO_REUSEADDR: a socket still bound there refuses it)
+        again.bind(("127.0.0.1", port))
