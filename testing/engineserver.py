@@ -130,12 +130,20 @@ class KVEventPublisher:
         import zmq.asyncio
 
         self._zmq = zmq
-        self._sync = zmq.Context()
-        self._async = zmq.asyncio.Context()
-        self.pub = self._sync.socket(zmq.PUB)
-        self.pub.bind(endpoint)
-        self.router = self._async.socket(zmq.ROUTER)
-        self.router.bind(replay_endpoint(endpoint))
+        # An endpoint it cannot bind leaves nothing open: a context left to the garbage
+        # collector with a socket in it hung another test's teardown in its destructor.
+        with contextlib.ExitStack() as undo:
+            self._sync = zmq.Context()
+            undo.callback(self._sync.term)
+            self._async = zmq.asyncio.Context()
+            undo.callback(self._async.term)
+            self.pub = self._sync.socket(zmq.PUB)
+            undo.callback(self.pub.close, linger=0)
+            self.pub.bind(endpoint)
+            self.router = self._async.socket(zmq.ROUTER)
+            undo.callback(self.router.close, linger=0)
+            self.router.bind(replay_endpoint(endpoint))
+            undo.pop_all()
         self.seq = 0
         self.ring: deque[tuple[int, bytes]] = deque(maxlen=buffer)
         self._task: asyncio.Task[None] | None = None

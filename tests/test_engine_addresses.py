@@ -134,3 +134,21 @@ def test_an_engine_that_fails_after_binding_lets_its_port_go() -> None:
     assert failed.tb is not None  # (its frames, and what they hold, stay alive meanwhile)
     with socket.socket() as again:  # (no SO_REUSEADDR: a socket still bound there refuses it)
         again.bind(("127.0.0.1", port))
+
+
+def test_a_kv_publisher_that_cannot_bind_leaves_nothing_open() -> None:
+    """Its contexts and sockets were left to the garbage collector, whose destructor of a
+    context with a socket in it hung another test's teardown (seen in CI)."""
+    import gc
+    import warnings
+
+    import zmq
+
+    from sluice.testing.engineserver import KVEventPublisher
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with pytest.raises(zmq.ZMQError):
+            KVEventPublisher("x://nowhere")
+        gc.collect()
+    assert not [w for w in seen if issubclass(w.category, ResourceWarning)], seen
