@@ -21,8 +21,8 @@ interval. Then a burst of concurrent requests on each path gives tokens per seco
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
-import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
@@ -148,42 +148,42 @@ async def bench_engine(
     """Run the three paths (see the module docstring) on one engine profile; ``speed``: the
     engines' clock speed-up (a fast engine shows what the server and the agent themselves can
     forward)."""
-    sockets = tempfile.mkdtemp(prefix="sluice-bench-")
     inproc = SimServer(get_profile(profile), model="sim", speed=speed)
-    engine = EngineProcess(
-        os.path.join(sockets, "e.sock"), model="sim", speed=speed, profile=profile
-    ).start()
-    try:
-        with EmbeddedNats() as nats:
-            settings = AgentSettings(
-                nats_url=nats.url,
-                worker_id="bench-0",
-                engine="openai-http",
-                engine_url=engine.url,
-                capacity=64,
-            )
-            transport = httpx.AsyncHTTPTransport(uds=engine.uds)
-            async with (
-                LocalCluster(nats.url, workers=0, dispatcher={"models": ["sim"]}) as _,
-                httpx.AsyncClient(transport=transport, base_url="http://e", timeout=60) as http,
-                Client(nats.url) as c,
-            ):
-                paths: dict[str, PathStream] = {
-                    "inproc": partial(_inproc, inproc),
-                    "direct": partial(_direct, http),
-                    "sluice": partial(_sluice, c),
-                }
-                agent = Agent(settings, build_engine(settings))
-                await agent.start()
-                try:
-                    await inproc.start()
-                    figures = await _measure(paths, requests, max_tokens)
-                finally:
-                    await inproc.stop()
-                    await agent.stop(drain=False)
-    finally:
-        engine.stop()
-        shutil.rmtree(sockets, ignore_errors=True)
+    with contextlib.ExitStack() as stack:  # (a failed start left its folder behind)
+        sockets = stack.enter_context(
+            tempfile.TemporaryDirectory(prefix="sluice-bench-", ignore_cleanup_errors=True)
+        )
+        engine = EngineProcess(
+            os.path.join(sockets, "e.sock"), model="sim", speed=speed, profile=profile
+        ).start()
+        stack.callback(engine.stop)
+        nats = stack.enter_context(EmbeddedNats())
+        settings = AgentSettings(
+            nats_url=nats.url,
+            worker_id="bench-0",
+            engine="openai-http",
+            engine_url=engine.url,
+            capacity=64,
+        )
+        transport = httpx.AsyncHTTPTransport(uds=engine.uds)
+        async with (
+            LocalCluster(nats.url, workers=0, dispatcher={"models": ["sim"]}) as _,
+            httpx.AsyncClient(transport=transport, base_url="http://e", timeout=60) as http,
+            Client(nats.url) as c,
+        ):
+            paths: dict[str, PathStream] = {
+                "inproc": partial(_inproc, inproc),
+                "direct": partial(_direct, http),
+                "sluice": partial(_sluice, c),
+            }
+            agent = Agent(settings, build_engine(settings))
+            await agent.start()
+            try:
+                await inproc.start()
+                figures = await _measure(paths, requests, max_tokens)
+            finally:
+                await inproc.stop()
+                await agent.stop(drain=False)
     return EngineBenchResult(
         requests, max_tokens, speed, figures["inproc"], figures["direct"], figures["sluice"]
     )

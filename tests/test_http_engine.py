@@ -818,7 +818,9 @@ async def test_a_misbehaving_engine_fails_the_request_with_a_reason(mode: str, e
             await engine.close()
 
 
-async def test_the_engine_benchmark_measures_both_paths() -> None:
+async def test_the_engine_benchmark_measures_both_paths(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The three paths are measured: the in-process baseline (the server's engine and stepping
     loop in this event loop, no HTTP), the sluice engine process reached directly, and that
     process through Sluice. The in-process figures are bounded below by the profile's simulated
@@ -827,14 +829,24 @@ async def test_the_engine_benchmark_measures_both_paths() -> None:
     milliseconds), so a request's last token comes no earlier than its prefill and decode
     steps add up to, although a late first token lets the next ones catch up. Removing the
     sleep from ``SimServer._run``, or timing the in-process path without streaming its events,
-    fails them."""
+    fails them. Run or refused, it leaves no temporary folder behind (a bad profile or speed
+    left one: the folder was made first)."""
+    import tempfile
+
     from rich.console import Console
 
     from sluice.cli.benchengine import PROMPT_TOKENS, bench_engine, table, verdict
     from sluice.sim.profiles import get_profile
 
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(KeyError, match="unknown engine profile"):
+        await bench_engine(requests=4, profile="nope")
+    with pytest.raises(ValueError, match="speed"):
+        await bench_engine(requests=4, speed=-1.0)
+    assert os.listdir(tmp_path) == []
     speed, max_tokens = 50.0, 4
     r = await bench_engine(requests=4, max_tokens=max_tokens, speed=speed)
+    assert os.listdir(tmp_path) == []
     p = get_profile("reference")
     prefill_s = PROMPT_TOKENS / p.prefill_tokens_per_s / speed  # one chunk: the whole prompt
     decode_s = (p.decode_base_s + p.decode_per_seq_s) / speed  # a batch of one
