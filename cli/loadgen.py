@@ -525,7 +525,7 @@ def trace_slice(
     """Requests ``start`` … ``start + requests`` of a trace file (Mooncake JSONL, Azure CSV, our
     JSONL) or of a synthetic scenario (``requests`` of them, ``synthetic_rate`` a second)."""
     from sluice.sim.errors import LoadgenError
-    from sluice.sim.synthetic import SCENARIOS, Shape
+    from sluice.sim.synthetic import MAX_REQUESTS, SCENARIOS, Shape
     from sluice.sim.traces import load_trace
 
     if (trace is None) == (synthetic is None):
@@ -537,9 +537,9 @@ def trace_slice(
         if make is None:
             raise LoadgenError(f"unknown scenario {synthetic!r}; known: {', '.join(SCENARIOS)}")
         total = start + (requests or SYNTHETIC_REQUESTS)
-        if total > MAX_SYNTHETIC_REQUESTS:
+        if total > MAX_REQUESTS:  # (generated from its first request, before anything is sent)
             raise LoadgenError(
-                f"a synthetic slice ends at request {MAX_SYNTHETIC_REQUESTS:,} at most, not "
+                f"a synthetic slice ends at request {MAX_REQUESTS:,} at most, not "
                 f"{total:,} (start + requests)"
             )
         reqs = make(Shape(requests=total, rate=synthetic_rate, seed=seed))
@@ -560,6 +560,3 @@ def trace_slice(
 
 SYNTHETIC_REQUESTS = 1000
 """Requests of a synthetic slice when ``requests`` is not given."""
-MAX_SYNTHETIC_REQUESTS = 1_000_000
-"""Where a synthetic slice must end: the scenario is generated from its first request, in
-memory, before anything is sent."""

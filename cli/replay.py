@@ -16,6 +16,7 @@ from rich.table import Table
 from sluice.cli.console import err, fail
 from sluice.cli.params import no_repeats, output_file, output_folder, parse_loads
 from sluice.dispatcher.decisions import DecisionLog
+from sluice.sim import synthetic
 from sluice.sim.errors import TraceError
 from sluice.sim.policies import ABLATIONS, POLICIES
 from sluice.sim.profiles import PROFILES, get_profile
@@ -28,7 +29,7 @@ from sluice.sim.replay import (
     scale_to_load,
     upper_bound_hit_rate,
 )
-from sluice.sim.traces import TraceRequest, load_trace
+from sluice.sim.traces import TraceRequest, load_trace, trace_file
 
 app = typer.Typer(
     help="Replay a trace against routing policies on the simulator (deterministic per seed).",
@@ -37,7 +38,8 @@ app = typer.Typer(
 )
 out = Console(width=None if sys.stdout.isatty() else 150)
 
-TraceOpt = Annotated[Path, typer.Option("--trace", help="Mooncake/Sluice .jsonl or Azure .csv.")]
+TRACE_HELP = "Mooncake/Sluice .jsonl or Azure .csv."
+TraceOpt = Annotated[Path, typer.Option("--trace", help=TRACE_HELP)]
 WorkersOpt = Annotated[int, typer.Option("--workers", min=1, max=4096, help="Simulated workers.")]
 ProfileOpt = Annotated[str, typer.Option(help=f"Engine profile: {', '.join(PROFILES)}.")]
 CompareOpt = Annotated[
@@ -84,6 +86,14 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON ob
 PlotOpt = Annotated[Path | None, typer.Option("--plot", help="Write PNG charts here.")]
 
 
+def _check_trace(trace: Path) -> None:
+    """Stop at once if ``trace`` names no file: before an output folder is made for it."""
+    try:
+        trace_file(trace)
+    except TraceError as exc:
+        raise fail(str(exc)) from exc
+
+
 def _setup(
     trace: Path,
     workers: int,
@@ -111,6 +121,8 @@ def _setup(
     slow_n, slow_f = slow
     if slow_n > workers:
         raise fail(f"--slow-workers {slow_n} exceeds --workers {workers}")
+    if (slow_n == 0) != (slow_f == 1.0):  # one without the other changed nothing, silently
+        raise fail("--slow-workers and --slow-factor go together: N workers, F times slower")
     mode, batch_floor = admission
     if mode not in ADMISSIONS:
         raise fail(f"--admission is 'engine' or 'slots', not {mode!r}")
@@ -147,7 +159,7 @@ def _run_all(
 @app.callback()
 def main(
     ctx: typer.Context,
-    trace: TraceOpt = Path(),
+    trace: Annotated[Path | None, typer.Option("--trace", help=TRACE_HELP)] = None,
     workers: WorkersOpt = 16,
     profile: ProfileOpt = "reference",
     load: Annotated[
@@ -212,8 +224,9 @@ def main(
     """
     if ctx.invoked_subcommand is not None:
         return
-    if trace == Path():
+    if trace is None:  # (a default of Path() took `--trace .` for no trace)
         raise fail("--trace is required")
+    _check_trace(trace)
     if decisions is not None:
         output_file(decisions, "--decisions")
     if plot is not None:
@@ -337,8 +350,12 @@ def _table(doc: dict[str, Any], results: dict[str, PolicyResult]) -> Table:
 def gen(
     scenario: Annotated[str, typer.Option(help="hot-prompt, multi-turn, rag, long-hogs, mixed.")],
     out_file: Annotated[Path, typer.Option("--out", help="JSONL file to write.")],
-    requests: Annotated[int, typer.Option(min=1, help="Requests to generate.")] = 5_000,
-    rate: Annotated[float, typer.Option(min=0.001, help="Mean arrivals per second.")] = 20.0,
+    requests: Annotated[
+        int, typer.Option(min=1, max=synthetic.MAX_REQUESTS, help="Requests to generate.")
+    ] = 5_000,
+    rate: Annotated[
+        float, typer.Option(min=0.001, max=synthetic.MAX_RATE, help="Mean arrivals per second.")
+    ] = 20.0,
     seed: SeedOpt = 0,
 ) -> None:
     """Write a synthetic workload as a trace (Mooncake JSONL plus optional fields)."""
@@ -374,6 +391,7 @@ def sweep(
 ) -> None:
     """Replay at several loads; chart goodput and P99 TTFT against load, per policy."""
     xs = list(parse_loads(loads))
+    _check_trace(trace)
     if plot is not None:
         output_folder(plot, "--plot")
     requests, cfg, names = _setup(trace, workers, profile, compare, seed, slo_ttft_s, capacity)
@@ -435,6 +453,7 @@ def sweep_batch(
     if policy not in POLICIES + ABLATIONS:  # (one policy: a list was a traceback)
         raise fail(f"--policy is one of {', '.join(POLICIES + ABLATIONS)}, not {policy!r}")
     xs = list(parse_loads(batch_loads, "--batch-loads", zero=True))
+    _check_trace(trace)
     if plot is not None:
         output_folder(plot, "--plot")
     series: dict[str, list[PolicyResult]] = {}
@@ -498,6 +517,10 @@ def report(
         print(text)
 
 
+def _per_s(v: float | None, places: int) -> str:
+    return "-" if v is None else f"{v:.{places}f}/s"
+
+
 def _not_finite(name: str) -> float:
     raise ValueError(f"{name} is no figure")
 
@@ -509,7 +532,7 @@ def _markdown(
     lines = [
         f"**{f.stem}**: {doc['requests']:,} requests; upper-bound hit rate "
         f"{doc['upper_bound_hit_rate']:.1%}; floor: TTFT p50 {fl['ttft_p50_s']:.3f} s, "
-        f"p99 {fl['ttft_p99_s']:.2f} s, goodput {fl.get('goodput_rps', math.nan):.2f}/s",
+        f"p99 {fl['ttft_p99_s']:.2f} s, goodput {_per_s(fl.get('goodput_rps'), 2)}",
         "",
         "| policy | hit rate | TTFT p50 | TTFT p99 | goodput | vs round-robin "
         "| P50 above floor | goodput below floor | util std | flap |",
@@ -517,11 +540,12 @@ def _markdown(
     ]
     for name, p in pols.items():
         ratio = f"\N{MULTIPLICATION SIGN}{p['goodput_rps'] / rr:.2f}" if rr else "-"
-        below = fl.get("goodput_rps", math.nan) - p["goodput_rps"]
+        floor_g = fl.get("goodput_rps")  # (absent for a trace that arrives at one instant)
+        below = None if floor_g is None else floor_g - p["goodput_rps"]
         lines.append(
             f"| `{name}` | {p['hit_rate']:.1%} | {p['ttft_p50_s']:.3f} s | "
             f"{p['ttft_p99_s']:.2f} s | {p['goodput_rps']:.3f}/s | {ratio} | "
-            f"+{p['ttft_p50_s'] - fl['ttft_p50_s']:.3f} s | {below:.3f}/s | "
+            f"+{p['ttft_p50_s'] - fl['ttft_p50_s']:.3f} s | {_per_s(below, 3)} | "
             f"{p['util_std']:.4f} | {p['flap_rate']:.1%} |"
         )
     others = {n: p for n, p in pols.items() if not n.startswith("sluice")}

@@ -630,7 +630,8 @@ def _summarise(
 def floor(trace: Sequence[TraceRequest], cfg: ReplayConfig) -> dict[str, float]:
     """An ideal fleet: every request finds the whole reusable part of its prefix cached (the
     infinite shared cache's hit) and never queues; its TTFT is the prefill of the rest. Its
-    goodput counts the requests within the SLO over the trace's arrival span."""
+    goodput counts the requests within the SLO over the trace's arrival span; it is left out
+    when every request arrives at one instant (there is no span to count over)."""
     p = cfg.profile
     hits = upper_bound_hits(trace)
     ttft = [
@@ -638,13 +639,15 @@ def floor(trace: Sequence[TraceRequest], cfg: ReplayConfig) -> dict[str, float]:
         for r, h in zip(trace, hits, strict=True)
     ]
     good = sum(1 for t in ttft if t <= cfg.slo_ttft_s)
-    span = max(trace[-1].arrival_s - trace[0].arrival_s, 1e-9)
-    return {
+    span = trace[-1].arrival_s - trace[0].arrival_s
+    out = {
         "ttft_p50_s": _round(percentile(ttft, 50)),
         "ttft_p99_s": _round(percentile(ttft, 99)),
         "slo_fraction": _round(good / len(ttft)),
-        "goodput_rps": _round(good / span),
     }
+    if span > 0:  # (clamped to 1 ns, a burst's floor was 10^9 requests a second and more)
+        out["goodput_rps"] = _round(good / span)
+    return out
 
 
 def add_batch_load(

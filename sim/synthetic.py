@@ -14,6 +14,11 @@ from dataclasses import dataclass
 from sluice.sim.traces import TraceRequest
 
 BLOCK_TOKENS = 128
+MAX_REQUESTS = 1_000_000
+"""The most requests a scenario is asked for: it is generated whole, in memory."""
+MAX_RATE = 1_000_000.0
+"""The highest mean arrival rate (a second): a written trace keeps times to the microsecond,
+and above this its arrivals would collapse onto a few instants (at 1e308, all onto 0)."""
 
 
 @dataclass(frozen=True)

@@ -71,14 +71,21 @@ _MAX_DEADLINE_MS = 7 * 24 * 3600 * 1000
 """A week: a deadline beyond it is a mistake in the trace (and overflows a replay's clock)."""
 
 
-def load_trace(path: str | Path, *, default_band: str = "interactive") -> list[TraceRequest]:
-    """Load a ``.jsonl`` (Mooncake or ours) or ``.csv`` (Azure) trace, sorted by arrival. A
-    UTF-8 byte order mark is allowed; the suffix's case is not significant."""
+def trace_file(path: str | Path) -> Path:
+    """``path`` if it names a file; else :class:`TraceError` saying what it names instead (a
+    command checks this before it makes any output folder)."""
     p = Path(path)
     if p.is_dir():
         raise TraceError(f"{p} is a folder, not a trace file")
     if not p.is_file():
         raise TraceError(f"trace not found: {p}")
+    return p
+
+
+def load_trace(path: str | Path, *, default_band: str = "interactive") -> list[TraceRequest]:
+    """Load a ``.jsonl`` (Mooncake or ours) or ``.csv`` (Azure) trace, sorted by arrival. A
+    UTF-8 byte order mark is allowed; the suffix's case is not significant."""
+    p = trace_file(path)
     reader = _azure if p.suffix.lower() == ".csv" else _jsonl
     try:
         reqs = list(reader(p, default_band))

@@ -286,8 +286,30 @@ def test_replays_refuse_what_they_would_run_twice_or_not_at_all(
         (["replay", "sweep-batch", "--trace", str(trace), "--admissions", "engine,engine"],
          "engine more than once"),
         (["replay", "report", str(good), str(bad)], "NaN is no figure"),
+        (["replay", "--trace", str(trace), "--slow-factor", "2"], "go together"),
+        (["replay", "--trace", str(trace), "--slow-workers", "1"], "go together"),
+        (["replay", "--trace", "."], "is a folder, not a trace file"),
+        (["replay", "gen", "--scenario", "mixed", "--out", str(tmp_path / "g.jsonl"),
+          "--rate", "1e308"], "'--rate'"),
+        (["replay", "gen", "--scenario", "mixed", "--out", str(tmp_path / "g.jsonl"),
+          "--requests", "1000000000"], "'--requests'"),
     ]:  # fmt: skip
         code, out = _run(*args)
         assert code == 2 and said in out, (args, out)
         assert "**good**" not in out  # nothing printed before every file was read
     assert not (Path.cwd() / "--json").exists()
+    assert not (tmp_path / "g.jsonl").exists()
+
+
+@pytest.mark.parametrize("command", [[], ["sweep"], ["sweep-batch"]])
+def test_a_replay_of_a_missing_trace_makes_no_plot_folder(
+    tmp_path: Path, command: list[str]
+) -> None:
+    """The trace is checked before ``--plot``'s folder is made (it was made, then the command
+    stopped on the missing trace, leaving an empty folder behind)."""
+    plots = tmp_path / "plots"
+    code, out = _run(
+        "replay", *command, "--trace", str(tmp_path / "none.jsonl"), "--plot", str(plots)
+    )
+    assert code == 2 and "trace not found" in out, out
+    assert not plots.exists()

@@ -465,7 +465,8 @@ def test_bodies_are_built_before_the_run_up_to_a_size(monkeypatch: pytest.Monkey
 def test_a_slice_that_cannot_be_sent_as_asked_is_refused(tmp_path: Path) -> None:
     """More requests than the trace has there were cut silently; a synthetic slice far out
     generated every request before it (a hang); arrivals stretched past a year slept so."""
-    from sluice.cli.loadgen import MAX_SYNTHETIC_REQUESTS, trace_slice
+    from sluice.cli.loadgen import trace_slice
+    from sluice.sim.synthetic import MAX_REQUESTS
 
     trace = tmp_path / "t.jsonl"
     write_jsonl(_reqs(25), trace)
@@ -475,7 +476,7 @@ def test_a_slice_that_cannot_be_sent_as_asked_is_refused(tmp_path: Path) -> None
     with pytest.raises(LoadgenError, match="at most"):
         trace_slice(None, "mixed", start=10**8, requests=1)
     with pytest.raises(LoadgenError, match="at most"):
-        trace_slice(None, "mixed", start=MAX_SYNTHETIC_REQUESTS, requests=1)
+        trace_slice(None, "mixed", start=MAX_REQUESTS, requests=1)
     for scale in (1e-300, 1e-10):
         with pytest.raises(LoadgenError, match="more than a year"):
             scale_arrivals(_reqs(3), rate_scale=scale)

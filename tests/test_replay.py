@@ -222,6 +222,31 @@ def test_floor_is_a_lower_bound_on_ttft() -> None:
         assert replay(trace, policy, CFG).ttft_p50_s >= low["ttft_p50_s"] - 1e-9
 
 
+def test_the_floor_of_a_burst_has_no_goodput_and_its_report_says_so(tmp_path: Path) -> None:
+    """Requests that all arrive at one instant leave no span to count a goodput over: the floor
+    leaves it out (it was 10^9 requests a second and more), and `replay report` shows "-"."""
+    from sluice.sim.replay import floor
+
+    burst = _trace([(1, 2), (1, 3), (4,)], gap_s=0.0)
+    assert "goodput_rps" not in floor(burst, CFG)
+    assert floor(burst, CFG)["slo_fraction"] == 1.0
+    spread = _trace([(1, 2), (1, 3), (4,)], gap_s=0.5)
+    assert floor(spread, CFG)["goodput_rps"] == 3.0  # three within the SLO over 1 s
+    path = tmp_path / "burst.jsonl"
+    write_jsonl(burst, path)
+    run = [sys.executable, "-m", "sluice.cli", "replay", "--trace", str(path), "--workers", "2",
+           "--compare", "round-robin,sluice", "--json"]  # fmt: skip
+    done = subprocess.run(run, capture_output=True, text=True, timeout=60, check=True)
+    doc = json.loads(done.stdout)
+    assert "goodput_rps" not in doc["floor"]
+    (tmp_path / "burst.json").write_text(done.stdout)
+    md = subprocess.run(
+        [sys.executable, "-m", "sluice.cli", "replay", "report", str(tmp_path / "burst.json")],
+        capture_output=True, text=True, timeout=60, check=True,
+    ).stdout  # fmt: skip
+    assert "goodput -" in md and "| - |" in md, md
+
+
 # ----------------------------------------------------------------------------- policies
 
 
