@@ -59,6 +59,7 @@ async def _sigterm_cancels(coro: Coroutine[Any, Any, T]) -> T:
         signalled = True
         task.cancel()
 
+    previous = signal.getsignal(signal.SIGTERM)
     try:
         loop.add_signal_handler(signal.SIGTERM, stop)
     except NotImplementedError:  # pragma: no cover - not on Windows's loops
@@ -70,7 +71,12 @@ async def _sigterm_cancels(coro: Coroutine[Any, Any, T]) -> T:
             raise KeyboardInterrupt from None
         raise
     finally:
+        # Removing it leaves SIGTERM at its default, which kills the process: a command that
+        # runs again after this (bench-routers, its engines and routers still up) would die
+        # on a SIGTERM between two runs and leave them all behind.
         loop.remove_signal_handler(signal.SIGTERM)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def make_client(config: Path | None) -> Any:

@@ -96,3 +96,41 @@ async def test_a_local_cluster_left_on_an_error_does_not_wait_for_its_agents_dra
             t0 = time.monotonic()
             raise RuntimeError("interrupted")
     assert time.monotonic() - t0 < 60.0  # a drain would wait out its 600 s
+
+
+_BETWEEN_RUNS = """
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # a script's background job
+from sluice.cli.app import main
+from sluice.cli.console import run
+main(log_level="WARNING")  # the root command's signal set-up
+
+
+async def noop() -> None:
+    return None
+
+
+run(noop())
+try:
+    print("between", flush=True)
+    time.sleep(30)  # bench-routers: its engines up, between two runs
+except KeyboardInterrupt:
+    print("stopped", flush=True)
+    sys.exit(130)
+"""
+
+
+def test_a_sigterm_between_two_runs_of_a_background_command_is_still_a_ctrl_c() -> None:
+    """Where SIGINT is ignored, a run's SIGTERM handler was removed at its end, which left
+    SIGTERM at its default: a SIGTERM after the first run killed the command outright (code
+    -15), and bench-routers left its engines, routers and nats-server running."""
+    proc = subprocess.Popen([sys.executable, "-c", _BETWEEN_RUNS], stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"between"
+        proc.terminate()
+        out, _ = proc.communicate(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130 and out.strip() == b"stopped", (proc.returncode, out)
