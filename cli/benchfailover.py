@@ -31,7 +31,7 @@ from sluice.schemas.codec import decode
 from sluice.schemas.models import Assignment, LeaderLease
 from sluice.testing.cluster import LocalCluster
 from sluice.testing.natsserver import EmbeddedNats
-from sluice.testing.processes import stop_processes
+from sluice.testing.processes import DIE_WITH_PARENT, stop_processes
 
 _PROMPT = list(range(9000, 9128))
 _DISPATCHER = [sys.executable, "-m", "sluice.cli", "dispatcher"]
@@ -92,7 +92,9 @@ def _start(nats_url: str, dispatcher_id: str, logs: Path) -> subprocess.Popen[by
         "SLUICE_DISPATCHER_GLOBAL_LIMIT": str(_GLOBAL_LIMIT),
     }
     with (logs / f"{dispatcher_id}.log").open("ab") as log:
-        return subprocess.Popen(_DISPATCHER, env=env, stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            _DISPATCHER, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=DIE_WITH_PARENT
+        )
 
 
 async def _until(predicate: Callable[[], bool], timeout_s: float) -> None:

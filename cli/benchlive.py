@@ -38,7 +38,7 @@ from sluice.dispatcher.stats import percentile
 from sluice.schemas.codec import encode
 from sluice.schemas.models import SubmitRequest
 from sluice.testing.natsserver import EmbeddedNats
-from sluice.testing.processes import stop_processes
+from sluice.testing.processes import DIE_WITH_PARENT, stop_processes
 
 DISPATCH_RATIO_TARGET = 4.0
 """Dispatch latency p50 at most this many publish acks (measured in the same run)."""
@@ -324,6 +324,7 @@ def _spawn(args: list[str], env: dict[str, str], logs: Path, name: str) -> subpr
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
+            preexec_fn=DIE_WITH_PARENT,
         )
 
 

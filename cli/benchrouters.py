@@ -67,7 +67,7 @@ from sluice.testing.engineserver import check_page_tokens
 from sluice.testing.fleet import HttpEngineFleet
 from sluice.testing.gateway import GatewayProcess
 from sluice.testing.natsserver import EmbeddedNats, _free_ports
-from sluice.testing.processes import stop_processes
+from sluice.testing.processes import DIE_WITH_PARENT, stop_processes
 
 ENGINES = 16
 SPEED = 2.0
@@ -138,6 +138,7 @@ class Proc:
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},
             cwd=log_dir,
+            preexec_fn=DIE_WITH_PARENT,
         )
 
     def alive(self) -> bool:

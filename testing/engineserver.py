@@ -67,7 +67,7 @@ from sluice.common.tokenizer import PromptTokenizer
 from sluice.schemas.hashing import block_hashes, estimate_text_tokens, text_block_hashes
 from sluice.sim.engine import SimEngine
 from sluice.sim.profiles import EngineProfile
-from sluice.testing.processes import stop_processes
+from sluice.testing.processes import DIE_WITH_PARENT, stop_processes
 
 _MAX_LAG_S = 0.05
 """A server that fell further behind its clock than this (a busy machine) does not race to
@@ -956,7 +956,9 @@ class EngineProcess:
             cmd += ["--tokenizer", self.tokenizer]
         if self.kv_page_tokens is not None:
             cmd += ["--kv-page-tokens", str(self.kv_page_tokens)]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=DIE_WITH_PARENT
+        )
 
     def wait_ready(self, timeout_s: float = 20.0) -> EngineProcess:
         """Wait until the launched process answers ``/health``; stop it if it does not."""

@@ -19,7 +19,7 @@ from pathlib import Path
 from types import TracebackType
 
 from sluice.testing.errors import GatewayProcessError
-from sluice.testing.processes import stop_processes
+from sluice.testing.processes import DIE_WITH_PARENT, stop_processes
 
 _BANNER = re.compile(r"gateway on (http://\S+) ")
 
@@ -60,7 +60,12 @@ class GatewayProcess:
             cmd += ["--config", str(self.config)]
         env = {**os.environ, "SLUICE_NATS_URL": self.nats_url, **self.env}
         self.proc = subprocess.Popen(
-            cmd + self.args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+            cmd + self.args,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=DIE_WITH_PARENT,
         )
         try:
             self.url = self._await_banner()

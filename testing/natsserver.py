@@ -29,6 +29,7 @@ from types import TracebackType
 from typing import Any
 
 from sluice.testing.errors import NatsServerError
+from sluice.testing.processes import DIE_WITH_PARENT
 
 _LISTEN = re.compile(r"Listening for client connections on (\S+):(\d+)")
 
@@ -400,7 +401,7 @@ def _spawn(cmd: list[str]) -> subprocess.Popen[bytes]:
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        preexec_fn=DIE_WITH_PARENT,
         # Its own process group: a terminal's Ctrl-C (SIGINT to the foreground process group)
         # must not stop the broker under a process that is winding down on it; its owner
         # stops it by PID (and, on Linux, it dies with its parent). Not a session of its own:
@@ -419,16 +420,6 @@ def _stop_process(proc: subprocess.Popen[bytes] | None, timeout_s: float) -> Non
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout_s)
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: have the kernel send SIGTERM when the parent dies, so a
-    parent killed with SIGKILL (or a test runner killed by a timeout) leaves no server behind."""
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
 
 
 def _read(path: Path) -> str:

@@ -4,9 +4,35 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
+
+
+def _parent_death_signal() -> Callable[[], None] | None:
+    """On Linux, a ``preexec_fn`` that has the kernel send the child SIGTERM when its parent
+    dies: a parent killed with SIGKILL (by a test runner's timeout, the OOM killer, a CI job's
+    end) runs no cleanup, and its engines, routers, dispatchers and brokers ran on. libc is
+    looked up here, in the parent: the child, forked from a process that may have threads,
+    only calls it (importing or loading there could wait on a lock another thread held)."""
+    if sys.platform != "linux":
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    pr_set_pdeathsig = 1
+
+    def die_with_parent() -> None:
+        prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+
+    return die_with_parent
+
+
+DIE_WITH_PARENT = _parent_death_signal()
+"""Pass as ``preexec_fn`` to every process a benchmark, a test helper or ``sluice up``
+starts (None where the platform has no such signal). The kernel sends the signal when the
+thread that started the child ends: start them from the main thread."""
 
 
 def stop_processes(

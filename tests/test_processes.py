@@ -256,6 +256,59 @@ def test_embedded_nats_dies_with_a_killed_parent(tmp_path: Path) -> None:
     assert not _pid_alive(child)
 
 
+_PARENT_OF_ALL = """
+import sys, time
+from pathlib import Path
+from sluice.cli.benchfailover import _start
+from sluice.cli.benchlive import _spawn
+from sluice.cli.benchrouters import Proc
+from sluice.testing.engineserver import EngineProcess
+from sluice.testing.gateway import GatewayProcess
+from sluice.testing.natsserver import EmbeddedNats
+
+tmp = Path(sys.argv[1])
+nats = EmbeddedNats(store_dir=str(tmp / "store")).start()
+engine = EngineProcess(str(tmp / "e.sock"), model="sim")
+engine.launch()
+children = [
+    nats.pid,
+    engine.proc.pid,
+    GatewayProcess(nats.url).start().pid,
+    _spawn(["dispatcher"], {"SLUICE_NATS_URL": nats.url}, tmp, "live").pid,
+    _start(nats.url, "failover-0", tmp).pid,
+    Proc("router", [sys.executable, "-c", "import time; time.sleep(60)"], str(tmp)).proc.pid,
+]
+print(*children, flush=True)
+time.sleep(60)
+"""
+
+
+def test_every_process_a_benchmark_starts_dies_with_a_killed_parent(tmp_path: Path) -> None:
+    """A parent killed with SIGKILL (a CI job's timeout, the OOM killer) runs no cleanup: the
+    kernel stops its children (PR_SET_PDEATHSIG). Only the broker had that: engines, the
+    gateway, the live benchmark's and the failover benchmark's dispatchers and bench-routers'
+    routers ran on."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _PARENT_OF_ALL, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    children: list[int] = []
+    try:
+        assert parent.stdout is not None
+        children = [int(pid) for pid in parent.stdout.readline().split()]
+        assert len(children) == 6 and all(_pid_alive(c) for c in children), children
+    finally:
+        parent.kill()  # SIGKILL: no cleanup code runs in the parent
+        parent.wait(10)
+    deadline = time.monotonic() + 15
+    while any(_pid_alive(c) for c in children) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = [c for c in children if _pid_alive(c)]
+    for c in left:  # (not to leave them to the next test)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(c, signal.SIGKILL)
+    assert not left, f"still running after their parent was killed: {left} of {children}"
+
+
 def test_sluice_nats_serves_in_the_foreground_and_stops_on_sigterm(procs: Procs) -> None:
     import socket
 
