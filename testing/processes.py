@@ -1,4 +1,5 @@
-"""Stopping the processes a test, a benchmark or ``sluice up`` started, by their PIDs."""
+"""Stopping the processes a test, a benchmark or ``sluice up`` started, by their PIDs, and
+having them end with their parent."""
 
 from __future__ import annotations
 
