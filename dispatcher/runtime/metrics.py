@@ -61,7 +61,8 @@ HANDOFF = Histogram(
 )
 BAD_INPUT = Counter(
     "sluice_dispatcher_bad_messages_total",
-    "Undecodable or unusable messages (heartbeat, completion, digest, assignment-reply, wait, cancel)",
+    "Undecodable or unusable messages "
+    "(heartbeat, completion, digest, assignment-reply, wait, cancel)",
     ["kind"],
 )
 ROUTED = Counter(
