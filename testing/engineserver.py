@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import json
 import logging
@@ -72,6 +73,10 @@ from sluice.testing.processes import DIE_WITH_PARENT, stop_processes
 _MAX_LAG_S = 0.05
 """A server that fell further behind its clock than this (a busy machine) does not race to
 catch up: it drops the lag."""
+SHUTDOWN_GRACE_S = 5
+"""How long the requests running when the server is told to stop (SIGTERM, SIGINT) may go on
+before they are ended: less than :func:`~sluice.testing.processes.stop_processes`' wait, so
+that a busy engine stops before its stopper kills it."""
 MAX_TOKENS_DEFAULT = 16
 """Output tokens of a request that names none (OpenAI's completions default)."""
 LATENCY_BUCKETS_S = (
@@ -235,6 +240,8 @@ class SimServer:
         self._wake = asyncio.Event()
         self._ids = itertools.count(1)
         self._task: asyncio.Task[None] | None = None
+        self.closing = False
+        """Set by :meth:`abort_all`: the server is stopping and takes no more requests."""
         self.requests_finished_total = 0
         """Requests that ran to their end (not those aborted: vLLM's request_success)."""
         self.generation_tokens_total = 0
@@ -339,8 +346,25 @@ class SimServer:
                             self._observe("request_queue_time_seconds", s.ttft_s - prefill)
                         s.queue.put_nowait(ev)
 
+    def stop_taking(self, grace_s: float) -> None:
+        """The server is stopping: no new request is taken (a 503), those running may finish
+        for ``grace_s``, then :meth:`abort_all` ends the rest (a busy engine stopped only when
+        its last request had: with a request of minutes, never within its stopper's wait)."""
+        self.closing = True
+        asyncio.get_running_loop().call_later(grace_s, self.abort_all)
+
+    def abort_all(self) -> None:
+        """Every request ends now, and no other is taken (an :class:`EngineError` each), as
+        an engine shutting down drops what it runs. Their handlers answer at once: a stream
+        ends without ``[DONE]``, a whole answer is a 503."""
+        self.closing = True
+        for rid, stream in self._streams.items():
+            stream.queue.put_nowait(Failed(rid, "the engine is shutting down"))
+
     def submit(self, prompt: Prompt, max_tokens: int) -> tuple[str, _Stream]:
         """Queue a request in the engine; its events arrive on the returned stream."""
+        if self.closing:
+            raise EngineError("the engine is shutting down")
         rid = f"sim-{next(self._ids)}"
         try:
             self.engine.add(rid, prompt.tokens, max_tokens, prompt.hashes, time.monotonic())
@@ -373,7 +397,7 @@ class SimServer:
             while True:
                 ev = await stream.queue.get()
                 if isinstance(ev, Failed):
-                    raise EngineError(ev.error)  # the simulated engine never fails one
+                    raise EngineError(ev.error)  # (only a shutdown fails one)
                 if isinstance(ev, TokensOut):
                     tokens = self.engine.output_tokens(rid, stream.produced, ev.count)
                     stream.produced += ev.count
@@ -643,7 +667,7 @@ class _OpenAI:
         self, rid: str, stream: _Stream, head: dict[str, Any], chat: bool, include_usage: bool
     ) -> AsyncIterator[bytes]:
         first = True
-        async for piece, fin in self.server.events(rid, stream):
+        async for piece, fin in _until_shutdown(self.server.events(rid, stream)):
             if fin is not None:
                 done: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
                 if chat:
@@ -700,7 +724,7 @@ class _SGLang:
 
     async def _stream(self, rid: str, stream: _Stream) -> AsyncIterator[bytes]:
         text, n = "", 0
-        async for piece, fin in self.server.events(rid, stream):
+        async for piece, fin in _until_shutdown(self.server.events(rid, stream)):
             if fin is not None:
                 yield _sse({"text": text, "meta_info": _meta(rid, fin, fin.output_tokens)})
                 yield _sse("[DONE]")
@@ -709,6 +733,19 @@ class _SGLang:
             n += 1
             meta = {"id": rid, "completion_tokens": n}
             yield _sse({"text": text, "meta_info": meta})
+
+
+async def _until_shutdown(
+    events: AsyncIterator[tuple[str, Finished | None]],
+) -> AsyncIterator[tuple[str, Finished | None]]:
+    """A stream's events until the server stops it (:meth:`SimServer.abort_all`): then the
+    stream just ends, without ``[DONE]``, as a real engine's connection closes when it stops
+    (an exception there was a traceback in the log for every open stream)."""
+    try:
+        async for item in events:
+            yield item
+    except EngineError:
+        return
 
 
 def _meta(rid: str, fin: Finished, completion: int) -> dict[str, Any]:
@@ -733,6 +770,9 @@ def _guarded(handler: Any) -> Any:
             return _bad_request(f"text that is not valid Unicode: {exc.reason}")
         except ClientDisconnect:  # gone before its body was read: nobody to answer
             return Response(status_code=499)
+        except EngineError as exc:  # the server is stopping (SimServer.abort_all)
+            error = {"message": str(exc), "type": "server_error", "param": None, "code": None}
+            return JSONResponse({"error": error}, status_code=503)
         except Exception:  # answered, in JSON, on a connection that stays open
             internal_error(log, "engine.request", "the engine server failed a request")
             error = {"message": "internal error", "type": "server_error", "param": None}
@@ -841,11 +881,18 @@ def serve(
         bound.pop_all()
     app = build_app(server)
     config = uvicorn.Config(
-        app, host=host, port=port or 0, uds=uds, log_level="warning", lifespan="on"
+        app,
+        host=host,
+        port=port or 0,
+        uds=uds,
+        log_level="warning",
+        lifespan="on",
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 2,  # (a handler that never ends)
     )
     if announce is not None:  # (bound and set up: a failure before is the only line)
         announce()
-    _stopped_by_signal(config).run(sockets=sockets)
+    stopping = functools.partial(server.stop_taking, SHUTDOWN_GRACE_S)
+    _stopped_by_signal(config, stopping).run(sockets=sockets)
 
 
 def _publisher(endpoint: str | None) -> KVEventPublisher | None:
@@ -880,10 +927,11 @@ def _listen(host: str, port: int) -> list[socket.socket]:
     return sockets
 
 
-def _stopped_by_signal(config: Any) -> Any:
-    """uvicorn's server, stopped gracefully by SIGINT or SIGTERM (a second one: at once), and
-    then done: uvicorn raises the signal again once it has stopped, which ended an engine
-    stopped by its orchestrator in a ``KeyboardInterrupt`` (exit code 130)."""
+def _stopped_by_signal(config: Any, on_stop: Callable[[], None]) -> Any:
+    """uvicorn's server, stopped by SIGINT or SIGTERM (a second one: at once), and then done:
+    uvicorn raises the signal again once it has stopped, which ended an engine stopped by its
+    orchestrator in a ``KeyboardInterrupt`` (exit code 130). The first signal also calls
+    ``on_stop`` in the event loop (:meth:`SimServer.stop_taking`)."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -892,6 +940,7 @@ def _stopped_by_signal(config: Any) -> Any:
             if threading.current_thread() is not threading.main_thread():
                 yield  # (signals reach the main thread only)
                 return
+            self.loop = asyncio.get_running_loop()
             stops = (signal.SIGINT, signal.SIGTERM)
             previous = {sig: signal.signal(sig, self.stop) for sig in stops}
             try:
@@ -904,6 +953,8 @@ def _stopped_by_signal(config: Any) -> Any:
             # uvicorn forces the exit on a second SIGINT only; a second SIGTERM too, here.
             if self.should_exit:
                 self.force_exit = True
+            else:  # (a signal handler interrupts the loop anywhere: the loop calls it)
+                self.loop.call_soon_threadsafe(on_stop)
             self.should_exit = True
 
     return Server(config)

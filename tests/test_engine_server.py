@@ -374,6 +374,48 @@ def test_sigterm_lets_a_running_answer_finish_and_exits_0() -> None:
         _stop(proc)
 
 
+def test_a_busy_engine_stops_within_its_grace_its_answers_cut_short() -> None:
+    """One SIGTERM to an engine running answers of minutes: they may go on for the grace, then
+    end (a stream without ``[DONE]``, a whole answer a 503), and the engine exits 0. It ran
+    until its last request ended: its stopper waited 10 s and killed it, and the signal a
+    killed parent's children get could not stop it at all."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sluice.testing.engineserver import SHUTDOWN_GRACE_S
+
+    port = _free_port()
+    proc = _start(["--port", str(port), "--speed", "1"])
+    try:
+        with (
+            httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as c,
+            ThreadPoolExecutor(1) as pool,
+        ):
+            _wait_healthy(c, proc)
+            whole = pool.submit(
+                c.post, "/v1/completions", json={"prompt": PROMPT, "max_tokens": 100_000}
+            )
+            body = {"prompt": PROMPT, "max_tokens": 100_000, "stream": True}
+            with c.stream("POST", "/v1/completions", json=body) as r:
+                lines = r.iter_lines()
+                assert next(line for line in lines if line.startswith("data:"))
+                while c.get("/v1/loads").json()["num_running_reqs"] < 2:
+                    time.sleep(0.05)
+                t0 = time.monotonic()
+                os.kill(proc.pid, signal.SIGTERM)
+                rest = [line for line in lines if line.startswith("data:")]
+                took = time.monotonic() - t0
+            assert rest and rest[-1] != "data: [DONE]", rest[-1:]
+            answer = whole.result(timeout=30)
+            assert answer.status_code == 503, answer.text
+            assert answer.json()["error"]["message"] == "the engine is shutting down"
+        assert proc.wait(timeout=10) == 0
+        assert SHUTDOWN_GRACE_S - 1 < took < SHUTDOWN_GRACE_S + 5, took
+        err = proc.stderr.read().decode() if proc.stderr else ""
+        assert "Traceback" not in err and "Error" not in err, err
+    finally:
+        _stop(proc)
+
+
 def test_the_command_line_refuses_an_unclear_address() -> None:
     both = subprocess.run(
         [sys.executable, "-m", "sluice.cli", "engine", "--port", "1", "--uds", "/tmp/x"],
