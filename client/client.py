@@ -458,6 +458,13 @@ class Client:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequest("prompt is empty")
+            if not prompt.isascii():  # (O(1) for ASCII text: no copy on the common path)
+                try:  # a lone surrogate failed the publish with a bare UnicodeEncodeError
+                    prompt.encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    raise InvalidRequest(
+                        f"the prompt is not valid Unicode: {exc.reason} at {exc.start}"
+                    ) from None
             tokens, text = None, prompt
             if self.tokenizer is not None:
                 tokens, text = self.tokenizer.encode(prompt), None

@@ -82,3 +82,19 @@ def test_token_ids_out_of_range_or_not_integers_are_refused_by_the_client(
 ) -> None:
     with pytest.raises(InvalidRequest, match=r"token ids are integers in \[0, 2\*\*32\)"):
         Client()._build("m", tokens, 8, None, None, None, None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("tokenized", [False, True])
+def test_a_prompt_that_is_not_valid_unicode_is_an_invalid_request(
+    tmp_path: Path, tokenized: bool
+) -> None:
+    """A lone surrogate (what a JSON "\\ud800" escape decodes to) failed the publish with a
+    bare UnicodeEncodeError, or, with a tokenizer, the tokenizer library's TypeError."""
+    tok = PromptTokenizer.from_file(_tokenizer(tmp_path)) if tokenized else None
+    c = Client(tokenizer=tok)
+    with pytest.raises(InvalidRequest, match="not valid Unicode"):
+        c._build("m", "what is a \ud800 cache", 8, None, None, None, None)
+    assert c._build("m", "what is a kv cache \u00e9", 8, None, None, None, None)
+    if tok is not None:
+        with pytest.raises(UnicodeEncodeError):
+            tok.encode("a\ud800")
