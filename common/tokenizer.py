@@ -44,7 +44,14 @@ class PromptTokenizer:
             raise ConfigError(f"tokenizer file {p} is not a tokenizer.json: {exc}") from exc
 
     def encode(self, text: str) -> list[int]:
-        ids: list[int] = self._tok.encode(text).ids  # type: ignore[attr-defined]
+        """The text's token ids; a text that is not valid Unicode (a lone surrogate, which a
+        JSON ``\\ud800`` escape gives) raises ``UnicodeEncodeError``, as encoding it would
+        (the library raised a ``TypeError``, a 500 where a 400 was due)."""
+        try:
+            ids: list[int] = self._tok.encode(text).ids  # type: ignore[attr-defined]
+        except TypeError:
+            text.encode("utf-8")  # the reason, if it is one
+            raise
         return ids
 
 

@@ -32,13 +32,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import itertools
 import json
 import logging
+import math
 import os
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -55,6 +58,7 @@ import xxhash
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from pydantic import TypeAdapter, ValidationError
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -77,6 +81,13 @@ SHUTDOWN_GRACE_S = 5
 """How long the requests running when the server is told to stop (SIGTERM, SIGINT) may go on
 before they are ended: less than :func:`~sluice.testing.processes.stop_processes`' wait, so
 that a busy engine stops before its stopper kills it."""
+MAX_CHARS_PER_TOKEN = 8
+"""A text prompt is taken as having at least one token per this many characters, before it
+is tokenized (real tokenizers average about 4 on prose): one too long for the KV cache by
+that count is refused without the seconds its tokenizing would hold the server."""
+MAX_BODY_BYTES = 32 * 1024 * 1024
+"""The largest request body read (a 413 beyond): a prompt the largest profile's KV cache
+holds, as token ids, is about 10 MB; a 300 MB body took 700 MB of memory before its 400."""
 MAX_TOKENS_DEFAULT = 16
 """Output tokens of a request that names none (OpenAI's completions default)."""
 LATENCY_BUCKETS_S = (
@@ -96,9 +107,25 @@ LATENCIES = (
 class BadRequest(Exception):
     """A request the server answers with 400 (its message says what is wrong)."""
 
+    status = 400
+    code: str | None = None
+
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class TooLarge(BadRequest):
+    """A request body over :data:`MAX_BODY_BYTES`."""
+
+    status = 413
+
+
+class UnknownModel(BadRequest):
+    """A model the server does not serve, named as OpenAI's API answers it."""
+
+    status = 404
+    code = "model_not_found"
 
 
 @dataclass(frozen=True)
@@ -430,6 +457,9 @@ class SimServer:
             if not value:
                 raise BadRequest(f"{param} must not be empty", param)
             if self.tokenizer is not None:  # as a real engine: its tokenizer's ids
+                # (Encoding holds the event loop, and the GIL in any thread: a 30 MB text
+                # held every other request for 14 s. Longer than this it cannot fit.)
+                self._fits(-(-len(value) // MAX_CHARS_PER_TOKEN), param, "at least ")
                 ids = tuple(self.tokenizer.encode(value))
                 if not ids:
                     raise BadRequest(f"{param} has no tokens for the tokenizer", param)
@@ -447,11 +477,11 @@ class SimServer:
                 return Prompt(len(value), tuple(block_hashes(value, bt)), tuple(value))
         raise BadRequest(f"{param} must be a non-empty string or list of token ids", param)
 
-    def _fits(self, tokens: int, param: str) -> None:
+    def _fits(self, tokens: int, param: str, bound: str = "") -> None:
         held = self.engine.cache.capacity_blocks * self.profile.block_tokens
         if tokens >= held:  # (a request needs room for one output token too)
             raise BadRequest(
-                f"{param} has {tokens} tokens; the engine's KV cache holds {held}", param
+                f"{param} has {bound}{tokens} tokens; the engine's KV cache holds {held}", param
             )
 
     # ---------------------------------------------------------------------------- figures
@@ -463,7 +493,8 @@ class SimServer:
         # As vLLM's and SGLang's: blocks held by running requests (cached idle ones are free).
         kv = e.cache.busy_blocks / e.cache.capacity_blocks if e.cache.capacity_blocks else 0.0
         hit = e.cached_tokens_total / e.prompt_tokens_total if e.prompt_tokens_total else 0.0
-        lab = f'{{model_name="{m}"}}'
+        escaped = m.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+        lab = f'{{model_name="{escaped}"}}'  # (as Prometheus's text format escapes a label)
         rows = [
             ("vllm:num_requests_running", "gauge", load.running),
             ("vllm:num_requests_waiting", "gauge", load.waiting),
@@ -534,13 +565,25 @@ _DISCONNECT_POLL_S = 0.25
 
 
 def _bad_request(message: str, param: str | None = None) -> JSONResponse:
-    error = {"message": message, "type": "invalid_request_error", "param": param, "code": None}
-    return JSONResponse({"error": error}, status_code=400)
+    return _refused(BadRequest(message, param))
+
+
+def _refused(exc: BadRequest) -> JSONResponse:
+    error = {"message": str(exc), "type": "invalid_request_error", "param": exc.param}
+    return JSONResponse({"error": {**error, "code": exc.code}}, status_code=exc.status)
 
 
 async def _json(request: Request) -> dict[str, Any]:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise TooLarge(f"the body has {declared} bytes; at most {MAX_BODY_BYTES} are read")
+    raw = bytearray()
+    async for chunk in request.stream():  # (a chunked body declares no length)
+        raw += chunk
+        if len(raw) > MAX_BODY_BYTES:
+            raise TooLarge(f"the body has more than {MAX_BODY_BYTES} bytes")
     try:
-        body = await request.json()
+        body = json.loads(raw)
     except (ValueError, RecursionError) as exc:  # (JSON errors; an int of over 4,300 digits)
         raise BadRequest(f"the body is not JSON: {exc}") from exc
     if not isinstance(body, dict):
@@ -574,6 +617,42 @@ def _one_choice(body: Mapping[str, Any]) -> None:
         raise BadRequest(
             f"n must be 1: the simulated engine makes one choice, not {body.get('n')!r}", "n"
         )
+
+
+_FLOAT: TypeAdapter[float | None] = TypeAdapter(float | None)
+_SAMPLING: tuple[tuple[str, float, float, bool, str], ...] = (
+    ("temperature", 0.0, math.inf, True, ">= 0"),
+    ("top_p", 0.0, 1.0, False, "in (0, 1]"),
+    ("frequency_penalty", -2.0, 2.0, True, "in [-2, 2]"),
+    ("presence_penalty", -2.0, 2.0, True, "in [-2, 2]"),
+)
+"""Sampling parameters checked as vLLM checks them: (name, low, high, low allowed, rule).
+The simulated engine's text does not depend on them; out of range, vLLM answers 400, and so
+does it."""
+
+
+def _sampling(body: Mapping[str, Any]) -> None:
+    for key, low, high, closed, rule in _SAMPLING:
+        try:
+            value = _FLOAT.validate_python(body.get(key))
+        except ValidationError:
+            raise BadRequest(f"{key} must be a number", key) from None
+        if value is None:
+            continue
+        above = value >= low if closed else value > low
+        if not (math.isfinite(value) and above and value <= high):
+            raise BadRequest(f"{key} must be {rule}, not {body.get(key)!r}", key)
+
+
+def _served(body: Mapping[str, Any], model: str) -> None:
+    """The request names the served model, or none (vLLM's default then): another is a 404,
+    as in vLLM (an agent with the wrong ``engine_model`` was served all the same)."""
+    name = body.get("model")
+    if name is None or name == model:
+        return
+    if not isinstance(name, str):
+        raise BadRequest("model must be a string", "model")
+    raise UnknownModel(f"The model `{name}` does not exist.", "model")
 
 
 def _positive_int(body: Mapping[str, Any], key: str, default: int) -> int:
@@ -623,6 +702,7 @@ class _OpenAI:
         self, request: Request, body: Mapping[str, Any], prompt: Prompt, *, chat: bool
     ) -> Response:
         s = self.server
+        _served(body, s.model)
         # vLLM's: max_completion_tokens or max_tokens (a null one is not given).
         given = chat and body.get("max_completion_tokens") is not None
         key = "max_completion_tokens" if given else "max_tokens"
@@ -631,10 +711,13 @@ class _OpenAI:
         if not isinstance(options, dict):
             raise BadRequest("stream_options must be an object", "stream_options")
         streaming, include_usage = _flag(body, "stream"), _flag(options, "include_usage")
+        if options and not streaming:
+            raise BadRequest("stream_options is only for stream=true", "stream_options")
         _one_choice(body)
+        _sampling(body)
         rid, stream = s.submit(prompt, max_tokens)
         head = {
-            "id": f"cmpl-{rid}",
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}",
             "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()),
             "model": s.model,
@@ -642,19 +725,10 @@ class _OpenAI:
         if streaming:
             gen = self._stream(rid, stream, head, chat, include_usage)
             return StreamingResponse(gen, media_type="text/event-stream")
-        collecting = asyncio.ensure_future(s.collect(rid, stream))
-        try:
-            # A client that leaves aborts its request, as in vLLM (a stream's does when its
-            # next write fails; a whole answer's is watched for).
-            while not (await asyncio.wait({collecting}, timeout=_DISCONNECT_POLL_S))[0]:
-                if await request.is_disconnected():
-                    return Response(status_code=499)
-        finally:
-            if not collecting.done():  # (also when this handler is cancelled: a shutdown)
-                collecting.cancel()  # its stream's end releases it from the engine
-                with contextlib.suppress(asyncio.CancelledError):
-                    await collecting
-        text, fin = collecting.result()
+        got = await _whole(request, s, rid, stream)
+        if got is None:
+            return Response(status_code=499)
+        text, fin = got
         choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
@@ -700,6 +774,8 @@ class _SGLang:
         body = await _json(request)
         s = self.server
         if "input_ids" in body:
+            if not isinstance(body["input_ids"], list):  # (a string was read as text)
+                raise BadRequest("input_ids must be a list of token ids", "input_ids")
             prompt = s.prompt(body["input_ids"], "input_ids")
         else:
             prompt = s.prompt(body.get("text"), "text")
@@ -711,7 +787,10 @@ class _SGLang:
         rid, stream = s.submit(prompt, max_new)
         if streaming:
             return StreamingResponse(self._stream(rid, stream), media_type="text/event-stream")
-        text, fin = await s.collect(rid, stream)
+        got = await _whole(request, s, rid, stream)
+        if got is None:
+            return Response(status_code=499)
+        text, fin = got
         return JSONResponse({"text": text, "meta_info": _meta(rid, fin, fin.output_tokens)})
 
     async def flush_cache(self, _: Request) -> Response:
@@ -733,6 +812,25 @@ class _SGLang:
             n += 1
             meta = {"id": rid, "completion_tokens": n}
             yield _sse({"text": text, "meta_info": meta})
+
+
+async def _whole(
+    request: Request, server: SimServer, rid: str, stream: _Stream
+) -> tuple[str, Finished] | None:
+    """A whole answer's text and finish; None if its client left first, which aborts the
+    request, as in vLLM and SGLang (a stream's does when its next write fails; a whole
+    answer's is watched for: SGLang's ``/generate`` ran on for its every token)."""
+    collecting = asyncio.ensure_future(server.collect(rid, stream))
+    try:
+        while not (await asyncio.wait({collecting}, timeout=_DISCONNECT_POLL_S))[0]:
+            if await request.is_disconnected():
+                return None
+    finally:
+        if not collecting.done():  # (also when this handler is cancelled: a shutdown)
+            collecting.cancel()  # its stream's end releases it from the engine
+            with contextlib.suppress(asyncio.CancelledError):
+                await collecting
+    return collecting.result()
 
 
 async def _until_shutdown(
@@ -765,7 +863,7 @@ def _guarded(handler: Any) -> Any:
         try:
             result: Response = await handler(request)
         except BadRequest as exc:
-            return _bad_request(str(exc), exc.param)
+            return _refused(exc)
         except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800") in the text
             return _bad_request(f"text that is not valid Unicode: {exc.reason}")
         except ClientDisconnect:  # gone before its body was read: nobody to answer
@@ -829,7 +927,16 @@ def build_app(server: SimServer) -> Starlette:
         finally:
             await server.stop()
 
-    return Starlette(routes=routes, lifespan=lifespan)
+    async def not_routed(_: Request, exc: Exception) -> Response:
+        # An unknown path or method: JSON, as every other answer (Starlette's were text).
+        assert isinstance(exc, HTTPException)
+        error = {"message": exc.detail, "type": "invalid_request_error", "param": None}
+        body = {"error": {**error, "code": None}}
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+    return Starlette(
+        routes=routes, lifespan=lifespan, exception_handlers={HTTPException: not_routed}
+    )
 
 
 def serve(
@@ -862,14 +969,18 @@ def serve(
         raise ConfigError("a KV page size shapes the KV events: give an endpoint for them")
     # Bound here, before anything starts: uvicorn logged a busy port or an unknown host and
     # exited with its own code (3), and a socket in a missing folder was a traceback.
-    sockets = None
     if port is not None:
         sockets = _listen(host, port)  # OSError: the caller says where
-    elif not os.path.isdir(os.path.dirname(os.path.abspath(uds or ""))):
-        raise ConfigError(f"no folder for the socket {uds}")
+    else:
+        assert uds is not None
+        if not os.path.isdir(os.path.dirname(os.path.abspath(uds))):
+            raise ConfigError(f"no folder for the socket {uds}")
+        sockets = [_listen_unix(uds)]
     with contextlib.ExitStack() as bound:  # (closed if what follows fails)
-        for sock in sockets or ():
+        for sock in sockets:
             bound.callback(sock.close)
+        if uds is not None:
+            bound.callback(os.unlink, uds)
         server = SimServer(
             profile,
             model=model,
@@ -892,7 +1003,12 @@ def serve(
     if announce is not None:  # (bound and set up: a failure before is the only line)
         announce()
     stopping = functools.partial(server.stop_taking, SHUTDOWN_GRACE_S)
-    _stopped_by_signal(config, stopping).run(sockets=sockets)
+    try:
+        _stopped_by_signal(config, stopping).run(sockets=sockets)
+    finally:
+        if uds is not None:  # (its own socket file, not left behind)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(uds)
 
 
 def _publisher(endpoint: str | None) -> KVEventPublisher | None:
@@ -904,6 +1020,10 @@ def _publisher(endpoint: str | None) -> KVEventPublisher | None:
         return KVEventPublisher(endpoint)
     except (KVEventError, zmq.ZMQError) as exc:
         raise ConfigError(f"cannot publish KV events on {endpoint}: {exc}") from exc
+
+
+_BACKLOG = 2048
+"""The listening sockets' backlog (uvicorn's default)."""
 
 
 def _listen(host: str, port: int) -> list[socket.socket]:
@@ -920,11 +1040,40 @@ def _listen(host: str, port: int) -> list[socket.socket]:
             if family == socket.AF_INET6:  # (its own address only, as asyncio binds it)
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             sock.bind(address)
+            # Listening now, not when uvicorn starts: a socket bound with SO_REUSEADDR and
+            # not listening let ZeroMQ bind the KV events on the same port, and the engine
+            # served ZeroMQ on its HTTP port.
+            sock.listen(_BACKLOG)
     except OSError:
         for sock in sockets:
             sock.close()
         raise
     return sockets
+
+
+def _listen_unix(path: str) -> socket.socket:
+    """A Unix socket listening at ``path``. A socket file there that nobody answers on (a
+    server that died) is replaced; a live server's is refused (uvicorn removed it and took
+    over, leaving that server unreachable), and so is anything that is not a socket."""
+    if os.path.lexists(path):
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise ConfigError(f"{path} exists and is not a socket")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            try:
+                probe.connect(path)
+            except (ConnectionRefusedError, FileNotFoundError):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)  # stale
+            else:
+                raise OSError(errno.EADDRINUSE, "a server already listens on it")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+        sock.listen(_BACKLOG)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def _stopped_by_signal(config: Any, on_stop: Callable[[], None]) -> Any:

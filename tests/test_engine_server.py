@@ -227,6 +227,22 @@ def test_info_endpoints_and_metrics_in_vllm_and_sglang_names(engine: httpx.Clien
         # One choice only (it answered one to n=2); a stream flag that is no boolean (a bare
         # truth test streamed "maybe"); a prompt longer than the KV cache (hashed first).
         ("/v1/completions", {"prompt": "hi", "n": 2}, "n"),
+        # Sampling as vLLM checks it, stream_options only when streaming, input_ids a list
+        # (each was answered 200; "abc" as input_ids was read as text).
+        ("/v1/completions", {"prompt": "hi", "temperature": -5}, "temperature"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "top_p": 7},
+            "top_p",
+        ),
+        ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p"),
+        ("/v1/completions", {"prompt": "hi", "presence_penalty": "high"}, "presence_penalty"),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "stream_options": {"include_usage": True}},
+            "stream_options",
+        ),
+        ("/generate", {"input_ids": "abc"}, "input_ids"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
         ("/v1/completions", {"prompt": "hi", "stream": "maybe"}, "stream"),
         (
@@ -251,6 +267,106 @@ def test_bad_requests_get_an_openai_shaped_400(
     r = engine.post(path, content=b"{not json")
     assert r.status_code == 400 and "not JSON" in r.json()["error"]["message"]
     assert engine.get("/health").status_code == 200  # it keeps serving
+
+
+def test_other_refusals_are_openai_shaped_json_too(engine: httpx.Client) -> None:
+    """A model it does not serve is a 404 as vLLM answers it (it was served all the same, so
+    an agent's wrong engine_model went unnoticed); a body past the limit a 413 before it is
+    read whole (a 300 MB body took 700 MB); an unknown path or method JSON, not text."""
+    from sluice.testing.engineserver import MAX_BODY_BYTES
+
+    r = engine.post("/v1/completions", json={"model": "nope", "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 404, r.text
+    assert r.json()["error"]["code"] == "model_not_found" and "nope" in r.text
+    r = engine.post(
+        "/v1/chat/completions", json={"model": 7, "messages": [{"role": "user", "content": "x"}]}
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+    ok = {"model": "sim-8b", "prompt": "hi", "max_tokens": 2}
+    assert engine.post("/v1/completions", json=ok).status_code == 200
+    big = b'{"prompt": "' + b"a" * (MAX_BODY_BYTES + 1) + b'"}'
+    r = engine.post("/v1/completions", content=big)
+    assert r.status_code == 413 and "bytes" in r.json()["error"]["message"]
+
+    def chunked() -> Iterator[bytes]:  # no content-length: counted as it comes
+        yield b'{"prompt": "'
+        for _ in range(MAX_BODY_BYTES // (1 << 20) + 1):
+            yield b"a" * (1 << 20)
+
+    r = engine.post("/v1/completions", content=chunked())
+    assert r.status_code == 413, r.text
+    for r in (engine.post("/v1/nothing", json={}), engine.get("/v1/completions")):
+        assert r.status_code in (404, 405) and r.json()["error"]["message"], r.text
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    assert engine.post("/v1/chat/completions", json=chat).json()["id"].startswith("chatcmpl-")
+    assert engine.get("/health").status_code == 200
+
+
+def test_metrics_escape_a_model_name_as_prometheus_text_needs() -> None:
+    """A model name with a quote or a backslash made the page unparsable (the hand-written
+    gauges did not escape their label; the histograms did)."""
+    port = _free_port()
+    name = 'my "quoted" \\model'
+    proc = _start(["--port", str(port), "--model", name])
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+            _wait_healthy(c, proc)
+            page = c.get("/metrics").text
+        labels = {
+            s.labels.get("model_name")
+            for f in text_string_to_metric_families(page)
+            for s in f.samples
+            if s.name == "vllm:num_requests_running"
+        }
+        assert labels == {name}
+    finally:
+        _stop(proc)
+
+
+def test_a_whole_generate_whose_client_left_is_aborted(engine: httpx.Client) -> None:
+    """SGLang's /generate without streaming ran on for every token after its client left
+    (the OpenAI endpoints already aborted theirs)."""
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 100_000}}
+    with pytest.raises(httpx.ReadTimeout):
+        engine.post("/generate", json=body, timeout=1.0)
+    deadline = time.monotonic() + 10
+    while engine.get("/v1/loads").json()["num_running_reqs"] != 0:
+        assert time.monotonic() < deadline, "the abandoned request kept running"
+        time.sleep(0.05)
+
+
+def test_with_a_tokenizer_bad_text_is_a_400_and_a_huge_one_is_refused_before_tokenizing(
+    tmp_path: Path,
+) -> None:
+    """A lone surrogate was the tokenizer library's TypeError, a 500. A text far too long
+    for the KV cache was tokenized first, holding every other request (14 s for 30 MB)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from sluice.testing.engineserver import MAX_CHARS_PER_TOKEN
+
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(["hello world"], trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    port = _free_port()
+    proc = _start(["--port", str(port), "--tokenizer", str(tmp_path / "tokenizer.json")])
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+            _wait_healthy(c, proc)
+            for path, body in (
+                ("/v1/completions", b'{"prompt": "a\\ud800", "max_tokens": 2}'),
+                ("/generate", b'{"text": "a\\ud800"}'),
+            ):
+                r = c.post(path, content=body)
+                assert r.status_code == 400 and "not valid Unicode" in r.text, r.text
+            held = c.get("/server_info").json()["max_total_num_tokens"]
+            huge = "x" * (held * MAX_CHARS_PER_TOKEN)  # one [UNK] for the tokenizer
+            r = c.post("/v1/completions", json={"prompt": huge, "max_tokens": 2})
+            assert r.status_code == 400 and "at least" in r.json()["error"]["message"], r.text
+            ok = c.post("/v1/completions", json={"prompt": "hello world", "max_tokens": 2})
+            assert ok.json()["usage"]["prompt_tokens"] == 2
+    finally:
+        _stop(proc)
 
 
 def test_stream_flags_read_as_vllm_reads_them(engine: httpx.Client) -> None:
@@ -330,6 +446,61 @@ def test_it_serves_on_a_unix_socket(tmp_path: Path) -> None:
             assert out["usage"]["completion_tokens"] == 2
     finally:
         _stop(proc)
+
+
+def test_a_unix_socket_in_use_is_refused_and_a_stale_one_replaced(tmp_path: Path) -> None:
+    """A second engine on a live engine's socket took it over (uvicorn removed the file),
+    leaving the first unreachable; a regular file there printed the banner, then a
+    traceback. A socket file nobody answers on (its server was killed) is replaced, and an
+    engine removes its own socket file when it stops."""
+    path = str(tmp_path / "engine.sock")
+    first = _start(["--uds", path, "--model", "A"])
+    try:
+        transport = httpx.HTTPTransport(uds=path)
+        with httpx.Client(transport=transport, base_url="http://engine", timeout=30) as c:
+            _wait_healthy(c, first)
+            second = subprocess.run(
+                [sys.executable, "-m", "sluice.cli", "engine", "--uds", path, "--model", "B"],
+                capture_output=True, text=True, timeout=60,
+            )  # fmt: skip
+            assert second.returncode == 2 and "already listens" in second.stderr, second.stderr
+            assert c.get("/v1/models").json()["data"][0]["id"] == "A"
+        first.kill()  # its socket file stays: stale
+        first.wait()
+        assert os.path.exists(path)
+        third = _start(["--uds", path, "--model", "C"])
+        try:
+            with httpx.Client(transport=httpx.HTTPTransport(uds=path), base_url="http://e") as c:
+                _wait_healthy(c, third)
+                assert c.get("/v1/models").json()["data"][0]["id"] == "C"
+        finally:
+            _stop(third)
+        assert third.returncode == 0 and not os.path.exists(path)
+    finally:
+        _stop(first)
+    regular = tmp_path / "afile"
+    regular.write_text("")
+    done = subprocess.run(
+        [sys.executable, "-m", "sluice.cli", "engine", "--uds", str(regular)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2 and "not a socket" in done.stderr, done.stderr
+    assert "serving" not in done.stderr and "Traceback" not in done.stderr
+    assert regular.read_text() == ""
+
+
+def test_kv_events_on_the_http_port_are_refused() -> None:
+    """The HTTP socket was bound but not listening when ZeroMQ bound the KV events: on the
+    same port both succeeded, and the engine served ZeroMQ where HTTP was expected."""
+    pair = _free_port_pair()
+    for http in (pair, pair + 1):  # the events on the HTTP port, or their replay (the next)
+        done = subprocess.run(
+            [sys.executable, "-m", "sluice.cli", "engine", "--port", str(http),
+             "--kv-events-port", str(pair)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 2 and "already in use" in done.stderr.lower(), done.stderr
+        assert "serving" not in done.stderr
 
 
 def test_a_second_sigterm_stops_at_once() -> None:
