@@ -34,6 +34,7 @@ from nats.aio.msg import Msg
 from nats.js import api
 
 from sluice.client import Client, ServiceUnavailable
+from sluice.common.aio import stop_if_cancelled
 from sluice.dispatcher.stats import percentile
 from sluice.schemas.codec import encode
 from sluice.schemas.models import SubmitRequest
@@ -232,6 +233,7 @@ async def _broker_rtts(url: str, n: int, payload: bytes) -> tuple[list[float], l
         await nc.subscribe("bench.echo", cb=echo)
         pub_ms, rr_ms = [], []
         for i in range(n):
+            stop_if_cancelled()
             t = time.perf_counter()
             await js.publish("bench.rtt", payload, headers={"Nats-Msg-Id": f"rtt-{i}"})
             pub_ms.append((time.perf_counter() - t) * 1000)
@@ -264,11 +266,13 @@ async def _raw_jetstream(url: str, n: int, publishers: int, payload: bytes) -> t
 
         async def publish(p: int, count: int) -> None:
             for i in range(count):
+                stop_if_cancelled()
                 await js.publish("bench.raw.m", payload, headers={"Nats-Msg-Id": f"r{p}-{i}"})
 
         async def consume(count: int, batch: int) -> None:
             got = 0
             while got < count:
+                stop_if_cancelled()
                 try:
                     msgs = await psub.fetch(batch=min(batch, count - got), timeout=0.2)
                 except (TimeoutError, nats.errors.TimeoutError):
@@ -362,6 +366,7 @@ async def _ready(
             pass
         await asyncio.sleep(0.1)
     for _ in range(20):  # warm every agent's and the dispatcher's first-use paths
+        stop_if_cancelled()
         h = await client.submit(_MODEL, prompt, max_tokens=1, band="interactive")
         await h.result(timeout_s=_READY_TIMEOUT_S)
 
@@ -380,6 +385,7 @@ async def _dispatch_latency(
     out, submits, between = [], [], []
     try:
         for i in range(n):
+            stop_if_cancelled()
             t0 = time.time()
             h = await client.submit(_MODEL, prompt, max_tokens=1, band="interactive")
             submits.append((time.time() - t0) * 1000)
@@ -404,6 +410,7 @@ async def _throughput(client: Client, n: int, submitters: int, prompt: list[int]
     async def submitter(count: int) -> None:
         nonlocal failed
         for _ in range(count):
+            stop_if_cancelled()
             h = await client.submit(_MODEL, prompt, max_tokens=1, band="interactive")
             failed += not (await h.result(timeout_s=60)).ok
 

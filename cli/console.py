@@ -47,11 +47,12 @@ async def _sigterm_cancels(coro: Coroutine[Any, Any, T]) -> T:
     # in a transport's callback, uvloop logs it as a fatal transport error and swallows it,
     # and the command ran on (seen: `bench-engine`, its agent busy streaming). There SIGTERM
     # cancels the main task, as the runner does on Ctrl-C elsewhere.
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        return await coro  # (SIGTERM is a SIGINT: the runner's own handling)
-    loop = asyncio.get_running_loop()
     task = asyncio.current_task()
     assert task is not None
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        # (SIGTERM is a SIGINT: the runner's own handling.)
+        return _not_stopped(task, await coro)
+    loop = asyncio.get_running_loop()
     signalled = False
 
     def stop() -> None:
@@ -65,7 +66,7 @@ async def _sigterm_cancels(coro: Coroutine[Any, Any, T]) -> T:
     except NotImplementedError:  # pragma: no cover - not on Windows's loops
         return await coro
     try:
-        return await coro
+        return _not_stopped(task, await coro)
     except asyncio.CancelledError:
         if signalled:
             raise KeyboardInterrupt from None
@@ -77,6 +78,15 @@ async def _sigterm_cancels(coro: Coroutine[Any, Any, T]) -> T:
         loop.remove_signal_handler(signal.SIGTERM)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _not_stopped(task: asyncio.Task[Any], result: T) -> T:
+    """``result``, unless the task was told to stop and a library swallowed the request (it
+    is still counted: ``cancelling()``): then the command was interrupted all the same (it
+    ended 0, with every figure, after a Ctrl-C)."""
+    if task.cancelling():
+        raise KeyboardInterrupt
+    return result
 
 
 def make_client(config: Path | None) -> Any:

@@ -17,6 +17,17 @@ log = logging.getLogger("sluice")
 T = TypeVar("T")
 
 
+def stop_if_cancelled() -> None:
+    """Raise ``CancelledError`` if this task was asked to stop and the request was swallowed
+    on the way: nats-py's publish path catches it (``Client._flush_pending``: ``except
+    CancelledError: pass``), so a loop of publishes ran on after Ctrl-C, in one try of two, to
+    its end. Call it once a round in such a loop (never in clean-up code: there the task is
+    being cancelled on purpose)."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 async def wait_event(event: asyncio.Event, timeout_s: float) -> bool:
     """Wait until ``event`` is set or ``timeout_s`` passes; True if it was set."""
     if event.is_set():
