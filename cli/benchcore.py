@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from sluice.cli.benchsizes import CORE_REQUESTS, DECISION_REQUESTS
 from sluice.dispatcher.admission import AdmissionConfig
 from sluice.dispatcher.cacheaware import CacheAwareConfig
 from sluice.dispatcher.cacheindex import PureCacheIndex
@@ -69,7 +70,7 @@ def _stream(n: int, seed: int) -> _Stream:
 
 
 def bench_core(
-    requests: int = 50_000,
+    requests: int = CORE_REQUESTS,
     workers: int = 16,
     capacity: int = 32,
     seed: int = 0,
@@ -269,7 +270,7 @@ class DecisionCosts:
 def decision_costs(
     worker_counts: Sequence[int] = (16, 256, 1024),
     indexed_blocks: int = 100_000,
-    requests: int = 5_000,
+    requests: int = DECISION_REQUESTS,
     seed: int = 0,
     capacity: int = 32,
 ) -> DecisionCosts:

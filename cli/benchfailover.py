@@ -14,7 +14,6 @@ import asyncio
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,10 +30,10 @@ from sluice.schemas.codec import decode
 from sluice.schemas.models import Assignment, LeaderLease
 from sluice.testing.cluster import LocalCluster
 from sluice.testing.natsserver import EmbeddedNats
-from sluice.testing.processes import DIE_WITH_PARENT, stop_processes
+from sluice.testing.processes import DIE_WITH_PARENT, SLUICE, stop_processes
 
 _PROMPT = list(range(9000, 9128))
-_DISPATCHER = [sys.executable, "-m", "sluice.cli", "dispatcher"]
+_DISPATCHER = [*SLUICE, "dispatcher"]
 _GLOBAL_LIMIT = 16
 """Below what the agents could take, so that requests queue: there is work to dispatch when
 the leader dies."""

@@ -31,8 +31,10 @@ import httpx
 from rich.table import Table
 
 from sluice.client import Client
+from sluice.common.aio import stop_if_cancelled
 from sluice.dispatcher.stats import percentile
 from sluice.testing.cluster import LocalCluster
+from sluice.testing.errors import GatewayProcessError
 from sluice.testing.gateway import GatewayProcess
 from sluice.testing.natsserver import EmbeddedNats
 
@@ -143,6 +145,17 @@ async def _answered(http: httpx.AsyncClient) -> int:
     return int(float(rows[0].split()[-1])) if rows else 0
 
 
+def _started(stack: contextlib.ExitStack, gateway: GatewayProcess) -> GatewayProcess:
+    """``gateway`` started, stopped with ``stack``; a start cut short by Ctrl-C (the terminal
+    signals the gateway too) is the interruption it is, not an error with the gateway's
+    traceback (exit code 2)."""
+    try:
+        return stack.enter_context(gateway)
+    except GatewayProcessError:
+        stop_if_cancelled()
+        raise
+
+
 async def bench_gateway(
     requests: int = 200,
     burst: int = 1000,
@@ -160,12 +173,19 @@ async def bench_gateway(
         "dispatcher": {"models": ["sim"], "global_limit": capacity * workers, "learn_s": 0.5},
         "agent": {"speed": speed, "capacity": capacity},
     }
-    with EmbeddedNats() as nats, GatewayProcess(nats.url) as gw:
+    with EmbeddedNats() as nats, contextlib.ExitStack() as started:
+        # Started before the cluster (its start blocks the event loop for a second, which
+        # cost the cluster's dispatcher its leadership), and stopped before it: stopped after
+        # the cluster, on a Ctrl-C, it waited its whole grace for streams nobody could finish.
+        gw = _started(started, GatewayProcess(nats.url))
         async with (
             LocalCluster(nats.url, **kw),  # type: ignore[arg-type]
             Client(nats.url) as c,
             contextlib.AsyncExitStack() as stack,
         ):
+            # In a thread: stopped on the event loop, it held up the cluster that serves
+            # its last streams, and waited its whole grace for them all the same.
+            stack.push_async_callback(asyncio.to_thread, gw.stop)
             # One HTTP client (one connection) per worker: httpx's pool scans its connections
             # for every request, so one pool of 64 connections limits the load generator, not
             # the gateway (about 150-200 requests/s here against about 740 this way).

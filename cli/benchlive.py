@@ -21,25 +21,33 @@ least 0.4x the raw loop. :func:`verdicts` says how far each figure is from its t
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from tempfile import TemporaryDirectory
+from typing import Any
 
 import nats
 from nats.aio.msg import Msg
 from nats.js import api
 
+from sluice.cli.benchsizes import (
+    AGENTS,
+    LATENCY_REQUESTS,
+    PROMPT_TOKENS,
+    SUBMITTERS,
+    THROUGHPUT_REQUESTS,
+)
 from sluice.client import Client, ServiceUnavailable
 from sluice.common.aio import stop_if_cancelled
 from sluice.dispatcher.stats import percentile
 from sluice.schemas.codec import encode
 from sluice.schemas.models import SubmitRequest
 from sluice.testing.natsserver import EmbeddedNats
-from sluice.testing.processes import DIE_WITH_PARENT, stop_processes
+from sluice.testing.processes import DIE_WITH_PARENT, SLUICE, stop_processes
 
 DISPATCH_RATIO_TARGET = 4.0
 """Dispatch latency p50 at most this many publish acks (measured in the same run)."""
@@ -53,7 +61,7 @@ class BenchError(Exception):
 
 
 _MODEL = "sim"
-_SLUICE = [sys.executable, "-m", "sluice.cli"]
+_SLUICE = SLUICE
 _READY_TIMEOUT_S = 60.0
 _INSTANT_SPEED = 1e6
 """The simulated engine's clock speed-up: a 256-token prefill and one token take ~0 s."""
@@ -63,11 +71,11 @@ _INSTANT_SPEED = 1e6
 class HotSizes:
     """How much each live figure measures (the CLI's defaults)."""
 
-    latency_requests: int = 300
-    throughput_requests: int = 3000
-    submitters: int = 64
-    agents: int = 4
-    prompt_tokens: int = 256
+    latency_requests: int = LATENCY_REQUESTS
+    throughput_requests: int = THROUGHPUT_REQUESTS
+    submitters: int = SUBMITTERS
+    agents: int = AGENTS
+    prompt_tokens: int = PROMPT_TOKENS
     """Tokens of every request's prompt (the same prompt each time, so cached after the
     first): what the dispatcher decodes and hashes, and the baselines publish, per request."""
 
@@ -168,11 +176,13 @@ async def bench_hot(sizes: HotSizes | None = None) -> HotFigures:
         raw_rps, raw_concurrent_rps = await _raw_jetstream(
             server.url, z.throughput_requests, z.submitters, payload
         )
-        procs: list[subprocess.Popen[bytes]] = []
+        procs: dict[subprocess.Popen[bytes], Path] = {}  # each with its log
         try:
-            procs.append(_spawn(["dispatcher"], _dispatcher_env(server.url), Path(tmp), "d"))
+            d = _spawn(["dispatcher"], _dispatcher_env(server.url), Path(tmp), "d")
+            procs[d] = Path(tmp) / "d.log"
             for i in range(z.agents):
-                procs.append(_spawn(["agent"], _agent_env(server.url, i), Path(tmp), f"a{i}"))
+                a = _spawn(["agent"], _agent_env(server.url, i), Path(tmp), f"a{i}")
+                procs[a] = Path(tmp) / f"a{i}.log"
             async with Client(server.url) as client:
                 await _ready(client, z.agents, procs, prompt)
                 dispatch_ms, submit_ms, between_ms = await _dispatch_latency(
@@ -301,23 +311,44 @@ async def _raw_jetstream(url: str, n: int, publishers: int, payload: bytes) -> t
 # ---------------------------------------------------------------------- the fleet
 
 
+def _dispatcher_settings() -> dict[str, Any]:
+    """The fleet's dispatcher's settings, over the environment's."""
+    return {"dispatcher_id": "bench-d", "models": [_MODEL], "learn_s": 0.2, "leader_settle_s": 0.2}
+
+
+def _agent_settings(i: int) -> dict[str, Any]:
+    """The fleet's agent ``i``'s settings, over the environment's."""
+    return {"worker_id": f"worker-{i}", "models": [_MODEL], "speed": _INSTANT_SPEED}
+
+
+def _env(url: str, prefix: str, settings: dict[str, Any]) -> dict[str, str]:
+    out = {"SLUICE_NATS_URL": url}
+    for name, value in settings.items():
+        out[f"{prefix}{name.upper()}"] = (
+            json.dumps(value) if isinstance(value, list) else str(value)
+        )
+    return out
+
+
 def _dispatcher_env(url: str) -> dict[str, str]:
-    return {
-        "SLUICE_NATS_URL": url,
-        "SLUICE_DISPATCHER_DISPATCHER_ID": "bench-d",
-        "SLUICE_DISPATCHER_MODELS": f'["{_MODEL}"]',
-        "SLUICE_DISPATCHER_LEARN_S": "0.2",
-        "SLUICE_DISPATCHER_LEADER_SETTLE_S": "0.2",
-    }
+    return _env(url, "SLUICE_DISPATCHER_", _dispatcher_settings())
 
 
 def _agent_env(url: str, i: int) -> dict[str, str]:
-    return {
-        "SLUICE_NATS_URL": url,
-        "SLUICE_AGENT_WORKER_ID": f"worker-{i}",
-        "SLUICE_AGENT_MODELS": f'["{_MODEL}"]',
-        "SLUICE_AGENT_SPEED": str(_INSTANT_SPEED),
-    }
+    return _env(url, "SLUICE_AGENT_", _agent_settings(i))
+
+
+def check_fleet_settings() -> None:
+    """The settings the fleet's processes will read (the environment's and its config file's,
+    with the fleet's own over them), checked here: a bad ``SLUICE_…`` variable was a process
+    that died, said only "a fleet process ended early", after the core's minutes. Raises
+    ``ConfigError``."""
+    from sluice.agent.runtime import AgentSettings
+    from sluice.dispatcher.runtime import DispatcherSettings
+
+    url = "nats://127.0.0.1:4222"  # (its own broker's, not known yet)
+    DispatcherSettings.load(None, nats_url=url, **_dispatcher_settings())
+    AgentSettings.load(None, nats_url=url, **_agent_settings(0))
 
 
 def _spawn(args: list[str], env: dict[str, str], logs: Path, name: str) -> subprocess.Popen[bytes]:
@@ -330,6 +361,22 @@ def _spawn(args: list[str], env: dict[str, str], logs: Path, name: str) -> subpr
             stderr=subprocess.STDOUT,
             preexec_fn=DIE_WITH_PARENT,
         )
+
+
+def _died(proc: subprocess.Popen[bytes], log: Path) -> str:
+    """A fleet process that ended early, and what it said last (its log goes with the run's
+    temporary folder: it said only "a fleet process ended early")."""
+    try:
+        said = log.read_text(errors="replace").strip().splitlines()[-12:]
+    except OSError:
+        said = []
+    name = (
+        " ".join(str(a) for a in proc.args[len(_SLUICE) :]) if isinstance(proc.args, list) else ""
+    )
+    return (
+        f"a fleet process (sluice {name}) ended early (exit code {proc.returncode}):\n"
+        + "\n".join(said)
+    )
 
 
 def _cpu_s(pid: int) -> float:
@@ -349,14 +396,14 @@ def _per_request_ms(cpu_s: list[float], requests: int) -> float:
 
 
 async def _ready(
-    client: Client, agents: int, procs: list[subprocess.Popen[bytes]], prompt: list[int]
+    client: Client, agents: int, procs: dict[subprocess.Popen[bytes], Path], prompt: list[int]
 ) -> None:
     """Until the dispatcher leads with every agent registered and a request has run."""
     deadline = time.monotonic() + _READY_TIMEOUT_S
     while True:
-        dead = [p.args for p in procs if p.poll() is not None]
+        dead = [p for p in procs if p.poll() is not None]
         if dead:
-            raise BenchError(f"a fleet process ended early: {dead}")
+            raise BenchError(_died(dead[0], procs[dead[0]]))
         if time.monotonic() > deadline:
             raise BenchError(f"the fleet did not come up within {_READY_TIMEOUT_S:.0f} s")
         try:

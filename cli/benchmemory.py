@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import functools
 import gc
 import json
 import os
@@ -75,12 +76,20 @@ def _trimmed_rss_bytes(default: int) -> int:
     """The resident set once the C allocator has returned the free memory it can to the
     system (glibc's ``malloc_trim``): what the process holds live, less the allocator's
     slack (``default`` where there is no glibc)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):
+    trim = _malloc_trim()
+    if trim is None:
         return default
+    trim(0)
     return _rss_bytes()
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    """glibc's ``malloc_trim``, loaded once (None without glibc)."""
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
 
 
 def _maxrss_bytes() -> int:
@@ -402,30 +411,34 @@ def child(scenario: str, params: dict[str, int], trace: bool) -> dict[str, Any]:
     setup()
     gc.collect()
     before = _rss_bytes()
+    # Trimmed too, as the after figure is: the live growth compared an untrimmed before with
+    # a trimmed after, and came out negative (-156,058 B a worker, at small sizes).
+    before_trimmed = _trimmed_rss_bytes(before)
     if trace:
         tracemalloc.start()
     t0 = time.perf_counter()
     built = build()
     seconds = time.perf_counter() - t0
     gc.collect()
+    traced_out: dict[str, Any] = {}
+    if trace:  # (before the figures below are read: their reading is not the scenario's)
+        snap = tracemalloc.take_snapshot()
+        traced, _ = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        traced_out = {"traced_bytes": traced, "top": _top(snap, traced)}
     after = _rss_bytes()
-    out: dict[str, Any] = {
+    return {
         "scenario": scenario,
         "params": params,
         "items": built,
         "rss_before_bytes": before,
+        "rss_before_trimmed_bytes": before_trimmed,
         "rss_after_bytes": after,
         "rss_trimmed_bytes": _trimmed_rss_bytes(after),
         "maxrss_bytes": _maxrss_bytes(),
         "seconds": round(seconds, 3),
+        **traced_out,
     }
-    if trace:
-        snap = tracemalloc.take_snapshot()
-        traced, _ = tracemalloc.get_traced_memory()
-        tracemalloc.stop()
-        out["traced_bytes"] = traced
-        out["top"] = _top(snap, traced)
-    return out
 
 
 def _top(snap: tracemalloc.Snapshot, traced: int, n: int = 6) -> list[dict[str, Any]]:
@@ -470,12 +483,15 @@ class Sizes:
 
 def run_child(scenario: str, params: dict[str, int], trace: bool = False) -> dict[str, Any]:
     """One scenario in a fresh interpreter."""
-    cmd = [sys.executable, "-m", "sluice.cli.benchmemory", scenario, json.dumps(params)]
+    from sluice.testing.processes import PYTHON  # (here: a child imports only what it measures)
+
+    cmd = [*PYTHON, "-m", "sluice.cli.benchmemory", scenario, json.dumps(params)]
     if trace:
         cmd.append("--trace")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=False)
-    if proc.returncode != 0:
-        raise BenchMemoryError(f"{scenario} failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    if proc.returncode != 0:  # (its last lines whole: a cut at 2,000 characters began mid-word)
+        said = "\n".join(proc.stderr.strip().splitlines()[-12:])
+        raise BenchMemoryError(f"{scenario} failed (exit code {proc.returncode}):\n{said}")
     result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     return result
 
@@ -564,7 +580,7 @@ def bench_memory(sizes: Sizes, progress: Callable[[str], None] | None = None) ->
             growth = r["rss_after_bytes"] - r["rss_before_bytes"]
             term.growth.append(growth)
             term.per_item.append(growth / max(1, r["items"]))
-            live = r["rss_trimmed_bytes"] - r["rss_before_bytes"]
+            live = r["rss_trimmed_bytes"] - r["rss_before_trimmed_bytes"]
             term.live_per_item.append(live / max(1, r["items"]))
             term.seconds.append(r["seconds"])
         say(f"run {run + 1}/{s.runs}: the dispatcher with everything")

@@ -43,7 +43,6 @@ import os
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -67,7 +66,7 @@ from sluice.testing.engineserver import check_page_tokens
 from sluice.testing.fleet import HttpEngineFleet
 from sluice.testing.gateway import GatewayProcess
 from sluice.testing.natsserver import EmbeddedNats, _free_ports
-from sluice.testing.processes import DIE_WITH_PARENT, stop_processes
+from sluice.testing.processes import DIE_WITH_PARENT, SLUICE, stop_processes
 
 ENGINES = 16
 SPEED = 2.0
@@ -285,7 +284,7 @@ def sluice_stack(
     and a gateway, each a process, while the block runs; the gateway's URL. ``metrics_port``:
     the dispatcher serves its Prometheus metrics there (127.0.0.1)."""
     procs: list[Proc] = []
-    cli = [sys.executable, "-m", "sluice.cli"]
+    cli = SLUICE
     with EmbeddedNats() as nats, contextlib.ExitStack() as stack:
 
         def stop_all() -> None:  # all at once: one deadline for them all, then SIGKILL

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from sluice.dispatcher.defaults import MAX_PROMPT_TOKENS
 from sluice.dispatcher.quotas import Quotas
 from sluice.dispatcher.shares import (
     DEFAULT_BAND_FLOORS,
@@ -63,7 +64,7 @@ class AdmissionConfig:
     global_limit: int = 64
     band_limits: Mapping[str, int] = field(default_factory=dict)
     band_delay_s: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_BAND_DELAY_S))
-    max_prompt_tokens: int = 1_000_000
+    max_prompt_tokens: int = MAX_PROMPT_TOKENS
     max_attempts: int = 3
     quotas: Quotas = field(default_factory=Quotas)
     band_shares: Mapping[str, int] = field(default_factory=dict)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 GUESS_TTL_S = 120.0
 """How long a routed prefix counts as cached on its worker without a report."""
+MAX_PROMPT_TOKENS = 1_000_000
+"""The longest prompt a request may have (``AdmissionConfig.max_prompt_tokens``)."""
 INDEX_MAX_BLOCKS = 1_000_000
 """Block hashes the cache index keeps at most."""
 INDEX_MEMO_MIN_HOLDERS = 64

@@ -22,6 +22,7 @@ from sluice.client import jsontext
 from sluice.client.oaiformat import Kind
 from sluice.common.chat import ChatError, render_chat
 from sluice.gateway.errors import BadRequest
+from sluice.schemas.models import MAX_OUTPUT_TOKENS
 
 SESSION_HEADER = "x-session-id"
 """The request header naming a session (a conversation): its requests stick to the workers
@@ -58,8 +59,8 @@ def _positive_int(body: Mapping[str, Any], key: str, default: int) -> int:
     value = body.get(key)
     if value is None:
         return default
-    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 1_000_000:
-        raise BadRequest(f"{key} must be an integer from 1 to 1000000", param=key)
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_OUTPUT_TOKENS:
+        raise BadRequest(f"{key} must be an integer from 1 to {MAX_OUTPUT_TOKENS}", param=key)
     return value
 
 

@@ -25,6 +25,7 @@ from pydantic_settings import SettingsConfigDict
 
 from sluice.client.batches import MAX_FILE_BYTES
 from sluice.common.settings import BrokerSettings
+from sluice.schemas.models import MAX_OUTPUT_TOKENS
 
 DEFAULT_BAND = "interactive"
 """The band of a request that names none, on an open gateway or for a key without its own."""
@@ -106,7 +107,7 @@ class GatewaySettings(BrokerSettings):
     default_max_tokens: int = Field(
         default=DEFAULT_MAX_TOKENS,
         ge=1,
-        le=1_000_000,
+        le=MAX_OUTPUT_TOKENS,
         description="Output tokens of a request without max_tokens.",
     )
     models_ttl_s: float = Field(

@@ -25,6 +25,9 @@ from sluice.schemas.tokens import TokenIds, token_ids
 
 SCHEMA_VERSION: Final = 1
 
+MAX_OUTPUT_TOKENS: Final = 1_000_000
+"""The most output tokens a request may ask for (``SubmitRequest.max_tokens``)."""
+
 Name = Annotated[str, Field(min_length=1, max_length=128)]
 RequestId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")]
 _WIRE = "wire"
@@ -96,7 +99,7 @@ class SubmitRequest(_Wire):
     band: Name = "standard"
     prompt_tokens: TokenIdsField | None = None
     prompt_text: str | None = None
-    max_tokens: int = Field(default=256, ge=1, le=1_000_000)
+    max_tokens: int = Field(default=256, ge=1, le=MAX_OUTPUT_TOKENS)
     submitted_unix_ms: int = Field(ge=0)
     deadline_unix_ms: int | None = Field(default=None, ge=0)
     session_id: Name | None = None

@@ -44,7 +44,6 @@ import socket
 import stat
 import struct
 import subprocess
-import sys
 import threading
 import time
 from collections import deque
@@ -72,7 +71,7 @@ from sluice.common.tokenizer import PromptTokenizer
 from sluice.schemas.hashing import block_hashes, estimate_text_tokens, text_block_hashes
 from sluice.sim.engine import SimEngine
 from sluice.sim.profiles import EngineProfile
-from sluice.testing.processes import DIE_WITH_PARENT, stop_processes
+from sluice.testing.processes import DIE_WITH_PARENT, SLUICE, stop_processes
 
 _MAX_LAG_S = 0.05
 """A server that fell further behind its clock than this (a busy machine) does not race to
@@ -1147,7 +1146,7 @@ class EngineProcess:
         its engines at once."""
         where = ["--port", str(self.port)] if self.port else ["--uds", self.uds]
         cmd = [
-            sys.executable, "-m", "sluice.cli", "engine", *where, "--model",
+            *SLUICE, "engine", *where, "--model",
             self.model, "--speed", str(self.speed), "--profile", self.profile,
         ]  # fmt: skip
         if self.kv_events is not None:

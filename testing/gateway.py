@@ -12,14 +12,13 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 from types import TracebackType
 
 from sluice.testing.errors import GatewayProcessError
-from sluice.testing.processes import DIE_WITH_PARENT, stop_processes
+from sluice.testing.processes import DIE_WITH_PARENT, SLUICE, stop_processes
 
 _BANNER = re.compile(r"gateway on (http://\S+) ")
 
@@ -55,7 +54,7 @@ class GatewayProcess:
         return self.proc.pid
 
     def start(self) -> GatewayProcess:
-        cmd = [sys.executable, "-m", "sluice.cli", "gateway", "--host", "127.0.0.1", "--port", "0"]
+        cmd = [*SLUICE, "gateway", "--host", "127.0.0.1", "--port", "0"]
         if self.config is not None:
             cmd += ["--config", str(self.config)]
         env = {**os.environ, "SLUICE_NATS_URL": self.nats_url, **self.env}

@@ -30,6 +30,13 @@ def _parent_death_signal() -> Callable[[], None] | None:
     return die_with_parent
 
 
+PYTHON = [sys.executable, "-P"]
+"""This interpreter for a child process, without the working directory first on its import
+path (``-P``): a ``nats.py`` where a benchmark was started shadowed the library in every
+child it started, which died (``python -m`` puts the working directory first)."""
+SLUICE = [*PYTHON, "-m", "sluice.cli"]
+"""The ``sluice`` command, as a child process."""
+
 DIE_WITH_PARENT = _parent_death_signal()
 """Pass as ``preexec_fn`` to every process a benchmark, a test helper or ``sluice up``
 starts (None where the platform has no such signal). The kernel sends the signal when the

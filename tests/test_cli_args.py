@@ -232,7 +232,19 @@ def test_the_stack_and_broker_commands_refuse_before_they_start(
         # token measured over no span ("+ 0.0 B per prompt token").
         (["demo", "--sessions", "0", "--rag-rate", "0", "--batch-rate", "0"], "no load"),
         (["bench-memory", "--prompt-tokens", "64"], "'--prompt-tokens'"),
-    ]:
+        # Past these (a helper's probe): the dispatcher's limit, a traceback minutes later;
+        # a stream of 10^8 requests, a MemoryError; 20,000 HTTP clients, 16.7 GB; more than
+        # the wire takes, a traceback after the cluster started; sizes the run would not use.
+        (["bench-memory", "--prompt-tokens", "1000001"], "'--prompt-tokens'"),
+        (["bench", "--requests", "100000000"], "'--requests'"),
+        (["bench", "--decision-requests", "100000000"], "'--decision-requests'"),
+        (["bench-gateway", "--concurrency", "20000"], "'--concurrency'"),
+        (["bench-gateway", "--concurrency", "300", "--burst", "100"], "more than a burst"),
+        (["bench-gateway", "--max-tokens", "1000001"], "'--max-tokens'"),
+        (["bench", "--live-only", "--requests", "50"], "--requests: size the core figures"),
+        (["bench", "--submitters", "100", "--throughput-requests", "50"],
+         "more than the throughput's 50 requests"),
+    ]:  # fmt: skip
         code, out = _run(*args)
         assert code == 2 and said in out, (args, out)
     assert not (Path.cwd() / "--cluster").exists()
@@ -313,3 +325,32 @@ def test_a_replay_of_a_missing_trace_makes_no_plot_folder(
     )
     assert code == 2 and "trace not found" in out, out
     assert not plots.exists()
+
+
+def test_bench_checks_its_fleet_settings_before_the_core() -> None:
+    """A bad SLUICE_ variable for the live fleet killed its dispatcher after the core's
+    minutes, and the error said only "a fleet process ended early"."""
+    result = CliRunner().invoke(app, ["bench", "--json"], env={"SLUICE_DISPATCHER_LEASE_S": "abc"})
+    assert result.exit_code == 2, result.output
+    assert "the live fleet's settings" in result.output and "lease_s" in result.output
+
+
+def test_a_verdict_says_how_the_figure_stands_to_its_target() -> None:
+    """For a figure where higher is better the factor was the target over the figure: 0.50
+    against a target of 0.4 read "within target, 0.80x the target"."""
+    from sluice.cli import app as face
+    from sluice.cli.benchlive import HotFigures
+
+    hot = HotFigures(
+        latency_requests=10, dispatch_p50_ms=1.0, dispatch_p99_ms=2.0, publish_ack_p50_ms=0.5,
+        publish_ack_between_p50_ms=0.5, submit_p50_ms=0.5, request_reply_p50_ms=0.1,
+        throughput_requests=10, submitters=1, agents=4, prompt_tokens=256, throughput_rps=50.0,
+        dispatcher_cpu_ms_per_request=0.0, agent_cpu_ms_per_request=0.0, raw_jetstream_rps=100.0,
+        raw_jetstream_concurrent_rps=200.0,
+    )  # fmt: skip
+    with face.console.capture() as captured:
+        face._print_hot(hot)
+    said = captured.get()
+    assert "throughput / raw JetStream: 0.50 (target >= 0.4); within target, 1.25x" in said
+    assert "dispatch p50 / publish ack: 2.00 (target <= 4); within target, 0.50x" in said
+    assert "too few requests to count" in said

@@ -202,3 +202,74 @@ def test_a_command_whose_stop_a_library_swallowed_still_ends_interrupted(mode: s
             proc.kill()
             proc.wait()
     assert proc.returncode == 130 and b"finished" not in out, (proc.returncode, out)
+
+
+async def test_a_gateway_start_cut_short_by_ctrl_c_is_an_interruption(nats_url: str) -> None:
+    """A terminal's Ctrl-C stops the gateway too: a start it cut short was an error, exit
+    code 2 with the gateway's KeyboardInterrupt traceback, where 130 was due. Another failed
+    start is still the error it is."""
+    import asyncio
+    import contextlib
+
+    from sluice.cli.benchgateway import _started
+    from sluice.testing.errors import GatewayProcessError
+    from sluice.testing.gateway import GatewayProcess
+
+    def failing() -> GatewayProcess:  # a start that fails at once (bad settings: exit 2)
+        return GatewayProcess(nats_url, env={"SLUICE_GATEWAY_DEFAULT_MAX_TOKENS": "0"})
+
+    with contextlib.ExitStack() as stack, pytest.raises(GatewayProcessError):
+        _started(stack, failing())
+
+    async def told_to_stop() -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        task.cancel()  # as the runner does on Ctrl-C, while the start blocks
+        with contextlib.ExitStack() as stack:
+            _started(stack, failing())
+
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.create_task(told_to_stop())
+
+
+def test_children_do_not_import_from_the_working_directory(
+    nats_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``python -m`` puts the working directory first on the import path: a ``nats.py`` where
+    a benchmark was started shadowed the library in every process it started (``-P`` now)."""
+    from sluice.testing.gateway import GatewayProcess
+
+    (tmp_path / "nats.py").write_text("raise ImportError('shadowed by ./nats.py')\n")
+    monkeypatch.chdir(tmp_path)
+    with GatewayProcess(nats_url) as gw:
+        assert gw.url.startswith("http://127.0.0.1:")
+
+
+@pytest.mark.bench
+def test_bench_gateway_stops_its_gateway_before_its_cluster() -> None:
+    """A SIGTERM mid-run stopped the in-process cluster first: the gateway then waited its
+    whole grace for streams nobody could finish any more (8.4-8.7 s to exit, in a helper's
+    probe). Stopped first, it ends them while the cluster still serves them."""
+    import signal
+
+    from sluice.gateway.server import SHUTDOWN_GRACE_S
+
+    cmd = [sys.executable, "-m", "sluice.cli", "bench-gateway", "--requests", "2000"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:  # the cluster leads: the sequential requests are under way
+            if " leads " in line:
+                break
+        time.sleep(2.0)
+        assert proc.poll() is None
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert code == 130
+    assert took < SHUTDOWN_GRACE_S, f"{took:.1f} s: the gateway waited its grace"
