@@ -273,3 +273,29 @@ def test_bench_gateway_stops_its_gateway_before_its_cluster() -> None:
             proc.wait()
     assert code == 130
     assert took < SHUTDOWN_GRACE_S, f"{took:.1f} s: the gateway waited its grace"
+
+
+_CTRL_C_IN_IMPORTS = """
+import builtins
+real = builtins.__import__
+
+
+def interrupted(name, *args, **kwargs):
+    if name == "sluice.cli.app":
+        raise KeyboardInterrupt  # as a Ctrl-C while the command still imports its parts
+    return real(name, *args, **kwargs)
+
+
+builtins.__import__ = interrupted
+from sluice.cli.__main__ import main
+
+main()
+"""
+
+
+def test_a_ctrl_c_while_the_command_imports_is_exit_code_130() -> None:
+    """A Ctrl-C in the first half second of any command (its imports) was a traceback."""
+    done = subprocess.run(
+        [sys.executable, "-c", _CTRL_C_IN_IMPORTS], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 130 and "Traceback" not in done.stderr, done.stderr
