@@ -410,10 +410,10 @@ def child(scenario: str, params: dict[str, int], trace: bool) -> dict[str, Any]:
     setup, build = _build(scenario, params)
     setup()
     gc.collect()
-    before = _rss_bytes()
-    # Trimmed too, as the after figure is: the live growth compared an untrimmed before with
-    # a trimmed after, and came out negative (-156,058 B a worker, at small sizes).
-    before_trimmed = _trimmed_rss_bytes(before)
+    # Trimmed, the base of both the growth and the live growth: the live growth compared an
+    # untrimmed before with a trimmed after, and came out negative (-156,058 B a worker at
+    # small sizes); trimmed between the before and the build, the growth lost the slack.
+    before = _trimmed_rss_bytes(_rss_bytes())
     if trace:
         tracemalloc.start()
     t0 = time.perf_counter()
@@ -432,7 +432,6 @@ def child(scenario: str, params: dict[str, int], trace: bool) -> dict[str, Any]:
         "params": params,
         "items": built,
         "rss_before_bytes": before,
-        "rss_before_trimmed_bytes": before_trimmed,
         "rss_after_bytes": after,
         "rss_trimmed_bytes": _trimmed_rss_bytes(after),
         "maxrss_bytes": _maxrss_bytes(),
@@ -483,12 +482,20 @@ class Sizes:
 
 def run_child(scenario: str, params: dict[str, int], trace: bool = False) -> dict[str, Any]:
     """One scenario in a fresh interpreter."""
-    from sluice.testing.processes import PYTHON  # (here: a child imports only what it measures)
+    # (Here: a child imports only what it measures.)
+    from sluice.testing.processes import DIE_WITH_PARENT, PYTHON
 
     cmd = [*PYTHON, "-m", "sluice.cli.benchmemory", scenario, json.dumps(params)]
     if trace:
         cmd.append("--trace")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=False)
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=CHILD_TIMEOUT_S,
+        check=False,
+        preexec_fn=DIE_WITH_PARENT,
+    )
     if proc.returncode != 0:  # (its last lines whole: a cut at 2,000 characters began mid-word)
         said = "\n".join(proc.stderr.strip().splitlines()[-12:])
         raise BenchMemoryError(f"{scenario} failed (exit code {proc.returncode}):\n{said}")
@@ -580,7 +587,7 @@ def bench_memory(sizes: Sizes, progress: Callable[[str], None] | None = None) ->
             growth = r["rss_after_bytes"] - r["rss_before_bytes"]
             term.growth.append(growth)
             term.per_item.append(growth / max(1, r["items"]))
-            live = r["rss_trimmed_bytes"] - r["rss_before_trimmed_bytes"]
+            live = r["rss_trimmed_bytes"] - r["rss_before_bytes"]
             term.live_per_item.append(live / max(1, r["items"]))
             term.seconds.append(r["seconds"])
         say(f"run {run + 1}/{s.runs}: the dispatcher with everything")

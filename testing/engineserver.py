@@ -267,7 +267,8 @@ class SimServer:
         self._ids = itertools.count(1)
         self._task: asyncio.Task[None] | None = None
         self.closing = False
-        """Set by :meth:`abort_all`: the server is stopping and takes no more requests."""
+        """Set by :meth:`stop_taking` (and :meth:`abort_all`): the server is stopping and takes
+        no more requests."""
         self.requests_finished_total = 0
         """Requests that ran to their end (not those aborted: vLLM's request_success)."""
         self.generation_tokens_total = 0
@@ -457,7 +458,8 @@ class SimServer:
                 raise BadRequest(f"{param} must not be empty", param)
             if self.tokenizer is not None:  # as a real engine: its tokenizer's ids
                 # (Encoding holds the event loop, and the GIL in any thread: a 30 MB text
-                # held every other request for 14 s. Longer than this it cannot fit.)
+                # held every other request for 14 s: taken as a token per 8 characters at
+                # least, one longer than that is refused untokenized.)
                 self._fits(-(-len(value) // MAX_CHARS_PER_TOKEN), param, "at least ")
                 ids = tuple(self.tokenizer.encode(value))
                 if not ids:
@@ -975,11 +977,12 @@ def serve(
         if not os.path.isdir(os.path.dirname(os.path.abspath(uds))):
             raise ConfigError(f"no folder for the socket {uds}")
         sockets = [_listen_unix(uds)]
+        own = os.lstat(uds)
     with contextlib.ExitStack() as bound:  # (closed if what follows fails)
         for sock in sockets:
             bound.callback(sock.close)
         if uds is not None:
-            bound.callback(os.unlink, uds)
+            bound.callback(_remove_own, uds, own)
         server = SimServer(
             profile,
             model=model,
@@ -1006,8 +1009,7 @@ def serve(
         _stopped_by_signal(config, stopping).run(sockets=sockets)
     finally:
         if uds is not None:  # (its own socket file, not left behind)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(uds)
+            _remove_own(uds, own)
 
 
 def _publisher(endpoint: str | None) -> KVEventPublisher | None:
@@ -1021,6 +1023,8 @@ def _publisher(endpoint: str | None) -> KVEventPublisher | None:
         raise ConfigError(f"cannot publish KV events on {endpoint}: {exc}") from exc
 
 
+_PROBE_S = 1.0
+"""How long a look at a socket file already there waits for its server to take the connection."""
 _BACKLOG = 2048
 """The listening sockets' backlog (uvicorn's default)."""
 
@@ -1058,8 +1062,11 @@ def _listen_unix(path: str) -> socket.socket:
         if not stat.S_ISSOCK(os.lstat(path).st_mode):
             raise ConfigError(f"{path} exists and is not a socket")
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.settimeout(_PROBE_S)  # (a live server with a full backlog does not refuse)
             try:
                 probe.connect(path)
+            except (TimeoutError, BlockingIOError):  # (a Unix socket's full backlog: EAGAIN)
+                raise OSError(errno.EADDRINUSE, "a server holds it (it did not answer)") from None
             except (ConnectionRefusedError, FileNotFoundError):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)  # stale
@@ -1068,11 +1075,21 @@ def _listen_unix(path: str) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.bind(path)
+        os.chmod(path, 0o666)  # (as uvicorn's own: an agent of another user connects)
         sock.listen(_BACKLOG)
     except OSError:
         sock.close()
         raise
     return sock
+
+
+def _remove_own(path: str, own: os.stat_result) -> None:
+    """Remove the socket file at ``path`` if it is still the one made (``own``, its
+    ``lstat``): a server that replaced a stopping one (whose file refused connections, as a
+    dead server's does) has its own there."""
+    with contextlib.suppress(OSError):
+        if os.path.samestat(os.lstat(path), own):
+            os.unlink(path)
 
 
 def _stopped_by_signal(config: Any, on_stop: Callable[[], None]) -> Any:

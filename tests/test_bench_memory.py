@@ -45,6 +45,7 @@ def test_the_memory_benchmark_reports_every_term_as_json() -> None:
         # Live growth is trimmed after against trimmed before (it took an untrimmed before,
         # and was negative at small sizes: -156,058 B a worker at 10 of them).
         assert term["live_bytes_per_item"]["min"] >= 0, term
+        assert term["bytes_per_item"]["min"] >= 0, term  # (both from one trimmed before)
         assert term["attribution"]["items"] == term["params"]["items"]
         assert term["attribution"]["top"], "tracemalloc named no source line"
         # (The measuring itself, libc loaded and /proc read, was 52 % of one term's lines.)

@@ -4,6 +4,7 @@ Prometheus metrics)."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -487,6 +488,66 @@ def test_a_unix_socket_in_use_is_refused_and_a_stale_one_replaced(tmp_path: Path
     assert done.returncode == 2 and "not a socket" in done.stderr, done.stderr
     assert "serving" not in done.stderr and "Traceback" not in done.stderr
     assert regular.read_text() == ""
+
+
+def test_a_stopping_engine_leaves_its_successors_socket_alone(tmp_path: Path) -> None:
+    """A stopping engine's socket file refuses connections for its grace, as a dead one's:
+    a successor replaces it, and the first, once it exits, removed the successor's file (its
+    own path), leaving it unreachable (a review). The file is open to every user, as
+    uvicorn's own was (an agent running as another user could not connect)."""
+    path = str(tmp_path / "engine.sock")
+
+    def client() -> httpx.Client:
+        return httpx.Client(transport=httpx.HTTPTransport(uds=path), base_url="http://e")
+
+    first = _start(["--uds", path, "--model", "A", "--speed", "1"])
+    second = None
+    try:
+        with client() as c:
+            _wait_healthy(c, first)
+            assert os.stat(path).st_mode & 0o777 == 0o666
+            body = {"prompt": PROMPT, "max_tokens": 100_000, "stream": True}
+            with c.stream("POST", "/v1/completions", json=body) as r:
+                lines = r.iter_lines()  # (kept: a dropped iterator closes the connection)
+                assert next(line for line in lines if line.startswith("data:"))
+                os.kill(first.pid, signal.SIGTERM)  # it serves this answer 5 s more
+                time.sleep(0.5)
+                second = _start(["--uds", path, "--model", "B"])
+                with client() as b:
+                    _wait_healthy(b, second)
+                assert first.poll() is None  # still in its grace
+        assert first.wait(timeout=20) == 0
+        with client() as b:
+            assert b.get("/v1/models").json()["data"][0]["id"] == "B"
+    finally:
+        _stop(first)
+        if second is not None:
+            _stop(second)
+
+
+def test_a_socket_whose_server_does_not_answer_is_not_taken_over(tmp_path: Path) -> None:
+    """A live server with a full backlog neither takes nor refuses a connection: the look
+    at it waited for ever (a review); it is in use."""
+    path = str(tmp_path / "busy.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+        server.bind(path)
+        server.listen(0)
+        waiting = []
+        for _ in range(4):  # fill its backlog
+            c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            c.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                c.connect(path)
+            waiting.append(c)
+        try:
+            done = subprocess.run(
+                [sys.executable, "-m", "sluice.cli", "engine", "--uds", path],
+                capture_output=True, text=True, timeout=60,
+            )  # fmt: skip
+        finally:
+            for c in waiting:
+                c.close()
+    assert done.returncode == 2 and "did not answer" in done.stderr, done.stderr
 
 
 def test_kv_events_on_the_http_port_are_refused() -> None:
