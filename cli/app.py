@@ -222,13 +222,11 @@ def bench(
         "--live-requests": live_requests, "--throughput-requests": throughput_requests,
         "--submitters": submitters, "--prompt-tokens": prompt_tokens,
     }  # fmt: skip
-    if skip_live and any(v is not None for v in live.values()):
-        named = ", ".join(k for k, v in live.items() if v is not None)
-        raise fail(f"{named}: size the live figures, which --skip-live skips")
-    core = {"--requests": requests, "--decision-requests": decision_requests}
-    if live_only and any(v is not None for v in core.values()):
-        named = ", ".join(k for k, v in core.items() if v is not None)
-        raise fail(f"{named}: size the core figures, which --live-only skips")
+    if skip_live:
+        _unused(live, "the live figures, which --skip-live skips")
+    if live_only:
+        core = {"--requests": requests, "--decision-requests": decision_requests}
+        _unused(core, "the core figures, which --live-only skips")
     sizes = HotSizes(
         **{
             k: v
@@ -281,6 +279,14 @@ def bench(
             _print_hot(hot)
     if as_json:
         print(json.dumps(figures))
+
+
+def _unused(sizes: dict[str, int | None], what: str) -> None:
+    """Stop with exit code 2 if any of ``sizes`` (option: value) was given: they size ``what``
+    the run skips (they were ignored without a word)."""
+    named = ", ".join(k for k, v in sizes.items() if v is not None)
+    if named:
+        raise fail(f"{named}: size {what}")
 
 
 def _core_figures(requests: int, decision_requests: int, as_json: bool) -> dict[str, Any]:

@@ -61,7 +61,6 @@ class BenchError(Exception):
 
 
 _MODEL = "sim"
-_SLUICE = SLUICE
 _READY_TIMEOUT_S = 60.0
 _INSTANT_SPEED = 1e6
 """The simulated engine's clock speed-up: a 256-token prefill and one token take ~0 s."""
@@ -178,11 +177,13 @@ async def bench_hot(sizes: HotSizes | None = None) -> HotFigures:
         )
         procs: dict[subprocess.Popen[bytes], Path] = {}  # each with its log
         try:
-            d = _spawn(["dispatcher"], _dispatcher_env(server.url), Path(tmp), "d")
-            procs[d] = Path(tmp) / "d.log"
-            for i in range(z.agents):
-                a = _spawn(["agent"], _agent_env(server.url, i), Path(tmp), f"a{i}")
-                procs[a] = Path(tmp) / f"a{i}.log"
+            fleet = [("dispatcher", _dispatcher_env(server.url), Path(tmp) / "d.log")]
+            fleet += [
+                ("agent", _agent_env(server.url, i), Path(tmp) / f"a{i}.log")
+                for i in range(z.agents)
+            ]
+            for part, env, log in fleet:
+                procs[_spawn([part], env, log)] = log
             async with Client(server.url) as client:
                 await _ready(client, z.agents, procs, prompt)
                 dispatch_ms, submit_ms, between_ms = await _dispatch_latency(
@@ -351,10 +352,10 @@ def check_fleet_settings() -> None:
     AgentSettings.load(None, nats_url=url, **_agent_settings(0))
 
 
-def _spawn(args: list[str], env: dict[str, str], logs: Path, name: str) -> subprocess.Popen[bytes]:
-    with (logs / f"{name}.log").open("ab") as out:
+def _spawn(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    with log.open("ab") as out:
         return subprocess.Popen(
-            [*_SLUICE, *args],
+            [*SLUICE, *args],
             env={**os.environ, **env},
             stdin=subprocess.DEVNULL,
             stdout=out,
@@ -370,9 +371,7 @@ def _died(proc: subprocess.Popen[bytes], log: Path) -> str:
         said = log.read_text(errors="replace").strip().splitlines()[-12:]
     except OSError:
         said = []
-    name = (
-        " ".join(str(a) for a in proc.args[len(_SLUICE) :]) if isinstance(proc.args, list) else ""
-    )
+    name = " ".join(str(a) for a in proc.args[len(SLUICE) :]) if isinstance(proc.args, list) else ""
     return (
         f"a fleet process (sluice {name}) ended early (exit code {proc.returncode}):\n"
         + "\n".join(said)
@@ -413,7 +412,6 @@ async def _ready(
             pass
         await asyncio.sleep(0.1)
     for _ in range(20):  # warm every agent's and the dispatcher's first-use paths
-        stop_if_cancelled()
         h = await client.submit(_MODEL, prompt, max_tokens=1, band="interactive")
         await h.result(timeout_s=_READY_TIMEOUT_S)
 
@@ -457,7 +455,6 @@ async def _throughput(client: Client, n: int, submitters: int, prompt: list[int]
     async def submitter(count: int) -> None:
         nonlocal failed
         for _ in range(count):
-            stop_if_cancelled()
             h = await client.submit(_MODEL, prompt, max_tokens=1, band="interactive")
             failed += not (await h.result(timeout_s=60)).ok
 

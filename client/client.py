@@ -36,7 +36,7 @@ from sluice.client.settings import (
     ClientSettings,
 )
 from sluice.client.subscriptions import DEFAULT_ACK_WAIT_S, ResultSubscription
-from sluice.common.aio import wait_at_most
+from sluice.common.aio import stop_if_cancelled, wait_at_most
 from sluice.common.tokenizer import PromptTokenizer
 from sluice.common.transport import BrokerAuth, TransportError, connect
 from sluice.schemas import names
@@ -435,6 +435,9 @@ class Client:
                     if attempt == policy.attempts or late:
                         raise
                     await asyncio.sleep(wait)
+            # nats-py swallows a cancellation that meets its publish path: a caller told to
+            # stop ran on (a benchmark's loop of submits, in one try of two).
+            stop_if_cancelled()
         except BaseException:
             await handle._unsubscribe()
             raise
@@ -701,6 +704,7 @@ class Client:
         """A request/reply to the dispatcher; every failure is ``ServiceUnavailable``."""
         try:
             msg = await self.nc.request(subject, payload, timeout=timeout_s)
+            stop_if_cancelled()  # (as in submit)
         except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as exc:
             raise ServiceUnavailable(f"no dispatcher answered the {what} query") from exc
         except _NATS_ERRORS as exc:

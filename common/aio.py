@@ -21,8 +21,9 @@ def stop_if_cancelled() -> None:
     """Raise ``CancelledError`` if this task was asked to stop and the request was swallowed
     on the way: nats-py's publish path catches it (``Client._flush_pending``: ``except
     CancelledError: pass``), so a loop of publishes ran on after Ctrl-C, in one try of two, to
-    its end. Call it once a round in such a loop (never in clean-up code: there the task is
-    being cancelled on purpose)."""
+    its end. ``Client.submit`` and its queries call it after nats-py; call it once a round in
+    a loop of nats-py's own calls (never in clean-up code: there the task is being cancelled
+    on purpose)."""
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError

@@ -565,13 +565,18 @@ _DISCONNECT_POLL_S = 0.25
 """How often a whole answer's wait looks whether its client is still there."""
 
 
-def _bad_request(message: str, param: str | None = None) -> JSONResponse:
-    return _refused(BadRequest(message, param))
-
-
-def _refused(exc: BadRequest) -> JSONResponse:
-    error = {"message": str(exc), "type": "invalid_request_error", "param": exc.param}
-    return JSONResponse({"error": {**error, "code": exc.code}}, status_code=exc.status)
+def _error(
+    status: int,
+    message: str,
+    *,
+    kind: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> JSONResponse:
+    """Every refusal's body, OpenAI-shaped: ``{"error": {message, type, param, code}}``."""
+    error = {"message": message, "type": kind, "param": param, "code": code}
+    return JSONResponse({"error": error}, status_code=status, headers=headers)
 
 
 async def _json(request: Request) -> dict[str, Any]:
@@ -864,18 +869,16 @@ def _guarded(handler: Any) -> Any:
         try:
             result: Response = await handler(request)
         except BadRequest as exc:
-            return _refused(exc)
+            return _error(exc.status, str(exc), param=exc.param, code=exc.code)
         except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800") in the text
-            return _bad_request(f"text that is not valid Unicode: {exc.reason}")
+            return _error(400, f"text that is not valid Unicode: {exc.reason}")
         except ClientDisconnect:  # gone before its body was read: nobody to answer
             return Response(status_code=499)
         except EngineError as exc:  # the server is stopping (SimServer.abort_all)
-            error = {"message": str(exc), "type": "server_error", "param": None, "code": None}
-            return JSONResponse({"error": error}, status_code=503)
+            return _error(503, str(exc), kind="server_error")
         except Exception:  # answered, in JSON, on a connection that stays open
             internal_error(log, "engine.request", "the engine server failed a request")
-            error = {"message": "internal error", "type": "server_error", "param": None}
-            return JSONResponse({"error": {**error, "code": None}}, status_code=500)
+            return _error(500, "internal error", kind="server_error")
         return result
 
     return run
@@ -931,9 +934,7 @@ def build_app(server: SimServer) -> Starlette:
     async def not_routed(_: Request, exc: Exception) -> Response:
         # An unknown path or method: JSON, as every other answer (Starlette's were text).
         assert isinstance(exc, HTTPException)
-        error = {"message": exc.detail, "type": "invalid_request_error", "param": None}
-        body = {"error": {**error, "code": None}}
-        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+        return _error(exc.status_code, exc.detail, headers=exc.headers)
 
     return Starlette(
         routes=routes, lifespan=lifespan, exception_handlers={HTTPException: not_routed}

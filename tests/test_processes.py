@@ -274,7 +274,7 @@ children = [
     nats.pid,
     engine.proc.pid,
     GatewayProcess(nats.url).start().pid,
-    _spawn(["dispatcher"], {"SLUICE_NATS_URL": nats.url}, tmp, "live").pid,
+    _spawn(["dispatcher"], {"SLUICE_NATS_URL": nats.url}, tmp / "live.log").pid,
     _start(nats.url, "failover-0", tmp).pid,
     Proc("router", [sys.executable, "-c", "import time; time.sleep(60)"], str(tmp)).proc.pid,
 ]

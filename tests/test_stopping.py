@@ -299,3 +299,30 @@ def test_a_ctrl_c_while_the_command_imports_is_exit_code_130() -> None:
         [sys.executable, "-c", _CTRL_C_IN_IMPORTS], capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 130 and "Traceback" not in done.stderr, done.stderr
+
+
+async def test_a_loop_of_submits_stops_when_cancelled(nats_url: str) -> None:
+    """The client's submit runs nats-py's publish path, which swallows a cancellation: a loop
+    of submits (a benchmark's, a producer's) ran on after it was cancelled, 10 tries of 20
+    (bench-engine's SIGTERM test once timed out on it). Submit raises it again now."""
+    import asyncio
+
+    from sluice.client import Client, QueueFull
+    from sluice.testing.cluster import LocalCluster
+
+    kw = {"workers": 2, "dispatcher": {"models": ["sim"]}, "agent": {"speed": 1e6}}
+    async with LocalCluster(nats_url, **kw) as _, Client(nats_url) as c:  # type: ignore[arg-type]
+
+        async def submits() -> None:  # (as fast as it can: the publish path is most of it)
+            while True:
+                try:
+                    await c.submit("sim", list(range(64)), max_tokens=1, band="interactive")
+                except QueueFull:
+                    await asyncio.sleep(0.01)
+
+        for _ in range(10):
+            task = asyncio.create_task(submits())
+            await asyncio.sleep(0.2)
+            task.cancel()
+            done, _ = await asyncio.wait({task}, timeout=5)
+            assert done and task.cancelled(), "the loop of submits ran on after it was cancelled"
