@@ -116,14 +116,16 @@ class _Dispatcher:
 
         from sluice.dispatcher.runtime.answers import Answers
         from sluice.dispatcher.runtime.intake import Intake
+        from sluice.dispatcher.runtime.renewals import Renewals
         from sluice.dispatcher.runtime.settings import DispatcherSettings
         from sluice.dispatcher.runtime.state import State
         from sluice.dispatcher.runtime.workers import WorkerTraffic
 
         settings = DispatcherSettings(dispatcher_id="bench-memory", models=["m"])
         self.state = State(settings, None, time.monotonic())
-        answers = Answers(self.state)
-        self.intake = Intake(self.state, answers)
+        renewals = Renewals(self.state)
+        answers = Answers(self.state, renewals)
+        self.intake = Intake(self.state, answers, renewals)
         self.traffic = WorkerTraffic(self.state, answers, self.intake)
         self.nc = NATS()  # never connected: the driven paths publish nothing
         self.seq = 0

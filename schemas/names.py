@@ -301,6 +301,29 @@ ADMISSION_KEY = "admission"
 """JSON of :class:`~sluice.schemas.models.AdmissionOverrides` (``sluice quota set`` writes it)."""
 
 
+# --- renewals (a request held through many leader changes; a JetStream KV bucket) ------------
+
+RENEWAL_HEADER = "Sluice-Renewal"
+"""On a request message the leader published again to renew its deliveries: its generation
+(1 for the first renewal). The copy's ``Nats-Msg-Id`` is :func:`renewal_msg_id`."""
+RENEWAL_BUCKET = "SLUICE_RENEWALS"
+"""When each renewed request arrived (keyed by :func:`renewal_key`), written by the leader
+once the renewed copy is stored: the copy keeps its place in the queue, and a producer cannot
+claim an arrival (the bucket is the dispatchers')."""
+
+
+def renewal_msg_id(request_id: str, generation: int) -> str:
+    """The ``Nats-Msg-Id`` of a request's renewed copy (another id than the producer's, so
+    that the broker's duplicate window does not drop it)."""
+    return f"{request_id}~r{generation}"
+
+
+def renewal_key(request_id: str) -> str:
+    """A request's key in :data:`RENEWAL_BUCKET` (a digest: a KV key allows fewer characters
+    than a request id; the value names the request)."""
+    return hashlib.sha256(request_id.encode("utf-8")).hexdigest()[:32]
+
+
 # --- leadership (a JetStream KV bucket; announcements on core NATS) ----------------------------
 
 LEADER_BUCKET = "SLUICE_LEADER"

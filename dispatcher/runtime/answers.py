@@ -20,6 +20,7 @@ from nats.js.errors import NotFoundError
 
 from sluice.common.errors import internal_error
 from sluice.dispatcher.runtime import metrics
+from sluice.dispatcher.runtime.renewals import Renewals
 from sluice.dispatcher.runtime.state import BROKER_ERRORS, State
 from sluice.dispatcher.scheduler import Ended
 from sluice.schemas import names
@@ -85,8 +86,9 @@ class Named(Protocol):
 class Answers:
     """Publishes results of requests that did not run, and dead letters."""
 
-    def __init__(self, state: State) -> None:
+    def __init__(self, state: State, renewals: Renewals) -> None:
         self.state = state
+        self.renewals = renewals
 
     async def publish_result(self, result: Result) -> bool:
         """Store a result (deduplicated by request id); False if the broker did not take it."""
@@ -283,8 +285,16 @@ class Answers:
             req: SubmitRequest | None = decode(data, SubmitRequest)
         except DecodeError:
             req = None  # no producer to answer: the dead letter keeps the bytes
-        if req is not None and self.state.held.get(req.request_id) is not None:
+        held = None if req is None else self.state.held.get(req.request_id)
+        if held is not None and held.stream_seq == seq:
             return True  # we hold it now (a delivery raced the advisory): it is being served
+        if req is not None:
+            renewed = held is not None or await self.renewals.renewed(req.request_id, seq)
+            if renewed is None:
+                log.warning("whether %s was renewed is unknown; retried later", req.request_id)
+                return False
+            if renewed:  # its copy is queued (or served): this one only leaves the queue
+                return await self._remove(stream, seq, "renewed; its older copy removed")
         stored = None if req is None else await self._stored_result(req.tenant, req.request_id)
         if stored is not None and not _undeliverable(stored):
             # It ran, or ended otherwise (its result was stored while no dispatcher acked it):

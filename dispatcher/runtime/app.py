@@ -40,7 +40,7 @@ from nats.aio.subscription import Subscription
 from nats.js.client import JetStreamContext
 
 from sluice.common.aio import finish_tasks, wait_event
-from sluice.common.errors import TransportError
+from sluice.common.errors import TransportError, internal_error
 from sluice.common.probes import Probe, nats_state
 from sluice.common.transport import connect
 from sluice.dispatcher.errors import BrokerUnreachable
@@ -56,6 +56,7 @@ from sluice.dispatcher.runtime.gauges import Gauges
 from sluice.dispatcher.runtime.handoff import HandOff
 from sluice.dispatcher.runtime.intake import Intake
 from sluice.dispatcher.runtime.reconciler import Reconciler
+from sluice.dispatcher.runtime.renewals import Renewals
 from sluice.dispatcher.runtime.settings import DispatcherSettings
 from sluice.dispatcher.runtime.state import BROKER_ERRORS, State
 from sluice.dispatcher.runtime.streams import ensure_streams
@@ -85,8 +86,9 @@ class Dispatcher:
         self._own_nc = nc is None
         self._state = st = State(settings, policy, time.monotonic())
         st.nc_or_none = nc
-        self._answers = Answers(st)
-        self._intake = Intake(st, self._answers)
+        self._renewals = Renewals(st)
+        self._answers = Answers(st, self._renewals)
+        self._intake = Intake(st, self._answers, self._renewals)
         self._workers = WorkerTraffic(st, self._answers, self._intake)
         self._gauges = Gauges(st)
         self._handoff = HandOff(st, self._answers, self._workers, self._gauges)
@@ -190,6 +192,7 @@ class Dispatcher:
     async def _start_parts(self) -> None:
         st = self._state
         await ensure_streams(st.js, self.settings)
+        await self._renewals.start()
         st.started_s = time.monotonic()
         nc = st.nc
         self._subs = [
@@ -254,6 +257,7 @@ class Dispatcher:
         st = self._state
         st.term += 1  # the pull tasks of the old term end at their next turn
         st.forget_term(time.monotonic())
+        self._renewals.forget_term()
         st.kick.set()
 
     def _task(self, coro: object, name: str) -> None:
@@ -348,3 +352,8 @@ class Dispatcher:
                     await held.msg.in_progress()
                 except BROKER_ERRORS:
                     log.debug("in-progress ack of %s failed", held.request_id)
+            if st.leading():
+                try:
+                    await self._renewals.tick()
+                except Exception:  # the loop must go on: the in-progress acks keep all held
+                    internal_error(log, "dispatcher.renewals", "renewing held requests failed")

@@ -16,6 +16,7 @@ from nats.js.client import JetStreamContext
 from sluice.common.errors import internal_error
 from sluice.dispatcher.runtime import metrics
 from sluice.dispatcher.runtime.answers import NOT_LEADING_WAIT_S, Answers, ack, give_back
+from sluice.dispatcher.runtime.renewals import Renewals, generation
 from sluice.dispatcher.runtime.state import BROKER_ERRORS, Held, State
 from sluice.dispatcher.scheduler import Request
 from sluice.schemas import names
@@ -30,9 +31,10 @@ log = logging.getLogger("sluice.dispatcher")
 class Intake:
     """Pulls requests from the band streams into the scheduler."""
 
-    def __init__(self, state: State, answers: Answers) -> None:
+    def __init__(self, state: State, answers: Answers, renewals: Renewals) -> None:
         self.state = state
         self.answers = answers
+        self.renewals = renewals
 
     async def pull_loop(
         self, band: str, psub: JetStreamContext.PullSubscription, term: int
@@ -165,8 +167,11 @@ class Intake:
             return
         rid = req.request_id
         ids = st.tokenizers.prompt_ids(req.model, req.prompt_tokens, req.prompt_text)
-        request = _request(req, msg, now, ids)
-        if meta.num_delivered <= 1:  # a redelivery's store time says nothing of the intake
+        renewed = generation(msg) > 0
+        arrived_unix_ms = await self.renewals.arrived_unix_ms(msg, rid) if renewed else None
+        request = _request(req, msg, now, ids, arrived_unix_ms)
+        if meta.num_delivered <= 1 and not renewed:  # (a redelivery's or a renewed copy's
+            # store time says nothing of the intake)
             metrics.INTAKE.labels(band).observe(max(0.0, time.monotonic() - request.arrived_s))
         outcome = st.scheduler.enqueue(request, now)
         if outcome.status in ("queued", "adopted"):
@@ -195,6 +200,9 @@ class Intake:
         if held is not None:
             if held.stream_seq == msg.metadata.sequence.stream:
                 held.msg = msg  # a redelivery of the message we hold: keep the newest handle
+            elif self.renewals.newer(held, msg):  # its renewed copy: held instead of the old
+                old, held.msg, held.stream_seq = held.msg, msg, msg.metadata.sequence.stream
+                await ack(old)
             else:
                 metrics.DUPLICATES.inc()
                 await ack(msg)
@@ -318,13 +326,22 @@ def more_behind(msg: Msg) -> bool:
     return meta.num_pending > 0 or meta.num_delivered > 1
 
 
-def _request(req: SubmitRequest, msg: Msg, now: float, ids: Sequence[int] | None) -> Request:
+def _request(
+    req: SubmitRequest,
+    msg: Msg,
+    now: float,
+    ids: Sequence[int] | None,
+    arrived_unix_ms: float | None = None,
+) -> Request:
     """The scheduler's view of a submitted request, on the monotonic clock: it arrived when
-    the broker stored it, and its deadline is the producer's wall-clock deadline. ``ids``: its
-    prompt's token ids (given or tokenized here), None for the byte fallback."""
+    the broker stored it (a renewed copy: when its first message was, ``arrived_unix_ms``),
+    and its deadline is the producer's wall-clock deadline. ``ids``: its prompt's token ids
+    (given or tokenized here), None for the byte fallback."""
     wall = time.time()
     stamp = msg.metadata.timestamp
     stored_s = stamp.timestamp() if stamp else wall
+    if arrived_unix_ms is not None:
+        stored_s = min(stored_s, arrived_unix_ms / 1000)
     deadline_s = None
     if req.deadline_unix_ms is not None:
         deadline_s = now + (req.deadline_unix_ms / 1000 - wall)

@@ -17,6 +17,10 @@ REJECTED = Counter(
 )
 DUPLICATES = Counter("sluice_dispatcher_duplicates_total", "Duplicate submissions dropped")
 REQUEUED = Counter("sluice_dispatcher_requeued_total", "Requests re-run after a worker was lost")
+RENEWALS = Counter(
+    "sluice_dispatcher_renewals_total",
+    "Held requests published again with their deliveries renewed (after many leader changes)",
+)
 LOOKUPS_DEFERRED = Counter(
     "sluice_dispatcher_lookups_deferred_total",
     "Requests sent back because their result could not be looked up (redelivered or requeued)",

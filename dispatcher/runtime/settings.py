@@ -218,6 +218,15 @@ class DispatcherSettings(BrokerSettings):
     max_deliver: int = Field(
         default=10, ge=2, description="Deliveries of a request before it goes to dead letters."
     )
+    max_renewals: int = Field(
+        default=10,
+        ge=0,
+        description=(
+            "Times the leader may renew a held request's deliveries (every leader change "
+            "spends one): a request survives about max_deliver / 2 leader changes more each "
+            "time; 0 dead-letters one after max_deliver leader changes."
+        ),
+    )
     stream_replicas: int = Field(
         default=1, ge=1, le=5, description="JetStream replicas of every stream (3 in a cluster)."
     )

@@ -64,7 +64,7 @@ def result_stream(s: DispatcherSettings) -> api.StreamConfig:
     )
 
 
-_KEEP_S = 7 * 24 * 3600.0
+KEEP_S = 7 * 24 * 3600.0
 """How long dead letters and unserved advisories are kept."""
 
 
@@ -75,7 +75,7 @@ def dead_letter_stream(s: DispatcherSettings) -> api.StreamConfig:
         name=names.DEAD_LETTER_STREAM,
         subjects=[names.DEAD_LETTER_SUBJECTS],
         retention=api.RetentionPolicy.LIMITS,
-        max_age=_KEEP_S,
+        max_age=KEEP_S,
         storage=api.StorageType.FILE,
         num_replicas=s.stream_replicas,
         duplicate_window=s.duplicate_window_s,
@@ -95,7 +95,7 @@ def advisory_stream(s: DispatcherSettings) -> api.StreamConfig:
         retention=api.RetentionPolicy.WORK_QUEUE,
         discard=api.DiscardPolicy.OLD,
         max_msgs=s.max_kept_advisories,
-        max_age=_KEEP_S,
+        max_age=KEEP_S,
         storage=api.StorageType.FILE,
         num_replicas=s.stream_replicas,
     )
