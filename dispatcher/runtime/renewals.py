@@ -84,18 +84,17 @@ class Renewals:
         spent, renewals left. Called by the keepalive loop after its in-progress acks."""
         st = self.state
         s = st.settings
-        due_from = renew_from(s.max_deliver)
-        before, self._ticked = self._ticked, set(st.held)
         if s.max_renewals == 0:
             return
+        due_from = renew_from(s.max_deliver)
+        before = self._ticked
+        # Only the requests far enough in their deliveries (rare): no set of every held one.
+        self._ticked = {
+            rid for rid, h in st.held.items() if h.msg.metadata.num_delivered >= due_from
+        }
         for rid in before & self._ticked:
             held = st.held.get(rid)
-            if (
-                held is None
-                or rid in self.renewing
-                or held.msg.metadata.num_delivered < due_from
-                or generation(held.msg) >= s.max_renewals
-            ):
+            if held is None or rid in self.renewing or generation(held.msg) >= s.max_renewals:
                 continue
             if not await self._renew(held):
                 return  # the broker is away, or the band's queue full: the next tick tries
