@@ -230,3 +230,43 @@ async def test_an_exhausted_older_copy_leaves_its_queue_unanswered(nats_url: str
         assert answer.rejection.reason is RejectReason.UNDELIVERABLE
         letters = await js.stream_info(names.DEAD_LETTER_STREAM)
         assert letters.state.messages == 1
+
+
+async def test_a_copy_pulled_after_its_request_ended_does_not_run_again(nats_url: str) -> None:
+    """A renewed copy can wait to be pulled (a full buffer) while its request runs and ends,
+    its older message acked, and the leader change: on its first delivery it is looked up, as
+    a redelivery is, and acked, not run a second time."""
+    async with (
+        LocalCluster(nats_url, **cluster_kwargs(workers=1)) as cluster,
+        Client(nats_url) as c,
+    ):
+        js = c.nc.jetstream()
+        handle = await c.submit("sim", PROMPT, max_tokens=5, request_id="ended")
+        assert (await handle.result(timeout_s=30)).ok
+
+        async def acked() -> bool:  # its completion reached the leader, its message acked
+            return cluster.dispatcher.held == 0
+
+        await eventually(acked)
+        # Another leader now: this one's scheduler remembers the request ended.
+        await cluster.dispatcher.stop()
+        cluster.dispatcher = Dispatcher(cluster.dispatcher_settings)
+        await cluster.dispatcher.start()
+        body = SubmitRequest(
+            request_id="ended",
+            model="sim",
+            prompt_tokens=PROMPT,
+            max_tokens=5,
+            submitted_unix_ms=int(time.time() * 1000),
+        )
+        copy = {names.MSG_ID_HEADER: names.renewal_msg_id("ended", 1), names.RENEWAL_HEADER: "1"}
+        await js.publish(
+            names.request_subject("standard", "sim", "default"), encode(body), headers=copy
+        )
+
+        async def queue_empty() -> bool:
+            return await _queued(js) == 0
+
+        await eventually(queue_empty)
+        await _sleep(0.5)
+        assert cluster.agents[0].completed == 1

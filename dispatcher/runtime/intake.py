@@ -210,7 +210,11 @@ class Intake:
         if st.cancelled.has(rid, now):  # cancelled before it got here, or coming back
             await self._end_cancelled(req, msg)
             return True
-        if msg.metadata.num_delivered <= 1:
+        if generation(msg) > 0:
+            self.renewals.arrived(rid)
+        elif msg.metadata.num_delivered <= 1:
+            # (A renewed copy is looked up on its first delivery too: its request may have
+            # ended, its older message acked, while the copy waited to be pulled.)
             return False
         key = (req.tenant, rid)
         exists = known[key] if key in known else await self.answers.result_known(*key)

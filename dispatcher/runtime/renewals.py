@@ -181,12 +181,16 @@ class Renewals:
             log.warning("the renewal entry of %s does not read", request_id)
             return None
 
+    def arrived(self, request_id: str) -> None:
+        """A renewed copy of the request reached this leader (held, or its request ended)."""
+        self.renewing.pop(request_id, None)
+
     def newer(self, held: Held, msg: Msg) -> bool:
         """Whether ``msg``, another message of a held request, is a newer copy than the one
         held (a renewal): it is then held instead, and the older acked."""
         if generation(msg) <= generation(held.msg):
             return False
-        self.renewing.pop(held.request_id, None)
+        self.arrived(held.request_id)
         return True
 
 
