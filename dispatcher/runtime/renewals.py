@@ -51,6 +51,10 @@ def renew_from(max_deliver: int) -> int:
     return max(2, -(-max_deliver // 2))
 
 
+_FAILURES_PER_TICK = 3
+"""Refused renewals after which a keepalive tick stops renewing (the broker is likely away)."""
+
+
 class Renewals:
     """Renews the held requests whose deliveries run out (see the module docstring)."""
 
@@ -58,7 +62,8 @@ class Renewals:
         self.state = state
         self._kv: KeyValue | None = None
         self._ticked: set[str] = set()
-        """Requests held at the last keepalive tick: those held since may be renewed."""
+        """Requests held at the last keepalive tick from their delivery :func:`renew_from`
+        on: those held since may be renewed."""
         self.renewing: dict[str, int] = {}
         """Request id -> the generation of its copy published by this leader and not seen
         back yet (not renewed again meanwhile)."""
@@ -92,17 +97,22 @@ class Renewals:
         self._ticked = {
             rid for rid, h in st.held.items() if h.msg.metadata.num_delivered >= due_from
         }
+        failed = 0
         for rid in before & self._ticked:
             held = st.held.get(rid)
             if held is None or rid in self.renewing or generation(held.msg) >= s.max_renewals:
                 continue
+            # A copy the broker refuses (the broker away, a tenant's or a band's queue full)
+            # is tried again at the next tick; a few refusals end this one.
             if not await self._renew(held):
-                return  # the broker is away, or the band's queue full: the next tick tries
+                failed += 1
+                if failed >= _FAILURES_PER_TICK:
+                    return
 
     async def _renew(self, held: Held) -> bool:
         st, rid = self.state, held.request_id
         gen = generation(held.msg) + 1
-        arrived_unix_ms = self._arrived_unix_ms(rid)
+        arrived_unix_ms = self._arrived_unix_ms(held)
         try:
             ack = await st.js.publish(
                 held.msg.subject,
@@ -129,15 +139,21 @@ class Renewals:
                 log.warning("the arrival of renewed %s was not stored", rid)
         return True
 
-    def _arrived_unix_ms(self, request_id: str) -> int | None:
-        sched = self.state.scheduler
-        request = sched.queued_request(request_id)
+    def _arrived_unix_ms(self, held: Held) -> int | None:
+        """When the held request arrived, as the scheduler has it (queued or booked), else
+        when its message was stored if that is the producer's own (a request out of the
+        queue for a moment, its result being looked up)."""
+        sched, rid = self.state.scheduler, held.request_id
+        request = sched.queued_request(rid)
         if request is None:
-            booking = sched.booking(request_id)
+            booking = sched.booking(rid)
             request = None if booking is None else booking.request
-        if request is None:
-            return None
-        return int((time.time() - (time.monotonic() - request.arrived_s)) * 1000)
+        if request is not None:
+            return int((time.time() - (time.monotonic() - request.arrived_s)) * 1000)
+        stamp = held.msg.metadata.timestamp
+        if generation(held.msg) == 0 and stamp is not None:
+            return int(stamp.timestamp() * 1000)
+        return None
 
     async def arrived_unix_ms(self, msg: Msg, request_id: str) -> float | None:
         """When a renewed copy's request arrived: None for a producer's own message, or when
