@@ -117,6 +117,50 @@ def max_deliveries_advisory(band: str) -> str:
     )
 
 
+# --- renewed requests (one JetStream work-queue stream, only dispatchers publish to it) -------
+
+RENEWED_STREAM = "SLUICE_RENEWED"
+"""Copies of held requests whose deliveries the leader renewed (every leader change spends one
+of each held request's ``max_deliver``): outside the bands' bounded queues, so that a full
+queue never refuses one, and written by dispatchers only (a producer's permissions cover
+``sluice.req`` alone), so that a copy's headers are trusted."""
+RENEWED_SUBJECTS = f"{PREFIX}.renewed.>"
+RENEWED_CONSUMER = "sluice-dispatch-renewed"
+"""The durable pull consumer the leading dispatcher reads :data:`RENEWED_STREAM` with."""
+RENEWAL_HEADER = "Sluice-Renewal"
+"""A renewed copy's generation (1 for the first renewal of a request)."""
+ARRIVED_HEADER = "Sluice-Arrived-Unix-Ms"
+"""When a renewed copy's request arrived (its first message was stored): its place in the
+queue."""
+
+
+def renewed_subject(band: str, model: str, tenant: str, request_id: str) -> str:
+    """A request's renewed copies: ``sluice.renewed.<band>.<model>.<tenant>.<request_id>`` (one
+    subject per request, so that its newest copy can be looked up)."""
+    return (
+        f"{PREFIX}.renewed.{subject_token(band)}.{subject_token(model)}."
+        f"{subject_token(tenant)}.{subject_token(request_id)}"
+    )
+
+
+def parse_renewed_subject(subject: str) -> tuple[str, str, str]:
+    """``(band, model, tenant)`` of a renewed copy's subject; ``ValueError`` if not one."""
+    parts = subject.split(".")
+    if len(parts) != 6 or parts[0] != PREFIX or parts[1] != "renewed":
+        raise ValueError(f"not a renewed request subject: {subject!r}")
+    return token_value(parts[2]), token_value(parts[3]), token_value(parts[4])
+
+
+def renewal_msg_id(request_id: str, generation: int) -> str:
+    """The ``Nats-Msg-Id`` of a request's renewed copy."""
+    return f"{request_id}~r{generation}"
+
+
+def renewed_max_deliveries_advisory() -> str:
+    """The advisory of a renewed copy that reached ``max_deliver`` without being acked."""
+    return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{RENEWED_STREAM}.{RENEWED_CONSUMER}"
+
+
 ADVISORY_STREAM = "SLUICE_ADVISORIES"
 """The work-queue stream that keeps max-deliveries advisories until the leader has answered
 their requests (the broker sends each once, over core NATS, whoever is listening then)."""
@@ -299,29 +343,6 @@ WORKERS_SUBJECT = f"{PREFIX}.workers"
 CONFIG_BUCKET = "SLUICE_CONFIG"
 ADMISSION_KEY = "admission"
 """JSON of :class:`~sluice.schemas.models.AdmissionOverrides` (``sluice quota set`` writes it)."""
-
-
-# --- renewals (a request held through many leader changes; a JetStream KV bucket) ------------
-
-RENEWAL_HEADER = "Sluice-Renewal"
-"""On a request message the leader published again to renew its deliveries: its generation
-(1 for the first renewal). The copy's ``Nats-Msg-Id`` is :func:`renewal_msg_id`."""
-RENEWAL_BUCKET = "SLUICE_RENEWALS"
-"""When each renewed request arrived (keyed by :func:`renewal_key`), written by the leader
-once the renewed copy is stored: the copy keeps its place in the queue, and a producer cannot
-claim an arrival (the bucket is the dispatchers')."""
-
-
-def renewal_msg_id(request_id: str, generation: int) -> str:
-    """The ``Nats-Msg-Id`` of a request's renewed copy (another id than the producer's, so
-    that the broker's duplicate window does not drop it)."""
-    return f"{request_id}~r{generation}"
-
-
-def renewal_key(request_id: str) -> str:
-    """A request's key in :data:`RENEWAL_BUCKET` (a digest: a KV key allows fewer characters
-    than a request id; the value names the request)."""
-    return hashlib.sha256(request_id.encode("utf-8")).hexdigest()[:32]
 
 
 # --- leadership (a JetStream KV bucket; announcements on core NATS) ----------------------------

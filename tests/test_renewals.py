@@ -4,7 +4,6 @@ nats-server): every leader change spends one of its ``max_deliver`` deliveries."
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import pytest
@@ -105,59 +104,58 @@ async def test_without_renewals_leader_changes_dead_letter_a_waiting_request(
         assert info.value.reason is RejectReason.UNDELIVERABLE
 
 
-async def _queued(js: JetStreamContext) -> int:
-    info = await js.stream_info(names.request_stream("standard"))
+async def _queued(js: JetStreamContext, stream: str = names.request_stream("standard")) -> int:
+    info = await js.stream_info(stream)
     return int(info.state.messages)
+
+
+def _body(request_id: str) -> SubmitRequest:
+    return SubmitRequest(
+        request_id=request_id,
+        model="sim",
+        prompt_tokens=PROMPT,
+        max_tokens=5,
+        submitted_unix_ms=int(time.time() * 1000),
+    )
+
+
+def _copy(request_id: str, generation: int, arrived_unix_ms: int) -> tuple[str, dict[str, str]]:
+    """The subject and headers of a renewed copy, as a leader publishes it."""
+    return names.renewed_subject("standard", "sim", "default", request_id), {
+        names.MSG_ID_HEADER: names.renewal_msg_id(request_id, generation),
+        names.RENEWAL_HEADER: str(generation),
+        names.ARRIVED_HEADER: str(arrived_unix_ms),
+    }
+
+
+SUBJECT = names.request_subject("standard", "sim", "default")
 
 
 async def test_a_renewed_copy_is_held_and_its_older_message_acked(nats_url: str) -> None:
     """The producer's message and a renewed copy of it (as a leader that died between
     publishing the copy and seeing it left them): the newer is held, the older acked, and the
-    request keeps the older's arrival. A copy alone, whose arrival is not in the renewals
-    bucket, arrives when it was stored (a producer's header claims no place in the queue)."""
+    request keeps its arrival. A producer's message with a copy's headers is no copy: it
+    claims no place in the queue (only dispatchers publish renewed copies)."""
     async with LocalCluster(nats_url, **_settings()) as cluster, Client(nats_url) as c:
         js = c.nc.jetstream()
-        request = SubmitRequest(
-            request_id="copied",
-            model="sim",
-            prompt_tokens=PROMPT,
-            max_tokens=5,
-            submitted_unix_ms=int(time.time() * 1000),
-        )
-        subject = names.request_subject("standard", "sim", "default")
-        await js.publish(subject, encode(request), headers={names.MSG_ID_HEADER: "copied"})
+        request = _body("copied")
+        await js.publish(SUBJECT, encode(request), headers={names.MSG_ID_HEADER: "copied"})
+        arrived_ms = int(time.time() * 1000)
         await _sleep(1.0)
         copied_s = time.monotonic()
-        await js.publish(
-            subject,
-            encode(request),
-            headers={
-                names.MSG_ID_HEADER: names.renewal_msg_id("copied", 1),
-                names.RENEWAL_HEADER: "1",
-            },
-        )
+        subject, headers = _copy("copied", 1, arrived_ms)
+        await js.publish(subject, encode(request), headers=headers)
 
         async def copy_held() -> bool:
             held = cluster.dispatcher._state.held.get("copied")
-            return held is not None and generation(held.msg) == 1 and await _queued(js) == 1
+            return held is not None and generation(held.msg) == 1 and await _queued(js) == 0
 
         await eventually(copy_held)
         queued = cluster.dispatcher.scheduler.queued_request("copied")
         assert queued is not None and queued.arrived_s < copied_s - 0.5
-        forged = request.model_copy(update={"request_id": "forged"})
-        # An entry of an earlier renewal under the same id names another message.
-        entry = {"request_id": "forged", "stream_seq": 1, "arrived_unix_ms": 0}
-        bucket = await js.key_value(names.RENEWAL_BUCKET)
-        await bucket.put(names.renewal_key("forged"), json.dumps(entry).encode())
         forged_s = time.monotonic()
-        await js.publish(
-            subject,
-            encode(forged),
-            headers={
-                names.MSG_ID_HEADER: names.renewal_msg_id("forged", 3),
-                names.RENEWAL_HEADER: "3",
-            },
-        )
+        _, headers = _copy("forged", 3, 0)
+        await js.publish(SUBJECT, encode(_body("forged")), headers=headers)
 
         async def forged_queued() -> bool:
             return cluster.dispatcher.scheduler.queued_request("forged") is not None
@@ -165,6 +163,7 @@ async def test_a_renewed_copy_is_held_and_its_older_message_acked(nats_url: str)
         await eventually(forged_queued)
         queued = cluster.dispatcher.scheduler.queued_request("forged")
         assert queued is not None and queued.arrived_s > forged_s - 0.5
+        assert generation(cluster.dispatcher._state.held["forged"].msg) == 0
         agent = await cluster.add_agent("late-worker")
 
         async def answered() -> bool:
@@ -174,58 +173,61 @@ async def test_a_renewed_copy_is_held_and_its_older_message_acked(nats_url: str)
         result = await c.fetch_result("copied")
         assert result is not None and result.ok
 
-        async def queue_empty() -> bool:
-            return await _queued(js) == 0
+        async def queues_empty() -> bool:
+            return await _queued(js) + await _queued(js, names.RENEWED_STREAM) == 0
 
-        await eventually(queue_empty, timeout_s=30)
+        await eventually(queues_empty, timeout_s=30)
         assert agent.completed == 2  # "copied" once, "forged" once
 
 
 async def test_an_exhausted_older_copy_leaves_its_queue_unanswered(nats_url: str) -> None:
     """A request's older message exhausted its deliveries while its renewed copy lives (held
-    here, or, as the renewals bucket says, stored later for a leader to come): the
-    max-deliveries advisory only removes the older message; answering ``undeliverable`` would
-    end a request that is queued. (A buffer of one keeps the other messages in the stream,
+    here, or stored for a leader to come): the max-deliveries advisory only removes the older
+    message; answering ``undeliverable`` would end a request that is queued. A request whose
+    copy is gone (it ran, or never was) is answered; a request submitted twice whose other
+    message is held is not. (A buffer of one keeps the band's other messages in its stream,
     unpulled.)"""
-    kw = _settings(max_buffered=1)
-    async with LocalCluster(nats_url, **kw) as cluster, Client(nats_url) as c:
+    async with (
+        LocalCluster(nats_url, **_settings(max_buffered=1)) as cluster,
+        Client(nats_url) as c,
+    ):
         js = c.nc.jetstream()
-        subject = names.request_subject("standard", "sim", "default")
-        body = SubmitRequest(
-            request_id="renewed",
-            model="sim",
-            prompt_tokens=PROMPT,
-            max_tokens=5,
-            submitted_unix_ms=int(time.time() * 1000),
-        )
-        copy = {names.MSG_ID_HEADER: names.renewal_msg_id("renewed", 1), names.RENEWAL_HEADER: "1"}
-        await js.publish(subject, encode(body), headers=copy)
+        st = cluster.dispatcher._state
+        # A request that fills the band's buffer (the band's pull then waits for room).
+        await js.publish(SUBJECT, encode(_body("twice")), headers={names.MSG_ID_HEADER: "t1"})
+        now_ms = int(time.time() * 1000)
+        subject, headers = _copy("renewed", 1, now_ms)
+        await js.publish(subject, encode(_body("renewed")), headers=headers)
+        subject, headers = _copy("elsewhere", 1, now_ms)
+        await js.publish(subject, encode(_body("elsewhere")), headers=headers)
 
         async def held() -> bool:
-            return cluster.dispatcher.held == 1
+            return len(st.held) == 3
 
         await eventually(held)
-        older = await js.publish(subject, encode(body), headers={names.MSG_ID_HEADER: "renewed"})
-        other = body.model_copy(update={"request_id": "elsewhere"})
-        elsewhere = await js.publish(subject, encode(other), headers={names.MSG_ID_HEADER: "x"})
-        entry = {"request_id": "elsewhere", "stream_seq": elsewhere.seq + 5, "arrived_unix_ms": 0}
-        bucket = await js.key_value(names.RENEWAL_BUCKET)
-        await bucket.put(names.renewal_key("elsewhere"), json.dumps(entry).encode())
-        again = body.model_copy(update={"request_id": "again"})
-        stale = {"request_id": "again", "stream_seq": 1, "arrived_unix_ms": 0}
-        await bucket.put(names.renewal_key("again"), json.dumps(stale).encode())
-        resubmitted = await js.publish(subject, encode(again), headers={names.MSG_ID_HEADER: "a"})
-        assert await _queued(js) == 4
+        # "elsewhere": its copy is stored, but this leader has not taken it (yet).
+        assert st.release_held("elsewhere") is not None
+        older = await js.publish(
+            SUBJECT, encode(_body("renewed")), headers={names.MSG_ID_HEADER: "renewed"}
+        )
+        elsewhere = await js.publish(
+            SUBJECT, encode(_body("elsewhere")), headers={names.MSG_ID_HEADER: "elsewhere"}
+        )
+        gone = await js.publish(SUBJECT, encode(_body("gone")), headers={names.MSG_ID_HEADER: "g"})
+        # Submitted twice under two message ids: the one held lives.
+        twice = await js.publish(
+            SUBJECT, encode(_body("twice")), headers={names.MSG_ID_HEADER: "t2"}
+        )
+        assert await _queued(js) == 5
         answers = cluster.dispatcher._answers
         stream = names.request_stream("standard")
-        for seq in (older.seq, elsewhere.seq, resubmitted.seq):
+        for seq in (older.seq, elsewhere.seq, gone.seq, twice.seq):
             assert await answers._dead_letter_undeliverable(stream, seq, 4)
-        assert await _queued(js) == 1  # the held copy alone
+        assert await _queued(js) == 1  # "twice" as it is held
+        assert await c.fetch_result("twice") is None
         assert await c.fetch_result("renewed") is None
         assert await c.fetch_result("elsewhere") is None
-        # A request renewed long ago under the same id (its entry names an older message)
-        # is no copy of this one: it is answered and dead-lettered.
-        answer = await c.fetch_result("again")
+        answer = await c.fetch_result("gone")
         assert answer is not None and answer.rejection is not None
         assert answer.rejection.reason is RejectReason.UNDELIVERABLE
         letters = await js.stream_info(names.DEAD_LETTER_STREAM)
@@ -233,9 +235,9 @@ async def test_an_exhausted_older_copy_leaves_its_queue_unanswered(nats_url: str
 
 
 async def test_a_copy_pulled_after_its_request_ended_does_not_run_again(nats_url: str) -> None:
-    """A renewed copy can wait to be pulled (a full buffer) while its request runs and ends,
-    its older message acked, and the leader change: on its first delivery it is looked up, as
-    a redelivery is, and acked, not run a second time."""
+    """A renewed copy can wait to be pulled while its request runs and ends, its older
+    message acked, and the leader change: on its first delivery it is looked up, as a
+    redelivery is, and acked, not run a second time."""
     async with (
         LocalCluster(nats_url, **cluster_kwargs(workers=1)) as cluster,
         Client(nats_url) as c,
@@ -252,21 +254,12 @@ async def test_a_copy_pulled_after_its_request_ended_does_not_run_again(nats_url
         await cluster.dispatcher.stop()
         cluster.dispatcher = Dispatcher(cluster.dispatcher_settings)
         await cluster.dispatcher.start()
-        body = SubmitRequest(
-            request_id="ended",
-            model="sim",
-            prompt_tokens=PROMPT,
-            max_tokens=5,
-            submitted_unix_ms=int(time.time() * 1000),
-        )
-        copy = {names.MSG_ID_HEADER: names.renewal_msg_id("ended", 1), names.RENEWAL_HEADER: "1"}
-        await js.publish(
-            names.request_subject("standard", "sim", "default"), encode(body), headers=copy
-        )
+        subject, headers = _copy("ended", 1, int(time.time() * 1000))
+        await js.publish(subject, encode(_body("ended")), headers=headers)
 
-        async def queue_empty() -> bool:
-            return await _queued(js) == 0
+        async def copy_acked() -> bool:
+            return await _queued(js, names.RENEWED_STREAM) == 0
 
-        await eventually(queue_empty)
+        await eventually(copy_acked)
         await _sleep(0.5)
         assert cluster.agents[0].completed == 1

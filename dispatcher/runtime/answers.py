@@ -286,10 +286,12 @@ class Answers:
         except DecodeError:
             req = None  # no producer to answer: the dead letter keeps the bytes
         held = None if req is None else self.state.held.get(req.request_id)
-        if held is not None and held.stream_seq == seq:
+        if held is not None and held.msg.metadata.stream == stream and held.stream_seq == seq:
             return True  # we hold it now (a delivery raced the advisory): it is being served
         if req is not None:
-            renewed = held is not None or await self.renewals.renewed(req.request_id, seq)
+            renewed = held is not None or await self.renewals.newer_copy(
+                req.band, req.model, req.tenant, req.request_id, stream, seq
+            )
             if renewed is None:
                 log.warning("whether %s was renewed is unknown; retried later", req.request_id)
                 return False

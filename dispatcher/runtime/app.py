@@ -40,7 +40,7 @@ from nats.aio.subscription import Subscription
 from nats.js.client import JetStreamContext
 
 from sluice.common.aio import finish_tasks, wait_event
-from sluice.common.errors import TransportError, internal_error
+from sluice.common.errors import TransportError
 from sluice.common.probes import Probe, nats_state
 from sluice.common.transport import connect
 from sluice.dispatcher.errors import BrokerUnreachable
@@ -192,7 +192,6 @@ class Dispatcher:
     async def _start_parts(self) -> None:
         st = self._state
         await ensure_streams(st.js, self.settings)
-        await self._renewals.start()
         st.started_s = time.monotonic()
         nc = st.nc
         self._subs = [
@@ -232,6 +231,14 @@ class Dispatcher:
             )
             for band in s.bands
         ]
+        pulls.append(
+            (
+                "pull-renewed",
+                names.RENEWED_STREAM,
+                names.RENEWED_CONSUMER,
+                self._intake.renewed_loop,
+            )
+        )
         pulls.append(
             (
                 "advisories",
@@ -353,7 +360,4 @@ class Dispatcher:
                 except BROKER_ERRORS:
                     log.debug("in-progress ack of %s failed", held.request_id)
             if st.leading():
-                try:
-                    await self._renewals.tick()
-                except Exception:  # the loop must go on: the in-progress acks keep all held
-                    internal_error(log, "dispatcher.renewals", "renewing held requests failed")
+                self._renewals.tick()

@@ -16,7 +16,7 @@ from nats.js.client import JetStreamContext
 from sluice.common.errors import internal_error
 from sluice.dispatcher.runtime import metrics
 from sluice.dispatcher.runtime.answers import NOT_LEADING_WAIT_S, Answers, ack, give_back
-from sluice.dispatcher.runtime.renewals import Renewals, generation
+from sluice.dispatcher.runtime.renewals import Renewals, arrived_unix_ms, generation
 from sluice.dispatcher.runtime.state import BROKER_ERRORS, Held, State
 from sluice.dispatcher.scheduler import Request
 from sluice.schemas import names
@@ -57,6 +57,37 @@ class Intake:
             if more is None:
                 return
             backlog = more
+
+    async def renewed_loop(self, psub: JetStreamContext.PullSubscription, term: int) -> None:
+        """Pull the renewed copies (:mod:`~sluice.dispatcher.runtime.renewals`) for one
+        leadership term: each is held instead of its request's older message (or as its
+        request's message, by a leader that had none). Outside the bands' buffers: a copy
+        replaces a message it holds, or one its predecessor held."""
+        st = self.state
+        while st.running and st.term == term:
+            if not st.leading():
+                await asyncio.sleep(NOT_LEADING_WAIT_S)
+                continue
+            try:
+                msgs = await psub.fetch(batch=PULL_BATCH, timeout=st.settings.fetch_timeout_s)
+            except (TimeoutError, nats.errors.TimeoutError):
+                continue
+            except BROKER_ERRORS:
+                log.debug("fetch of renewed requests failed; retrying", exc_info=True)
+                await asyncio.sleep(_PULL_RETRY_S)
+                continue
+            known = await self._results_of_redeliveries(msgs)
+            for i, msg in enumerate(msgs):
+                if st.term != term:
+                    return
+                if not st.leading():
+                    await give_back(msgs[i:])
+                    break
+                try:
+                    await self.on_request(_subject_parts(msg.subject, "")[0], msg, known)
+                except Exception:
+                    internal_error(log, "dispatcher.intake", "a renewed request failed")
+            st.kick.set()
 
     async def _pull_once(
         self, band: str, psub: JetStreamContext.PullSubscription, term: int, backlog: bool
@@ -111,19 +142,21 @@ class Intake:
     async def _results_of_redeliveries(self, msgs: list[Msg]) -> dict[tuple[str, str], bool | None]:
         """Whether the results of a batch's redelivered requests exist, by (tenant, request
         id), looked up concurrently: after a takeover every message comes back redelivered,
-        and one lookup after the other would cost a round trip per request. Keyed by the
-        subject's tenant and the ``Nats-Msg-Id`` header; :meth:`_seen` uses an answer only for
-        a body that says the same (else it looks up itself)."""
+        and one lookup after the other would cost a round trip per request (renewed copies
+        are looked up on their first delivery too). Keyed by the subject's tenant and the
+        ``Nats-Msg-Id`` header (a copy's without its generation); :meth:`_seen` uses an
+        answer only for a body that says the same (else it looks up itself)."""
         keys: list[tuple[str, str]] = []
         for msg in msgs:
             rid = (msg.headers or {}).get(names.MSG_ID_HEADER, "")
-            if msg.metadata.num_delivered <= 1 or not rid:
+            copy = generation(msg) > 0
+            if copy:  # (a renewed copy's id is its request's, with its generation)
+                rid = rid.rpartition("~r")[0]
+            if (msg.metadata.num_delivered <= 1 and not copy) or not rid:
                 continue
-            try:
-                tenant = names.parse_request_subject(msg.subject)[2]
-            except ValueError:
-                continue
-            keys.append((tenant, rid))
+            _, model, tenant = _subject_parts(msg.subject, "")
+            if model:
+                keys.append((tenant, rid))
         if not keys:
             return {}
         try:
@@ -141,10 +174,7 @@ class Intake:
         st = self.state
         now = time.monotonic()
         meta = msg.metadata
-        try:
-            s_band, s_model, s_tenant = names.parse_request_subject(msg.subject)
-        except ValueError:
-            s_band, s_model, s_tenant = band, "", "default"
+        s_band, s_model, s_tenant = _subject_parts(msg.subject, band)
         header_id = (msg.headers or {}).get(names.MSG_ID_HEADER, "")
         try:
             req = decode(msg.data, SubmitRequest)
@@ -167,11 +197,9 @@ class Intake:
             return
         rid = req.request_id
         ids = st.tokenizers.prompt_ids(req.model, req.prompt_tokens, req.prompt_text)
-        renewed = generation(msg) > 0
-        arrived_unix_ms = await self.renewals.arrived_unix_ms(msg, rid) if renewed else None
-        request = _request(req, msg, now, ids, arrived_unix_ms)
-        if meta.num_delivered <= 1 and not renewed:  # (a redelivery's or a renewed copy's
-            # store time says nothing of the intake)
+        request = _request(req, msg, now, ids, arrived_unix_ms(msg))
+        if meta.num_delivered <= 1 and not generation(msg):  # (a redelivery's or a renewed
+            # copy's store time says nothing of the intake)
             metrics.INTAKE.labels(band).observe(max(0.0, time.monotonic() - request.arrived_s))
         outcome = st.scheduler.enqueue(request, now)
         if outcome.status in ("queued", "adopted"):
@@ -198,7 +226,7 @@ class Intake:
         st, rid = self.state, req.request_id
         held = st.held.get(rid)
         if held is not None:
-            if held.stream_seq == msg.metadata.sequence.stream:
+            if same_message(held, msg):
                 held.msg = msg  # a redelivery of the message we hold: keep the newest handle
             elif self.renewals.newer(held, msg):  # its renewed copy: held instead of the old
                 old, held.msg, held.stream_seq = held.msg, msg, msg.metadata.sequence.stream
@@ -320,6 +348,23 @@ def pull_batch(free: int, backlog: bool) -> int:
     returns with that message. The message's ``num_pending`` says whether more wait, and then
     the next pull takes them (up to a batch) in one round trip, as they are available."""
     return min(free, PULL_BATCH) if backlog else 1
+
+
+def same_message(held: Held, msg: Msg) -> bool:
+    """Whether ``msg`` is (a delivery of) the message ``held`` holds."""
+    meta = msg.metadata
+    return meta.sequence.stream == held.stream_seq and meta.stream == held.msg.metadata.stream
+
+
+def _subject_parts(subject: str, band: str) -> tuple[str, str, str]:
+    """``(band, model, tenant)`` of a request's subject, or of its renewed copy's; for another
+    subject, ``band`` and no model (the body, then, does not match it)."""
+    for parse in (names.parse_request_subject, names.parse_renewed_subject):
+        try:
+            return parse(subject)
+        except ValueError:
+            continue
+    return band, "", "default"
 
 
 def more_behind(msg: Msg) -> bool:

@@ -21,6 +21,10 @@ RENEWALS = Counter(
     "sluice_dispatcher_renewals_total",
     "Held requests published again with their deliveries renewed (after many leader changes)",
 )
+RENEWALS_REFUSED = Counter(
+    "sluice_dispatcher_renewals_refused_total",
+    "Renewals the broker did not take (tried again at the next keepalive tick)",
+)
 LOOKUPS_DEFERRED = Counter(
     "sluice_dispatcher_lookups_deferred_total",
     "Requests sent back because their result could not be looked up (redelivered or requeued)",

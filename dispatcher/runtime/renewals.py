@@ -7,41 +7,56 @@ batch behind online traffic, through a few rolling redeploys) was dead-lettered 
 ``max_deliver`` leader changes, for no fault of its own.
 
 So the leader renews a held request whose deliveries are half spent, once it has held it
-through a keepalive tick (it did not crash holding it): it publishes the same body again under
-another message id (:func:`~sluice.schemas.names.renewal_msg_id`, with the
-:data:`~sluice.schemas.names.RENEWAL_HEADER` generation), then stores when the request arrived
-in :data:`~sluice.schemas.names.RENEWAL_BUCKET`, so that the copy keeps its place in the queue
-(a producer cannot claim an arrival: the bucket is the dispatchers'). The old message is acked
-only when the copy reaches a leader, which holds the newer generation and acks the older as
-a duplicate, whichever comes first (:meth:`Renewals.newer`). A request is renewed at most
-``max_renewals`` times: one that crashes dispatchers is still dead-lettered after a bounded
-number of deliveries.
+through a keepalive tick (it did not crash holding it): it publishes the same body again to
+:data:`~sluice.schemas.names.RENEWED_STREAM` (outside the bands' bounded queues, so that a full
+queue never refuses it; written by dispatchers only, so that its headers are trusted), with
+its generation and its request's arrival (the copy keeps its place in the queue). A leader
+that has one message of a request and gets another holds the newer copy (by generation, then
+stream sequence) and acks the older, whichever comes first (:meth:`Renewals.newer`). A request
+is renewed at most ``max_renewals`` times: one that crashes dispatchers is still dead-lettered
+after a bounded number of deliveries.
 """
 
 from __future__ import annotations
 
-import json
+import asyncio
 import logging
 import time
 
 from nats.aio.msg import Msg
-from nats.js import api
-from nats.js.errors import KeyNotFoundError
-from nats.js.kv import KeyValue
+from nats.js.errors import NotFoundError
 
 from sluice.dispatcher.runtime import metrics
 from sluice.dispatcher.runtime.state import BROKER_ERRORS, Held, State
-from sluice.dispatcher.runtime.streams import KEEP_S, kv_bucket
 from sluice.schemas import names
 
 log = logging.getLogger("sluice.dispatcher")
 
+_PUBLISH_TIMEOUT_S = 1.0
+_FAILURES_PER_TICK = 3
+"""Refused renewals after which a tick stops renewing (the broker is likely away)."""
+
 
 def generation(msg: Msg) -> int:
-    """A request message's renewal generation: 0 for the producer's own (or a header that
-    is not a count)."""
+    """A request message's renewal generation: 0 for a producer's own, or any message not in
+    the renewed stream (a producer cannot make its message a copy by a header)."""
+    if msg.metadata.stream != names.RENEWED_STREAM:
+        return 0
     value = (msg.headers or {}).get(names.RENEWAL_HEADER, "")
-    return int(value) if value.isdigit() else 0
+    return int(value) if value.isascii() and value.isdigit() else 0
+
+
+def order(msg: Msg) -> tuple[int, int]:
+    """How new a message of a request is: (generation, stream sequence)."""
+    return generation(msg), msg.metadata.sequence.stream
+
+
+def arrived_unix_ms(msg: Msg) -> float | None:
+    """When a renewed copy's request arrived (None for a producer's own message)."""
+    if generation(msg) == 0:
+        return None
+    value = (msg.headers or {}).get(names.ARRIVED_HEADER, "")
+    return float(value) if value.isascii() and value.isdigit() else None
 
 
 def renew_from(max_deliver: int) -> int:
@@ -51,42 +66,34 @@ def renew_from(max_deliver: int) -> int:
     return max(2, -(-max_deliver // 2))
 
 
-_FAILURES_PER_TICK = 3
-"""Refused renewals after which a keepalive tick stops renewing (the broker is likely away)."""
-
-
 class Renewals:
     """Renews the held requests whose deliveries run out (see the module docstring)."""
 
     def __init__(self, state: State) -> None:
         self.state = state
-        self._kv: KeyValue | None = None
         self._ticked: set[str] = set()
-        """Requests held at the last keepalive tick from their delivery :func:`renew_from`
-        on: those held since may be renewed."""
+        """Requests held at the last tick from their delivery :func:`renew_from` on: those
+        still held at the next may be renewed."""
         self.renewing: dict[str, int] = {}
         """Request id -> the generation of its copy published by this leader and not seen
-        back yet (not renewed again meanwhile)."""
-
-    async def start(self) -> None:
-        """Open (or create) the bucket."""
-        st = self.state
-        config = api.KeyValueConfig(
-            bucket=names.RENEWAL_BUCKET,
-            history=1,
-            ttl=KEEP_S,
-            storage=api.StorageType.FILE,
-            replicas=st.settings.stream_replicas,
-        )
-        self._kv = await kv_bucket(st.js, config, st.settings)
+        back yet (it is not renewed again meanwhile)."""
+        self._task: asyncio.Task[None] | None = None
 
     def forget_term(self) -> None:
         self._ticked.clear()
         self.renewing.clear()
 
-    async def tick(self) -> None:
+    def tick(self) -> None:
+        """Start renewing the held requests that are due (in a task of its own: a tick of
+        many renewals must not hold up the in-progress acks that keep every request held);
+        a tick still running is not started again. Called by the keepalive loop."""
+        if self._task is not None and not self._task.done():
+            return
+        self._task = self.state.spawn(self._tick(self.state.term), "renewals")
+
+    async def _tick(self, term: int) -> None:
         """Renew each held request that is due: held since the last tick, its deliveries half
-        spent, renewals left. Called by the keepalive loop after its in-progress acks."""
+        spent, renewals left."""
         st = self.state
         s = st.settings
         if s.max_renewals == 0:
@@ -99,50 +106,45 @@ class Renewals:
         }
         failed = 0
         for rid in before & self._ticked:
+            if st.term != term or not st.leading():
+                return  # (the next leader renews what it holds)
             held = st.held.get(rid)
             if held is None or rid in self.renewing or generation(held.msg) >= s.max_renewals:
                 continue
-            # A copy the broker refuses (the broker away, a tenant's or a band's queue full)
-            # is tried again at the next tick; a few refusals end this one.
-            if not await self._renew(held):
+            # A copy the broker refuses (the broker away, the renewed stream full) is tried
+            # again at the next tick; a few refusals end this one.
+            if not await self._renew(held, term):
                 failed += 1
                 if failed >= _FAILURES_PER_TICK:
                     return
 
-    async def _renew(self, held: Held) -> bool:
+    async def _renew(self, held: Held, term: int) -> bool:
         st, rid = self.state, held.request_id
         gen = generation(held.msg) + 1
-        arrived_unix_ms = self._arrived_unix_ms(held)
+        headers = {
+            names.MSG_ID_HEADER: names.renewal_msg_id(rid, gen),
+            names.RENEWAL_HEADER: str(gen),
+        }
+        arrived = self._arrived_unix_ms(held)
+        if arrived is not None:
+            headers[names.ARRIVED_HEADER] = str(arrived)
+        subject = names.renewed_subject(held.band, held.model, held.tenant, rid)
         try:
-            ack = await st.js.publish(
-                held.msg.subject,
-                held.msg.data,
-                headers={
-                    names.MSG_ID_HEADER: names.renewal_msg_id(rid, gen),
-                    names.RENEWAL_HEADER: str(gen),
-                },
-            )
+            await st.js.publish(subject, held.msg.data, headers=headers, timeout=_PUBLISH_TIMEOUT_S)
         except BROKER_ERRORS as exc:
             log.warning("could not renew %s (delivery %d): %s", rid, _delivered(held), exc)
+            metrics.RENEWALS_REFUSED.inc()
             return False
-        self.renewing[rid] = gen
+        if st.term == term:
+            self.renewing[rid] = gen
         metrics.RENEWALS.inc()
         log.info("renewed %s after %d deliveries (renewal %d)", rid, _delivered(held), gen)
-        if arrived_unix_ms is not None and self._kv is not None:
-            value = json.dumps(
-                {"request_id": rid, "stream_seq": ack.seq, "arrived_unix_ms": arrived_unix_ms}
-            )
-            try:
-                await self._kv.put(names.renewal_key(rid), value.encode())
-            except BROKER_ERRORS:
-                # The copy then arrives when it was stored: later in its queue, not lost.
-                log.warning("the arrival of renewed %s was not stored", rid)
         return True
 
     def _arrived_unix_ms(self, held: Held) -> int | None:
         """When the held request arrived, as the scheduler has it (queued or booked), else
-        when its message was stored if that is the producer's own (a request out of the
-        queue for a moment, its result being looked up)."""
+        as its message says (a request out of the queue for a moment, its result being
+        looked up)."""
         sched, rid = self.state.scheduler, held.request_id
         request = sched.queued_request(rid)
         if request is None:
@@ -150,64 +152,37 @@ class Renewals:
             request = None if booking is None else booking.request
         if request is not None:
             return int((time.time() - (time.monotonic() - request.arrived_s)) * 1000)
+        copied = arrived_unix_ms(held.msg)
+        if copied is not None:
+            return int(copied)
         stamp = held.msg.metadata.timestamp
-        if generation(held.msg) == 0 and stamp is not None:
-            return int(stamp.timestamp() * 1000)
-        return None
-
-    async def arrived_unix_ms(self, msg: Msg, request_id: str) -> float | None:
-        """When a renewed copy's request arrived: None for a producer's own message, or when
-        the bucket does not know this copy (its entry names another message: a producer's
-        header claims nothing); the copy then arrived when it was stored."""
-        if generation(msg) == 0:
-            return None
-        try:
-            entry = await self._entry(request_id)
-        except BROKER_ERRORS:
-            log.warning("the arrival of renewed %s could not be read", request_id)
-            return None
-        if entry is None or entry[0] != msg.metadata.sequence.stream:
-            return None
-        return entry[1]
-
-    async def renewed(self, request_id: str, stream_seq: int) -> bool | None:
-        """Whether a renewed copy of the request at ``stream_seq`` was stored (the bucket
-        names a later message); None if the bucket cannot be read."""
-        try:
-            entry = await self._entry(request_id)
-        except BROKER_ERRORS:
-            return None
-        return entry is not None and entry[0] > stream_seq
-
-    async def _entry(self, request_id: str) -> tuple[int, float] | None:
-        """(the renewed copy's stream sequence, its request's arrival in Unix ms) as the
-        bucket has them; None if it has none (or one that does not read)."""
-        if self._kv is None:
-            return None
-        try:
-            entry = await self._kv.get(names.renewal_key(request_id))
-        except KeyNotFoundError:
-            return None
-        try:
-            value = json.loads(entry.value or b"")
-            if value["request_id"] != request_id:
-                return None
-            return int(value["stream_seq"]), float(value["arrived_unix_ms"])
-        except (ValueError, KeyError, TypeError):
-            log.warning("the renewal entry of %s does not read", request_id)
-            return None
+        return None if stamp is None else int(stamp.timestamp() * 1000)
 
     def arrived(self, request_id: str) -> None:
         """A renewed copy of the request reached this leader (held, or its request ended)."""
         self.renewing.pop(request_id, None)
 
     def newer(self, held: Held, msg: Msg) -> bool:
-        """Whether ``msg``, another message of a held request, is a newer copy than the one
-        held (a renewal): it is then held instead, and the older acked."""
-        if generation(msg) <= generation(held.msg):
+        """Whether ``msg``, another message of a held request, is newer than the one held (a
+        renewed copy): it is then held instead, and the older acked."""
+        if order(msg) <= order(held.msg):
             return False
         self.arrived(held.request_id)
         return True
+
+    async def newer_copy(
+        self, band: str, model: str, tenant: str, request_id: str, stream: str, seq: int
+    ) -> bool | None:
+        """Whether a renewed copy of the request newer than the message at ``stream`` #
+        ``seq`` is stored; None if the broker cannot say."""
+        subject = names.renewed_subject(band, model, tenant, request_id)
+        try:
+            last = await self.state.js.get_last_msg(names.RENEWED_STREAM, subject)
+        except NotFoundError:
+            return False
+        except BROKER_ERRORS:
+            return None
+        return stream != names.RENEWED_STREAM or (last.seq or 0) > seq
 
 
 def _delivered(held: Held) -> int:

@@ -187,11 +187,12 @@ class State:
     def js(self) -> JetStreamContext:
         return self.nc.jetstream()
 
-    def spawn(self, coro: Coroutine[Any, Any, Any], site: str) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, Any], site: str) -> asyncio.Task[Any]:
         """Run ``coro`` in the background; an error it ends with is logged and counted."""
         task = asyncio.create_task(coro)
         self._background.add(task)
         task.add_done_callback(lambda t: self._done(t, site))
+        return task
 
     def _done(self, task: asyncio.Task[Any], site: str) -> None:
         self._background.discard(task)

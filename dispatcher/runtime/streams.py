@@ -1,6 +1,6 @@
-"""The JetStream layout: one bounded work-queue stream per band, the result stream, dead
-letters, the max-deliveries advisories, and the dispatcher's durable pull consumers. Created
-or updated at start (idempotent)."""
+"""The JetStream layout: one bounded work-queue stream per band, the renewed requests, the
+result stream, dead letters, the max-deliveries advisories, and the dispatcher's durable pull
+consumers. Created or updated at start (idempotent)."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def result_stream(s: DispatcherSettings) -> api.StreamConfig:
     )
 
 
-KEEP_S = 7 * 24 * 3600.0
+_KEEP_S = 7 * 24 * 3600.0
 """How long dead letters and unserved advisories are kept."""
 
 
@@ -75,7 +75,24 @@ def dead_letter_stream(s: DispatcherSettings) -> api.StreamConfig:
         name=names.DEAD_LETTER_STREAM,
         subjects=[names.DEAD_LETTER_SUBJECTS],
         retention=api.RetentionPolicy.LIMITS,
-        max_age=KEEP_S,
+        max_age=_KEEP_S,
+        storage=api.StorageType.FILE,
+        num_replicas=s.stream_replicas,
+        duplicate_window=s.duplicate_window_s,
+    )
+
+
+def renewed_stream(s: DispatcherSettings) -> api.StreamConfig:
+    """Renewed copies of held requests (:mod:`sluice.dispatcher.runtime.renewals`). Outside
+    the bands' bounds; at most one copy per request held at once (and one on its way), so
+    bounded by what the leader may hold: a copy the bound refuses is tried again later."""
+    held = len(s.bands) * s.max_buffered + s.global_limit
+    return api.StreamConfig(
+        name=names.RENEWED_STREAM,
+        subjects=[names.RENEWED_SUBJECTS],
+        retention=api.RetentionPolicy.WORK_QUEUE,
+        discard=api.DiscardPolicy.NEW,
+        max_msgs=2 * held,
         storage=api.StorageType.FILE,
         num_replicas=s.stream_replicas,
         duplicate_window=s.duplicate_window_s,
@@ -91,11 +108,12 @@ def advisory_stream(s: DispatcherSettings) -> api.StreamConfig:
     dropped first)."""
     return api.StreamConfig(
         name=names.ADVISORY_STREAM,
-        subjects=[names.max_deliveries_advisory(b) for b in s.bands],
+        subjects=[names.max_deliveries_advisory(b) for b in s.bands]
+        + [names.renewed_max_deliveries_advisory()],
         retention=api.RetentionPolicy.WORK_QUEUE,
         discard=api.DiscardPolicy.OLD,
         max_msgs=s.max_kept_advisories,
-        max_age=KEEP_S,
+        max_age=_KEEP_S,
         storage=api.StorageType.FILE,
         num_replicas=s.stream_replicas,
     )
@@ -109,6 +127,17 @@ def band_consumer(s: DispatcherSettings, band: str) -> api.ConsumerConfig:
         max_deliver=s.max_deliver,
         max_ack_pending=s.max_buffered + s.global_limit,
         filter_subject=names.request_filter(band),
+    )
+
+
+def renewed_consumer(s: DispatcherSettings) -> api.ConsumerConfig:
+    """The leader's consumer of renewed copies: as a band's, over every band's copies."""
+    return api.ConsumerConfig(
+        durable_name=names.RENEWED_CONSUMER,
+        ack_policy=api.AckPolicy.EXPLICIT,
+        ack_wait=s.effective_ack_wait_s,
+        max_deliver=s.max_deliver,
+        max_ack_pending=2 * (len(s.bands) * s.max_buffered + s.global_limit),
     )
 
 
@@ -128,6 +157,7 @@ async def ensure_streams(js: JetStreamContext, s: DispatcherSettings) -> None:
     """Create every stream and consumer, or update them to the current settings. What the
     broker cannot do yet (see :func:`setting_up`) is retried for ``stream_setup_timeout_s``."""
     configs = [band_stream(s, b) for b in s.bands] + [
+        renewed_stream(s),
         result_stream(s),
         dead_letter_stream(s),
         advisory_stream(s),
@@ -135,6 +165,7 @@ async def ensure_streams(js: JetStreamContext, s: DispatcherSettings) -> None:
     for cfg in configs:
         await setting_up(f"stream {cfg.name}", functools.partial(_put_stream, js, cfg), s)
     consumers = [(names.request_stream(b), band_consumer(s, b)) for b in s.bands]
+    consumers.append((names.RENEWED_STREAM, renewed_consumer(s)))
     consumers.append((names.ADVISORY_STREAM, advisory_consumer(s)))
     for stream, cfg_c in consumers:
         await setting_up(
