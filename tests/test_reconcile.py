@@ -72,9 +72,16 @@ def test_drift_is_what_the_books_and_reports_disagree_on(
 
 @pytest.mark.e2e
 async def test_reconciliation_corrects_injected_drift_both_ways(nats_url: str) -> None:
+    # A 5 s leader lease: the query at the end needs a leader, and CI's test process, starved
+    # of the CPU past a 1 s lease, once had none when it asked (no answer within 10 s).
     kw = cluster_kwargs(
         workers=2,
-        dispatcher={"reconcile_every_s": 0.5, "reconcile_grace_s": 0.5, "global_limit": 8},
+        dispatcher={
+            "reconcile_every_s": 0.5,
+            "reconcile_grace_s": 0.5,
+            "global_limit": 8,
+            "leader_lease_s": 5.0,
+        },
     )
     long = list(range(1000, 1064))
     async with LocalCluster(nats_url, **kw) as cluster, Client(nats_url) as c:
