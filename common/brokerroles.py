@@ -243,6 +243,10 @@ def operator(bands: Sequence[str] = names.DEFAULT_BANDS, name: str = "operator")
             subscribe=(ALL,),
             publish_deny=(
                 *(ack_subjects(names.request_stream(b)) for b in bands),
+                # A renewed copy is its request's only message once held: acked by hand, the
+                # request is gone; published by hand, it claims another's place.
+                ack_subjects(names.RENEWED_STREAM),
+                names.RENEWED_SUBJECTS,
                 # An advisory acked by hand would leave its request's producer unanswered.
                 ack_subjects(names.ADVISORY_STREAM),
                 names.HEARTBEAT_SUBJECTS,

@@ -315,11 +315,15 @@ async def test_an_agent_acts_only_as_itself(
 async def test_no_one_but_the_dispatcher_acks_a_request(
     layout: Layout, fleet: LocalCluster, probe: Any
 ) -> None:
+    renewed = f"$JS.ACK.{names.RENEWED_STREAM}.{names.RENEWED_CONSUMER}.1.9.9.1.0"
+    copy = names.renewed_subject("standard", "sim", "acme", "forged")
     for band in names.DEFAULT_BANDS:
         ack = f"$JS.ACK.{names.request_stream(band)}.{names.dispatcher_consumer(band)}.1.9.9.1.0"
         for user in ("gateway", "operator", "producer-beta", "agent-worker-1"):
             p: Probe = await probe(user)
             assert await p.publish_refused(ack), (user, band)
+            assert await p.publish_refused(renewed), user  # (a renewed copy's ack)
+            assert await p.publish_refused(copy), user  # only dispatchers renew
         d: Probe = await probe("dispatcher")
         assert not await d.publish_refused(ack)
     # The operator may not pose as a worker or assign work either, nor ack an advisory the

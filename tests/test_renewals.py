@@ -163,7 +163,18 @@ async def test_a_renewed_copy_is_held_and_its_older_message_acked(nats_url: str)
         await eventually(forged_queued)
         queued = cluster.dispatcher.scheduler.queued_request("forged")
         assert queued is not None and queued.arrived_s > forged_s - 0.5
-        assert generation(cluster.dispatcher._state.held["forged"].msg) == 0
+        held = cluster.dispatcher._state.held["forged"]
+        assert generation(held.msg) == 0
+        # The same id submitted again under another message id (the duplicate window passed,
+        # say): the message held stays, the later one is acked as a duplicate.
+        first_seq = held.stream_seq
+        await js.publish(SUBJECT, encode(_body("forged")), headers={names.MSG_ID_HEADER: "again"})
+
+        async def duplicate_acked() -> bool:
+            return await _queued(js) == 1  # "forged", held
+
+        await eventually(duplicate_acked)
+        assert cluster.dispatcher._state.held["forged"].stream_seq == first_seq
         agent = await cluster.add_agent("late-worker")
 
         async def answered() -> bool:

@@ -235,12 +235,12 @@ class Intake:
                 metrics.DUPLICATES.inc()
                 await ack(msg)
             return True
+        if generation(msg) > 0:
+            self.renewals.arrived(rid)
         if st.cancelled.has(rid, now):  # cancelled before it got here, or coming back
             await self._end_cancelled(req, msg)
             return True
-        if generation(msg) > 0:
-            self.renewals.arrived(rid)
-        elif msg.metadata.num_delivered <= 1:
+        if generation(msg) == 0 and msg.metadata.num_delivered <= 1:
             # (A renewed copy is looked up on its first delivery too: its request may have
             # ended, its older message acked, while the copy waited to be pulled.)
             return False

@@ -163,9 +163,12 @@ class Renewals:
         self.renewing.pop(request_id, None)
 
     def newer(self, held: Held, msg: Msg) -> bool:
-        """Whether ``msg``, another message of a held request, is newer than the one held (a
-        renewed copy): it is then held instead, and the older acked."""
-        if order(msg) <= order(held.msg):
+        """Whether ``msg``, another message of a held request, is a newer renewed copy than
+        the one held (a later generation, or the same one stored again after the duplicate
+        window): it is then held instead, and the older acked. Two messages of producers
+        (the same id submitted twice, to two bands or after the duplicate window) are no
+        copies of each other: the one held stays."""
+        if generation(msg) == 0 or order(msg) <= order(held.msg):
             return False
         self.arrived(held.request_id)
         return True

@@ -100,12 +100,12 @@ def renewed_stream(s: DispatcherSettings) -> api.StreamConfig:
 
 
 def advisory_stream(s: DispatcherSettings) -> api.StreamConfig:
-    """The max-deliveries advisories of every band, kept until the leader has answered their
-    requests. The broker sends one once, over core NATS, when a pull finds a request past
-    its last delivery's ``ack_wait``: a leader that dies or is deposed while it serves one,
-    or whose answer the broker refuses, would leave the request unanswered for good. Kept
-    here, each waits for a leader that serves it (at most ``max_kept_advisories``, oldest
-    dropped first)."""
+    """The max-deliveries advisories of every band and of the renewed copies, kept until the
+    leader has answered their requests. The broker sends one once, over core NATS, when a
+    pull finds a request past its last delivery's ``ack_wait``: a leader that dies or is
+    deposed while it serves one, or whose answer the broker refuses, would leave the request
+    unanswered for good. Kept here, each waits for a leader that serves it (at most
+    ``max_kept_advisories``, oldest dropped first)."""
     return api.StreamConfig(
         name=names.ADVISORY_STREAM,
         subjects=[names.max_deliveries_advisory(b) for b in s.bands]
