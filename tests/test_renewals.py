@@ -31,16 +31,17 @@ def _settings(**more: object) -> dict[str, object]:
     return cluster_kwargs(workers=0, dispatcher={"max_deliver": 4, "ack_wait_s": 1.5, **more})
 
 
-async def _hand_over(cluster: LocalCluster, rid: str) -> None:
+async def _hand_over(cluster: LocalCluster, rid: str, *, crash: bool = False) -> None:
     """The leader holds ``rid`` for two keepalive ticks, then hands over cleanly to a new
-    dispatcher (a nak: the request's next delivery)."""
+    dispatcher (a nak: the request's next delivery), or dies (``crash``: the request comes
+    back to the next leader once its ``ack_wait`` passed)."""
 
     async def held() -> bool:
         return cluster.dispatcher.held == 1 and cluster.dispatcher.scheduler.queued == 1
 
     await eventually(held, timeout_s=15)
     await _sleep(1.2)
-    await cluster.dispatcher.stop()
+    await (cluster.dispatcher.kill() if crash else cluster.dispatcher.stop())
     cluster.dispatcher = Dispatcher(cluster.dispatcher_settings)
     await cluster.dispatcher.start()
 
@@ -52,15 +53,15 @@ async def _sleep(s: float) -> None:
 async def test_a_request_waits_through_more_leader_changes_than_max_deliver(
     nats_url: str,
 ) -> None:
-    """Seven leader changes with ``max_deliver`` 4: renewed, it keeps its place in the queue
-    (its first arrival) and runs once when a worker comes. Without renewals (``max_renewals``
-    0) it is dead-lettered: the next test."""
+    """Seven leader changes with ``max_deliver`` 4, clean hand-overs and crashes in turn:
+    renewed, it keeps its place in the queue (its first arrival) and runs once when a worker
+    comes. Without renewals (``max_renewals`` 0) it is dead-lettered: the next test."""
     assert renew_from(4) == 2
     async with LocalCluster(nats_url, **_settings()) as cluster, Client(nats_url) as c:
         submitted_s = time.monotonic()
         handle = await c.submit("sim", PROMPT, max_tokens=5, request_id="long-wait")
-        for _ in range(_CHANGES):
-            await _hand_over(cluster, "long-wait")
+        for change in range(_CHANGES):
+            await _hand_over(cluster, "long-wait", crash=change % 2 == 1)
 
         async def queued_again() -> bool:
             return cluster.dispatcher.scheduler.queued == 1
