@@ -10,7 +10,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
 import nats.errors
@@ -58,6 +58,44 @@ async def give_back(msgs: Sequence[Msg]) -> None:
             await msg.nak()
         except BROKER_ERRORS:
             log.debug("nak not sent; the message comes back after ack_wait")
+
+
+async def term_batches(
+    st: State, psub: JetStreamContext.PullSubscription, term: int, batch: int, what: str
+) -> AsyncIterator[list[Msg]]:
+    """Batches fetched from ``psub`` for one leadership term: none while the lease has run
+    out locally (its renewal late), and it ends with the term. A failed fetch is retried."""
+    while st.running and st.term == term:
+        if not st.leading():
+            # The lease ran out locally, its renewal late: take nothing until it is renewed
+            # (the term goes on) or lost (the term ends, and so does this loop).
+            await asyncio.sleep(NOT_LEADING_WAIT_S)
+            continue
+        try:
+            msgs = await psub.fetch(batch=batch, timeout=st.settings.fetch_timeout_s)
+        except (TimeoutError, nats.errors.TimeoutError):
+            continue
+        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError):
+            await asyncio.sleep(0.2)
+            continue
+        except BROKER_ERRORS:
+            log.warning("fetching %s failed; retrying", what, exc_info=True)
+            await asyncio.sleep(0.5)
+            continue
+        yield msgs
+
+
+async def term_messages(st: State, msgs: Sequence[Msg], term: int) -> AsyncIterator[Msg]:
+    """The messages of a fetched batch while the term lasts (deposed: the next leader gets
+    the rest redelivered) and the lease has not run out (the rest is given back, for this
+    leader once renewed, or the next)."""
+    for i, msg in enumerate(msgs):
+        if st.term != term:
+            return
+        if not st.leading():
+            await give_back(msgs[i:])
+            return
+        yield msg
 
 
 async def respond(msg: Msg, data: bytes = b"") -> None:
@@ -223,29 +261,9 @@ class Answers:
         request is answered; one not served (the broker failed, or this leader died) comes
         back after ``ack_wait``, to whoever leads then."""
         st = self.state
-        while st.running and st.term == term:
-            if not st.leading():
-                # The lease ran out locally, its renewal late: serve nothing until it is
-                # renewed (the term goes on) or lost (the term ends, and so does this loop).
-                await asyncio.sleep(NOT_LEADING_WAIT_S)
-                continue
-            try:
-                msgs = await psub.fetch(batch=_ADVISORY_BATCH, timeout=st.settings.fetch_timeout_s)
-            except (TimeoutError, nats.errors.TimeoutError):
-                continue
-            except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError):
-                await asyncio.sleep(0.2)
-                continue
-            except BROKER_ERRORS:
-                log.warning("fetching max-deliveries advisories failed; retrying", exc_info=True)
-                await asyncio.sleep(0.5)
-                continue
-            for i, msg in enumerate(msgs):
-                if st.term != term:
-                    return  # deposed: the next leader gets it redelivered
-                if not st.leading():
-                    await give_back(msgs[i:])  # for this leader once renewed, or the next
-                    break
+        what = "max-deliveries advisories"
+        async for msgs in term_batches(st, psub, term, _ADVISORY_BATCH, what):
+            async for msg in term_messages(st, msgs, term):
                 try:
                     served = await self.on_max_deliveries(msg)
                 except Exception:

@@ -15,7 +15,14 @@ from nats.js.client import JetStreamContext
 
 from sluice.common.errors import internal_error
 from sluice.dispatcher.runtime import metrics
-from sluice.dispatcher.runtime.answers import NOT_LEADING_WAIT_S, Answers, ack, give_back
+from sluice.dispatcher.runtime.answers import (
+    NOT_LEADING_WAIT_S,
+    Answers,
+    ack,
+    give_back,
+    term_batches,
+    term_messages,
+)
 from sluice.dispatcher.runtime.renewals import Renewals, arrived_unix_ms, generation
 from sluice.dispatcher.runtime.state import BROKER_ERRORS, Held, State
 from sluice.dispatcher.scheduler import Request
@@ -64,25 +71,9 @@ class Intake:
         request's message, by a leader that had none). Outside the bands' buffers: a copy
         replaces a message it holds, or one its predecessor held."""
         st = self.state
-        while st.running and st.term == term:
-            if not st.leading():
-                await asyncio.sleep(NOT_LEADING_WAIT_S)
-                continue
-            try:
-                msgs = await psub.fetch(batch=PULL_BATCH, timeout=st.settings.fetch_timeout_s)
-            except (TimeoutError, nats.errors.TimeoutError):
-                continue
-            except BROKER_ERRORS:
-                log.debug("fetch of renewed requests failed; retrying", exc_info=True)
-                await asyncio.sleep(_PULL_RETRY_S)
-                continue
+        async for msgs in term_batches(st, psub, term, PULL_BATCH, "renewed requests"):
             known = await self._results_of_redeliveries(msgs)
-            for i, msg in enumerate(msgs):
-                if st.term != term:
-                    return
-                if not st.leading():
-                    await give_back(msgs[i:])
-                    break
+            async for msg in term_messages(st, msgs, term):
                 try:
                     await self.on_request(_subject_parts(msg.subject, "")[0], msg, known)
                 except Exception:
