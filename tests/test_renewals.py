@@ -9,7 +9,7 @@ import time
 import pytest
 from nats.js.client import JetStreamContext
 
-from sluice.client import Client, Rejected, RejectReason
+from sluice.client import Client, Rejected, RejectReason, RequestHandle
 from sluice.dispatcher.runtime import Dispatcher
 from sluice.dispatcher.runtime.renewals import generation, renew_from
 from sluice.schemas import names
@@ -27,23 +27,36 @@ _CHANGES = 7
 
 
 def _settings(**more: object) -> dict[str, object]:
-    # A keepalive tick every 0.5 s: a term that holds the request for 1.2 s ticks twice.
-    return cluster_kwargs(workers=0, dispatcher={"max_deliver": 4, "ack_wait_s": 1.5, **more})
+    # A keepalive tick every 0.5 s: a term that holds the request for 1.2 s ticks twice. A
+    # 3 s leader lease: a test process starved of the CPU (CI runs four at once on 2 cores)
+    # must not lose the lead on its own, which spends a delivery more.
+    return cluster_kwargs(
+        workers=0,
+        dispatcher={"max_deliver": 4, "ack_wait_s": 1.5, "leader_lease_s": 3.0, **more},
+    )
 
 
-async def _hand_over(cluster: LocalCluster, rid: str, *, crash: bool = False) -> None:
+async def _hand_over(
+    cluster: LocalCluster, rid: str, *, crash: bool = False, handle: RequestHandle | None = None
+) -> bool:
     """The leader holds ``rid`` for two keepalive ticks, then hands over cleanly to a new
     dispatcher (a nak: the request's next delivery), or dies (``crash``: the request comes
-    back to the next leader once its ``ack_wait`` passed)."""
+    back to the next leader once its ``ack_wait`` passed). False, with nothing done, if
+    ``handle`` ended first (dead-lettered)."""
 
     async def held() -> bool:
+        if handle is not None and handle.done:
+            return True
         return cluster.dispatcher.held == 1 and cluster.dispatcher.scheduler.queued == 1
 
     await eventually(held, timeout_s=15)
+    if handle is not None and handle.done:
+        return False
     await _sleep(1.2)
     await (cluster.dispatcher.kill() if crash else cluster.dispatcher.stop())
     cluster.dispatcher = Dispatcher(cluster.dispatcher_settings)
     await cluster.dispatcher.start()
+    return True
 
 
 async def _sleep(s: float) -> None:
@@ -92,17 +105,19 @@ async def test_without_renewals_leader_changes_dead_letter_a_waiting_request(
     nats_url: str,
 ) -> None:
     """``max_renewals`` 0: as before renewals, ``max_deliver`` leader changes while it waits
-    dead-letter it."""
+    dead-letter it (sooner if the test process, starved, lost the lead on its own)."""
     async with (
         LocalCluster(nats_url, **_settings(max_renewals=0)) as cluster,
         Client(nats_url) as c,
     ):
         handle = await c.submit("sim", PROMPT, max_tokens=5, request_id="long-wait")
-        for _ in range(4):
-            await _hand_over(cluster, "long-wait")
+        changes = 0
+        while changes < _CHANGES and await _hand_over(cluster, "long-wait", handle=handle):
+            changes += 1
         with pytest.raises(Rejected) as info:
             await handle.result(timeout_s=30)
         assert info.value.reason is RejectReason.UNDELIVERABLE
+        assert changes <= 4
 
 
 async def _queued(js: JetStreamContext, stream: str = names.request_stream("standard")) -> int:
