@@ -153,7 +153,15 @@ def parse_renewed_subject(subject: str) -> tuple[str, str, str]:
 
 def renewal_msg_id(request_id: str, generation: int) -> str:
     """The ``Nats-Msg-Id`` of a request's renewed copy."""
-    return f"{request_id}~r{generation}"
+    return f"{request_id}{_RENEWAL_MARK}{generation}"
+
+
+def renewed_request_id(msg_id: str) -> str:
+    """The request id of a renewed copy's ``Nats-Msg-Id`` (:func:`renewal_msg_id`)."""
+    return msg_id.rpartition(_RENEWAL_MARK)[0]
+
+
+_RENEWAL_MARK = "~r"
 
 
 def renewed_max_deliveries_advisory() -> str:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -143,7 +145,6 @@ async def test_a_benchmark_loop_stops_when_cancelled_though_nats_py_swallows_it(
     during ``sluice bench``'s baselines was lost in about one try of two (a helper's probe:
     16 of 25, 18 of 25), and the run went on to its end and exited 0. Each round of those
     loops now looks whether the task was told to stop."""
-    import asyncio
 
     from sluice.cli.benchlive import _broker_rtts, _raw_jetstream
 
@@ -152,12 +153,22 @@ async def test_a_benchmark_loop_stops_when_cancelled_though_nats_py_swallows_it(
         lambda: _broker_rtts(nats_url, 10**6, payload),
         lambda: _raw_jetstream(nats_url, 10**6, 4, payload),
     ):
-        for _ in range(8):
-            task = asyncio.create_task(make())
-            await asyncio.sleep(0.3)
-            task.cancel()
-            done, _ = await asyncio.wait({task}, timeout=10)
-            assert done and task.cancelled(), "the loop ran on after it was cancelled"
+        await _stops_when_cancelled(make, tries=8, after_s=0.3, within_s=10)
+
+
+async def _stops_when_cancelled(
+    make: Callable[[], Coroutine[Any, Any, Any]], *, tries: int, after_s: float, within_s: float
+) -> None:
+    """Run ``make()`` as a task and cancel it after ``after_s``, ``tries`` times: each must end
+    cancelled within ``within_s`` (a loop that ran on after its cancellation fails)."""
+    import asyncio
+
+    for _ in range(tries):
+        task = asyncio.create_task(make())
+        await asyncio.sleep(after_s)
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=within_s)
+        assert done and task.cancelled(), "the loop ran on after it was cancelled"
 
 
 _SWALLOWS = """
@@ -320,9 +331,4 @@ async def test_a_loop_of_submits_stops_when_cancelled(nats_url: str) -> None:
                 except QueueFull:
                     await asyncio.sleep(0.01)
 
-        for _ in range(10):
-            task = asyncio.create_task(submits())
-            await asyncio.sleep(0.2)
-            task.cancel()
-            done, _ = await asyncio.wait({task}, timeout=5)
-            assert done and task.cancelled(), "the loop of submits ran on after it was cancelled"
+        await _stops_when_cancelled(submits, tries=10, after_s=0.2, within_s=5)

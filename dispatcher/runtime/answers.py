@@ -307,14 +307,16 @@ class Answers:
         if held is not None and held.msg.metadata.stream == stream and held.stream_seq == seq:
             return True  # we hold it now (a delivery raced the advisory): it is being served
         if req is not None:
-            renewed = held is not None or await self.renewals.newer_copy(
+            # Another message of it lives (held here: a renewed copy, or the same id submitted
+            # twice; or a renewed copy stored): this one only leaves its queue.
+            lives = held is not None or await self.renewals.newer_copy(
                 req.band, req.model, req.tenant, req.request_id, stream, seq
             )
-            if renewed is None:
+            if lives is None:
                 log.warning("whether %s was renewed is unknown; retried later", req.request_id)
                 return False
-            if renewed:  # its copy is queued (or served): this one only leaves the queue
-                return await self._remove(stream, seq, "renewed; its older copy removed")
+            if lives:
+                return await self._remove(stream, seq, "superseded by another of its messages")
         stored = None if req is None else await self._stored_result(req.tenant, req.request_id)
         if stored is not None and not _undeliverable(stored):
             # It ran, or ended otherwise (its result was stored while no dispatcher acked it):

@@ -142,7 +142,7 @@ class Intake:
             rid = (msg.headers or {}).get(names.MSG_ID_HEADER, "")
             copy = generation(msg) > 0
             if copy:  # (a renewed copy's id is its request's, with its generation)
-                rid = rid.rpartition("~r")[0]
+                rid = names.renewed_request_id(rid)
             if (msg.metadata.num_delivered <= 1 and not copy) or not rid:
                 continue
             _, model, tenant = _subject_parts(msg.subject, "")
@@ -188,9 +188,10 @@ class Intake:
             return
         rid = req.request_id
         ids = st.tokenizers.prompt_ids(req.model, req.prompt_tokens, req.prompt_text)
-        request = _request(req, msg, now, ids, arrived_unix_ms(msg))
-        if meta.num_delivered <= 1 and not generation(msg):  # (a redelivery's or a renewed
-            # copy's store time says nothing of the intake)
+        copy = generation(msg) > 0
+        request = _request(req, msg, now, ids, arrived_unix_ms(msg) if copy else None)
+        if meta.num_delivered <= 1 and not copy:  # (a redelivery's or a renewed copy's store
+            # time says nothing of the intake)
             metrics.INTAKE.labels(band).observe(max(0.0, time.monotonic() - request.arrived_s))
         outcome = st.scheduler.enqueue(request, now)
         if outcome.status in ("queued", "adopted"):
@@ -226,12 +227,13 @@ class Intake:
                 metrics.DUPLICATES.inc()
                 await ack(msg)
             return True
-        if generation(msg) > 0:
+        copy = generation(msg) > 0
+        if copy:
             self.renewals.arrived(rid)
         if st.cancelled.has(rid, now):  # cancelled before it got here, or coming back
             await self._end_cancelled(req, msg)
             return True
-        if generation(msg) == 0 and msg.metadata.num_delivered <= 1:
+        if not copy and msg.metadata.num_delivered <= 1:
             # (A renewed copy is looked up on its first delivery too: its request may have
             # ended, its older message acked, while the copy waited to be pulled.)
             return False

@@ -82,17 +82,22 @@ def dead_letter_stream(s: DispatcherSettings) -> api.StreamConfig:
     )
 
 
+def _renewed_bound(s: DispatcherSettings) -> int:
+    """At most one copy per request held (and one on its way): twice what a leader may hold
+    (every band's buffer, and what runs)."""
+    return 2 * (len(s.bands) * s.max_buffered + s.global_limit)
+
+
 def renewed_stream(s: DispatcherSettings) -> api.StreamConfig:
     """Renewed copies of held requests (:mod:`sluice.dispatcher.runtime.renewals`). Outside
-    the bands' bounds; at most one copy per request held at once (and one on its way), so
-    bounded by what the leader may hold: a copy the bound refuses is tried again later."""
-    held = len(s.bands) * s.max_buffered + s.global_limit
+    the bands' bounds, bounded by what the leader may hold (:func:`_renewed_bound`): a copy
+    the bound refuses is tried again later."""
     return api.StreamConfig(
         name=names.RENEWED_STREAM,
         subjects=[names.RENEWED_SUBJECTS],
         retention=api.RetentionPolicy.WORK_QUEUE,
         discard=api.DiscardPolicy.NEW,
-        max_msgs=2 * held,
+        max_msgs=_renewed_bound(s),
         storage=api.StorageType.FILE,
         num_replicas=s.stream_replicas,
         duplicate_window=s.duplicate_window_s,
@@ -137,7 +142,7 @@ def renewed_consumer(s: DispatcherSettings) -> api.ConsumerConfig:
         ack_policy=api.AckPolicy.EXPLICIT,
         ack_wait=s.effective_ack_wait_s,
         max_deliver=s.max_deliver,
-        max_ack_pending=2 * (len(s.bands) * s.max_buffered + s.global_limit),
+        max_ack_pending=_renewed_bound(s),
     )
 
 
