@@ -8,6 +8,7 @@ import time
 
 import pytest
 from nats.js.client import JetStreamContext
+from prometheus_client import REGISTRY
 
 from sluice.client import Client, Rejected, RejectReason, RequestHandle
 from sluice.dispatcher.runtime import Dispatcher
@@ -86,6 +87,12 @@ async def test_a_request_waits_through_more_leader_changes_than_max_deliver(
         assert queued.arrived_s < submitted_s + 1.0, queued.arrived_s - submitted_s
         held = cluster.dispatcher._state.held["long-wait"]
         assert generation(held.msg) >= 2, "renewed at most once in seven leader changes"
+        assert cluster.dispatcher._state.copies_held == 1  # counted as held from its copy
+
+        async def gauged() -> bool:
+            return REGISTRY.get_sample_value("sluice_dispatcher_renewed_held_requests") == 1
+
+        await eventually(gauged)
         agent = await cluster.add_agent("late-worker")
         result = await handle.result(timeout_s=30)
         assert result.ok
@@ -99,6 +106,7 @@ async def test_a_request_waits_through_more_leader_changes_than_max_deliver(
         assert agent.completed == 1
         letters = await js.stream_info(names.DEAD_LETTER_STREAM)
         assert letters.state.messages == 0
+        assert cluster.dispatcher._state.copies_held == 0
 
 
 async def test_without_renewals_leader_changes_dead_letter_a_waiting_request(
@@ -169,6 +177,8 @@ async def test_a_renewed_copy_is_held_and_its_older_message_acked(nats_url: str)
         await eventually(copy_held)
         queued = cluster.dispatcher.scheduler.queued_request("copied")
         assert queued is not None and queued.arrived_s < copied_s - 0.5
+        st = cluster.dispatcher._state
+        assert st.copies_held == 1  # counted when the copy replaced the producer's message
         forged_s = time.monotonic()
         _, headers = _copy("forged", 3, 0)
         await js.publish(SUBJECT, encode(_body("forged")), headers=headers)
@@ -181,6 +191,7 @@ async def test_a_renewed_copy_is_held_and_its_older_message_acked(nats_url: str)
         assert queued is not None and queued.arrived_s > forged_s - 0.5
         held = cluster.dispatcher._state.held["forged"]
         assert generation(held.msg) == 0
+        assert st.copies_held == 1  # a forged copy is no copy
         # The same id submitted again under another message id (the duplicate window passed,
         # say): the message held stays, the later one is acked as a duplicate.
         first_seq = held.stream_seq
@@ -205,6 +216,7 @@ async def test_a_renewed_copy_is_held_and_its_older_message_acked(nats_url: str)
 
         await eventually(queues_empty, timeout_s=30)
         assert agent.completed == 2  # "copied" once, "forged" once
+        assert st.copies_held == 0
 
 
 async def test_an_exhausted_older_copy_leaves_its_queue_unanswered(nats_url: str) -> None:

@@ -76,6 +76,7 @@ class Gauges:
             return
         self._last_update_s = now
         metrics.WORKERS.set(len(st.leases))
+        metrics.RENEWED_HELD.set(st.copies_held)
         for snap in st.scheduler.band_snapshots(now):
             metrics.QUEUED.labels(snap.band).set(snap.queued)
             metrics.RUNNING.labels(snap.band).set(snap.running)

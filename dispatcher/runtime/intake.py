@@ -221,8 +221,7 @@ class Intake:
             if same_message(held, msg):
                 held.msg = msg  # a redelivery of the message we hold: keep the newest handle
             elif self.renewals.newer(held, msg):  # its renewed copy: held instead of the old
-                old, held.msg, held.stream_seq = held.msg, msg, msg.metadata.sequence.stream
-                await ack(old)
+                await ack(st.hold_instead(held, msg))
             else:
                 metrics.DUPLICATES.inc()
                 await ack(msg)

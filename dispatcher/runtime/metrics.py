@@ -25,6 +25,10 @@ RENEWALS_REFUSED = Counter(
     "sluice_dispatcher_renewals_refused_total",
     "Renewals the broker did not take (tried again at the next keepalive tick)",
 )
+RENEWED_HELD = Gauge(
+    "sluice_dispatcher_renewed_held_requests",
+    "Held requests whose message is a renewed copy in SLUICE_RENEWED (their only message)",
+)
 LOOKUPS_DEFERRED = Counter(
     "sluice_dispatcher_lookups_deferred_total",
     "Requests sent back because their result could not be looked up (redelivered or requeued)",

@@ -28,6 +28,7 @@ from sluice.dispatcher.policies import build_policy, flap_meter
 from sluice.dispatcher.routing import RoutingPolicy
 from sluice.dispatcher.runtime.settings import DispatcherSettings
 from sluice.dispatcher.scheduler import Scheduler
+from sluice.schemas import names
 from sluice.schemas.codec import decode
 from sluice.schemas.models import Heartbeat, SubmitRequest
 
@@ -66,6 +67,11 @@ class Held:
     def request(self) -> SubmitRequest:
         """The request, decoded from the message's body (it decoded once, so it does again)."""
         return decode(self.msg.data, SubmitRequest)
+
+
+def is_copy(msg: Msg) -> bool:
+    """Whether ``msg`` is a renewed copy (:mod:`~sluice.dispatcher.runtime.renewals`)."""
+    return bool(msg.metadata.stream == names.RENEWED_STREAM)
 
 
 class Tombstones:
@@ -139,6 +145,9 @@ class State:
         """Requests queued since the last scheduling pass: those still queued after it are
         told so (a ``QueuedNotice`` on their token subject)."""
         self.held_by_band: Counter[str] = Counter()
+        self.copies_held = 0
+        """Held requests whose message is a renewed copy: their only message (the
+        ``sluice_dispatcher_renewed_held_requests`` gauge; a rollback waits for none)."""
         self.room = {b: asyncio.Event() for b in s.bands}
         """Set when a band's buffer has room again (its pull task waits on it)."""
         self.kick = asyncio.Event()
@@ -170,6 +179,7 @@ class State:
         self.scheduler = self._new_scheduler(now_s)
         self.held.clear()
         self.held_by_band.clear()
+        self.copies_held = 0
         self.unnotified.clear()
         for room in self.room.values():
             room.set()
@@ -213,6 +223,14 @@ class State:
     def hold(self, held: Held) -> None:
         self.held[held.request_id] = held
         self.held_by_band[held.band] += 1
+        self.copies_held += is_copy(held.msg)
+
+    def hold_instead(self, held: Held, msg: Msg) -> Msg:
+        """Hold ``msg``, another message of a held request (its newer renewed copy), instead
+        of the one held; returns the one held before (for the caller to ack)."""
+        old, held.msg, held.stream_seq = held.msg, msg, msg.metadata.sequence.stream
+        self.copies_held += is_copy(msg) - is_copy(old)
+        return old
 
     def release_held(self, request_id: str) -> Held | None:
         held = self.held.pop(request_id, None)
@@ -220,5 +238,6 @@ class State:
         if held is not None:
             band = held.band
             self.held_by_band[band] -= 1
+            self.copies_held -= is_copy(held.msg)
             self.room[band].set()
         return held
