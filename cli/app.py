@@ -60,12 +60,14 @@ def _register_replay() -> None:
     from sluice.cli.auth import app as auth_app
     from sluice.cli.batch import app as batch_app
     from sluice.cli.quota import app as quota_app
+    from sluice.cli.renewed import app as renewed_app
     from sluice.cli.replay import app as replay_app
 
     app.add_typer(replay_app, name="replay")
     app.add_typer(quota_app, name="quota")
     app.add_typer(batch_app, name="batch")
     app.add_typer(auth_app, name="auth")
+    app.add_typer(renewed_app, name="renewed")
 
 
 ConfigOpt = Annotated[

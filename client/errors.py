@@ -58,6 +58,17 @@ class UnknownWorker(SluiceError):
         )
 
 
+class DispatcherLeading(SluiceError):
+    """A dispatcher leads, and the operation needs every dispatcher stopped."""
+
+    def __init__(self, dispatcher_id: str) -> None:
+        super().__init__(
+            f"dispatcher {dispatcher_id} leads: stop every dispatcher first (a stopped "
+            "leader's key is gone at once; a crashed one's after its lease)"
+        )
+        self.dispatcher_id = dispatcher_id
+
+
 class DrainTimeout(SluiceError):
     """A drained worker still ran requests (or had reports waiting) when the wait ended."""
 

@@ -164,6 +164,14 @@ def renewed_request_id(msg_id: str) -> str:
 _RENEWAL_MARK = "~r"
 
 
+def returned_msg_id(request_id: str, generation: int) -> str:
+    """The ``Nats-Msg-Id`` of a request moved back from its renewed copy to its band's queue
+    (``sluice renewed return``): not its producer's id, which may still be in the broker's
+    duplicate window (the move would be dropped), but one id per copy, so that a second run
+    after an interruption stores it once."""
+    return f"{request_id}~u{generation}"
+
+
 def renewed_max_deliveries_advisory() -> str:
     """The advisory of a renewed copy that reached ``max_deliver`` without being acked."""
     return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{RENEWED_STREAM}.{RENEWED_CONSUMER}"

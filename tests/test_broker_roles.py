@@ -33,7 +33,8 @@ from openai import AsyncOpenAI
 from typer.testing import CliRunner
 
 from sluice.cli.app import app
-from sluice.client import Cancelled, Client, ClientSettings, ServiceUnavailable
+from sluice.client import Cancelled, Client, ClientSettings, DispatcherLeading, ServiceUnavailable
+from sluice.client.renewed import renewed_copies, return_renewed
 from sluice.common.brokerroles import ack_subjects, inbox_prefix, js_api
 from sluice.common.transport import BrokerAuth, TransportError, connect
 from sluice.gateway import ApiKey, GatewayServer, GatewaySettings
@@ -336,6 +337,10 @@ async def test_no_one_but_the_dispatcher_acks_a_request(
     assert await op.publish_refused(names.result_subject("acme", "forged"))
     async with Client(layout.url, auth=_auth(layout.env("operator"))) as ops:
         assert {w.worker_id for w in (await ops.workers()).workers} == set(WORKERS)
+        # `sluice renewed`: the renewed stream and the leader key read as the operator.
+        assert (await renewed_copies(ops.nc)).copies == 0
+        with pytest.raises(DispatcherLeading):
+            await return_renewed(ops.nc)
 
 
 async def test_inbox_prefix_and_credentials_are_required(layout: Layout) -> None:
