@@ -302,3 +302,42 @@ async def test_a_copy_pulled_after_its_request_ended_does_not_run_again(nats_url
         await eventually(copy_acked)
         await _sleep(0.5)
         assert cluster.agents[0].completed == 1
+
+
+async def test_a_leader_takes_renewed_copies_only_while_its_buffers_have_room(
+    nats_url: str,
+) -> None:
+    """Renewed copies count against the bands' buffers (``max_buffered`` each): a leader that
+    took every copy it found besides a full buffer of its bands' messages would hold more
+    at each leader change. Five copies, three bands of one each: three held, the other two
+    wait in the broker until requests end; then all five run, once each."""
+    async with (
+        LocalCluster(nats_url, **_settings(max_buffered=1)) as cluster,
+        Client(nats_url) as c,
+    ):
+        js = c.nc.jetstream()
+        st = cluster.dispatcher._state
+        now_ms = int(time.time() * 1000)
+        for i in range(5):
+            subject, headers = _copy(f"copy-{i}", 1, now_ms)
+            await js.publish(subject, encode(_body(f"copy-{i}")), headers=headers)
+
+        async def buffers_full() -> bool:
+            return len(st.held) == 3
+
+        await eventually(buffers_full)
+        await _sleep(1.0)  # (several pulls' time: none takes more)
+        assert len(st.held) == 3 and st.copies_held == 3
+        agent = await cluster.add_agent("late-worker")
+
+        async def all_ran() -> bool:
+            return all([await c.fetch_result(f"copy-{i}") for i in range(5)])
+
+        await eventually(all_ran, timeout_s=30)
+
+        async def copies_acked() -> bool:
+            return await _queued(js, names.RENEWED_STREAM) == 0
+
+        await eventually(copies_acked)
+        await _sleep(0.5)
+        assert agent.completed == 5

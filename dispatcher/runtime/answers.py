@@ -10,7 +10,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Protocol
 
 import nats.errors
@@ -61,18 +61,27 @@ async def give_back(msgs: Sequence[Msg]) -> None:
 
 
 async def term_batches(
-    st: State, psub: JetStreamContext.PullSubscription, term: int, batch: int, what: str
+    st: State,
+    psub: JetStreamContext.PullSubscription,
+    term: int,
+    batch: int | Callable[[], Awaitable[int]],
+    what: str,
 ) -> AsyncIterator[list[Msg]]:
     """Batches fetched from ``psub`` for one leadership term: none while the lease has run
-    out locally (its renewal late), and it ends with the term. A failed fetch is retried."""
+    out locally (its renewal late), and it ends with the term. A failed fetch is retried.
+    ``batch``: how many messages a fetch asks for, or a call that waits until some may be
+    taken and says how many (0: look again)."""
     while st.running and st.term == term:
         if not st.leading():
             # The lease ran out locally, its renewal late: take nothing until it is renewed
             # (the term goes on) or lost (the term ends, and so does this loop).
             await asyncio.sleep(NOT_LEADING_WAIT_S)
             continue
+        n = batch if isinstance(batch, int) else await batch()
+        if n <= 0:
+            continue
         try:
-            msgs = await psub.fetch(batch=batch, timeout=st.settings.fetch_timeout_s)
+            msgs = await psub.fetch(batch=n, timeout=st.settings.fetch_timeout_s)
         except (TimeoutError, nats.errors.TimeoutError):
             continue
         except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError):

@@ -293,8 +293,7 @@ class Dispatcher:
         # The loops see the flag within one fetch timeout or tick. nats-py's fetch() does not
         # reliably honour cancellation, so cancel only what has not stopped by then.
         st.kick.set()
-        for room in st.room.values():
-            room.set()
+        st.wake_pulls()
         try:
             await self._config.stop()
         except BROKER_ERRORS:

@@ -68,10 +68,14 @@ class Intake:
     async def renewed_loop(self, psub: JetStreamContext.PullSubscription, term: int) -> None:
         """Pull the renewed copies (:mod:`~sluice.dispatcher.runtime.renewals`) for one
         leadership term: each is held instead of its request's older message (or as its
-        request's message, by a leader that had none). Outside the bands' buffers: a copy
-        replaces a message it holds, or one its predecessor held."""
+        request's message, by a leader that had none). Only while the bands' buffers have
+        room in all (:meth:`State.room_left`): a copy replaces a message its predecessor
+        held, and each leader pulls as many of its bands' messages besides, so copies taken
+        without room would pile up from one leader to the next. While the buffers are full a
+        copy of a request held here waits in the broker: it is held at the next leader
+        change, and its deliveries are whole meanwhile."""
         st = self.state
-        async for msgs in term_batches(st, psub, term, PULL_BATCH, "renewed requests"):
+        async for msgs in term_batches(st, psub, term, self._copies_room, "renewed requests"):
             known = await self._results_of_redeliveries(msgs)
             async for msg in term_messages(st, msgs, term):
                 try:
@@ -79,6 +83,17 @@ class Intake:
                 except Exception:
                     internal_error(log, "dispatcher.intake", "a renewed request failed")
             st.kick.set()
+
+    async def _copies_room(self) -> int:
+        """How many renewed copies the next pull asks for: the room left in all the bands'
+        buffers, waited for while there is none (0 when woken: the caller looks again)."""
+        st = self.state
+        free = st.room_left()
+        if free <= 0:
+            st.any_room.clear()
+            await st.any_room.wait()
+            return 0
+        return min(free, PULL_BATCH)
 
     async def _pull_once(
         self, band: str, psub: JetStreamContext.PullSubscription, term: int, backlog: bool

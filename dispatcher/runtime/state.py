@@ -150,6 +150,8 @@ class State:
         ``sluice_dispatcher_renewed_held_requests`` gauge; a rollback waits for none)."""
         self.room = {b: asyncio.Event() for b in s.bands}
         """Set when a band's buffer has room again (its pull task waits on it)."""
+        self.any_room = asyncio.Event()
+        """Set when any band's buffer has room again (the renewed copies' pull waits on it)."""
         self.kick = asyncio.Event()
         """Set when something changed that may let the scheduler plan."""
         self.stopping = asyncio.Event()
@@ -181,8 +183,7 @@ class State:
         self.held_by_band.clear()
         self.copies_held = 0
         self.unnotified.clear()
-        for room in self.room.values():
-            room.set()
+        self.wake_pulls()
 
     def leading(self) -> bool:
         """Whether this dispatcher leads now (its lease has not run out locally)."""
@@ -240,4 +241,17 @@ class State:
             self.held_by_band[band] -= 1
             self.copies_held -= is_copy(held.msg)
             self.room[band].set()
+            self.any_room.set()
         return held
+
+    def room_left(self) -> int:
+        """Requests the bands' buffers have room for in all (``max_buffered`` each, less what
+        is held; a band held over its own, by renewed copies, counts as full)."""
+        s = self.settings
+        return len(s.bands) * s.max_buffered - len(self.held)
+
+    def wake_pulls(self) -> None:
+        """Wake every pull waiting for room (to see a new term, or the stop)."""
+        for room in self.room.values():
+            room.set()
+        self.any_room.set()
