@@ -1,32 +1,45 @@
 """Operators' tools for renewed copies: what ``SLUICE_RENEWED`` holds, and moving it back.
 
 A leader renews a request held through many leader changes by storing a copy of it in
-:data:`~sluice.schemas.names.RENEWED_STREAM` (:mod:`sluice.dispatcher.runtime.renewals`); the
-copy is then the request's only message. A dispatcher from a release before renewals never
-reads that stream, so before going back to one, ``sluice renewed return`` moves every request
-that lives as a copy back to its band's queue (:func:`return_renewed`), with every dispatcher
-stopped. ``sluice renewed show`` counts the copies (:func:`renewed_copies`).
+:data:`~sluice.schemas.names.RENEWED_STREAM` (:mod:`sluice.dispatcher.runtime.renewals`); once
+a leader holds the copy, the message it was made from is acked and the copy is the request's
+only message. A dispatcher from a release before renewals never reads that stream, so before
+going back to one, ``sluice renewed return`` moves every request that has a copy back to its
+band's queue (:func:`return_renewed`), with every dispatcher stopped. ``sluice renewed show``
+counts the copies (:func:`renewed_copies`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import TracebackType
 
 import nats.errors
 from nats.aio.client import Client as NATS
 from nats.js.api import RawStreamMsg
 from nats.js.client import JetStreamContext
-from nats.js.errors import APIError, BucketNotFoundError, KeyNotFoundError, NotFoundError
+from nats.js.errors import (
+    APIError,
+    BucketNotFoundError,
+    KeyNotFoundError,
+    KeyWrongLastSequenceError,
+    NotFoundError,
+)
+from nats.js.kv import KeyValue
 
 from sluice.client.errors import DispatcherLeading, QueueFull, ServiceUnavailable
 from sluice.schemas import names
-from sluice.schemas.codec import decode
+from sluice.schemas.codec import decode, encode
 from sluice.schemas.errors import DecodeError
-from sluice.schemas.models import LeaderLease
+from sluice.schemas.models import LeaderLease, SubmitRequest
 
 _NATS_ERRORS = (nats.errors.Error, OSError)
+RETURN_LEADER = "sluice-renewed-return"
+"""Who holds the leader key while :func:`return_renewed` runs (dispatchers stand by)."""
 Progress = Callable[[int, int], None]
 """Called with (copies read so far, copies stored when the pass began)."""
 
@@ -40,12 +53,14 @@ class _Copy:
     model: str
     tenant: str
     data: bytes
+    source: tuple[str, int] | None
+    """The message it was made from (stream, sequence), if it says."""
 
 
 @dataclass
 class RenewedCopies:
-    """What :data:`~sluice.schemas.names.RENEWED_STREAM` holds: ``requests`` that live as
-    copies (their newest), by band, and ``copies`` in all (older ones wait to be acked)."""
+    """What :data:`~sluice.schemas.names.RENEWED_STREAM` holds: ``requests`` with copies (by
+    their newest copy's band), and ``copies`` in all (older ones wait to be acked)."""
 
     copies: int = 0
     requests: int = 0
@@ -66,6 +81,9 @@ class Returned:
     """Requests whose band's queue (or its tenant's share) is full: their copies stay, for
     a later run."""
     copies_deleted: int = 0
+    originals_deleted: int = 0
+    """Messages the copies were made from, still stored (their leader held them when it
+    renewed them, and no leader held a copy since): deleted with the copies."""
     unreadable: list[int] = field(default_factory=list)
     """Sequences of messages that are no renewed copy (left where they are)."""
 
@@ -87,12 +105,6 @@ async def leading_dispatcher(nc: NATS) -> str | None:
         return "(unreadable leader key)"
 
 
-async def _none_leads(nc: NATS) -> None:
-    leader = await leading_dispatcher(nc)
-    if leader is not None:
-        raise DispatcherLeading(leader)
-
-
 async def renewed_copies(nc: NATS, progress: Progress | None = None) -> RenewedCopies:
     """Count the stored renewed copies, reading each once (whatever runs meanwhile)."""
     out = RenewedCopies()
@@ -105,39 +117,110 @@ async def renewed_copies(nc: NATS, progress: Progress | None = None) -> RenewedC
 
 
 async def return_renewed(nc: NATS, progress: Progress | None = None) -> Returned:
-    """Move every request that lives as a renewed copy back to its band's queue, for a
-    rollback to a release without renewals; raises :class:`DispatcherLeading` unless every
-    dispatcher is stopped (a leader holds the copies it pulled, and would hold the moved
-    request twice).
+    """Move every request that has a renewed copy back to its band's queue, for a rollback
+    to a release without renewals; raises :class:`DispatcherLeading` unless every dispatcher
+    is stopped (a leader holds the copies it pulled). Meanwhile it holds the leader key, so
+    that a dispatcher started during the run stands by until it ends.
 
     For each request, its newest copy is published to its band's subject under the message id
     :func:`~sluice.schemas.names.returned_msg_id` (never its producer's: that may still be in
-    the broker's duplicate window, which would drop the message), then all its copies are
-    deleted; a request whose result is stored already ran, and its copies are only deleted.
-    A request whose band's queue is full stays as a copy (:attr:`Returned.left`): run this
-    again once the queue has room. It arrives as a new message, behind the requests queued
-    before it. Running this again after an interruption is safe: a message published twice
-    under one id is stored once."""
-    await _none_leads(nc)
+    the broker's duplicate window, which would drop the message); then the messages its copies
+    were made from (a band message a leader held and renewed, whose copy no leader held since)
+    and all its copies are deleted. A request whose result is stored already ran: only those
+    are deleted. A request whose band's queue is full stays as it is (:attr:`Returned.left`):
+    run this again once the queue has room. A returned request arrives as a new message,
+    behind the requests queued before it. Running this again after an interruption stores
+    each request once if it runs within the broker's duplicate window (``duplicate_window_s``,
+    120 s by default); later, a request moved but not yet cleaned up is queued twice."""
     js = nc.jetstream()
     out = Returned()
-    for rid, request_copies in (await _scan(js, out.unreadable, progress)).items():
-        # Again before each request: a standby left running takes the lead within a lease,
-        # pulls copies and holds them (what is done stays done: a run again is safe).
-        await _none_leads(nc)
-        newest = request_copies[-1]
-        if await _result_stored(js, newest.tenant, rid):
-            out.ended.append(rid)
-        else:
-            try:
-                await _publish(js, newest)
-            except QueueFull:
-                out.left.append(rid)
-                continue
-            out.returned.append(rid)
-        for c in request_copies:
-            out.copies_deleted += await _delete(js, c.seq)
+    async with _HeldLead(nc) as lead:
+        for rid, request_copies in (await _scan(js, out.unreadable, progress)).items():
+            await lead.check()
+            newest = request_copies[-1]
+            if await _result_stored(js, newest.tenant, rid):
+                out.ended.append(rid)
+            else:
+                try:
+                    await _publish(js, newest)
+                except QueueFull:
+                    out.left.append(rid)
+                    continue
+                out.returned.append(rid)
+            for c in request_copies:
+                if c.source is not None and c.source[0] != names.RENEWED_STREAM:
+                    out.originals_deleted += await _delete_original(js, c.source, rid)
+            for c in request_copies:
+                out.copies_deleted += await _delete(js, names.RENEWED_STREAM, c.seq)
     return out
+
+
+class _HeldLead:
+    """The leader key, held (created, renewed every third of its time to live, deleted at
+    the end) while the copies move: a dispatcher started meanwhile finds it renewed and
+    stands by. No bucket: no dispatcher ran here yet, nothing to hold."""
+
+    def __init__(self, nc: NATS) -> None:
+        self._nc = nc
+        self._kv: KeyValue | None = None
+        self._revision = 0
+        self._task: asyncio.Task[None] | None = None
+        self._lost = False
+        self._value = encode(LeaderLease(dispatcher_id=RETURN_LEADER))
+
+    async def __aenter__(self) -> _HeldLead:
+        try:
+            self._kv = kv = await self._nc.jetstream().key_value(names.LEADER_BUCKET)
+            try:
+                self._revision = await kv.create(names.LEADER_KEY, self._value)
+            except KeyWrongLastSequenceError:
+                raise DispatcherLeading(
+                    await leading_dispatcher(self._nc) or "(one that took the key just now)"
+                ) from None
+            ttl_s = (await kv.status()).ttl or 0.0
+        except BucketNotFoundError:
+            self._kv = None
+            return self
+        except _NATS_ERRORS as exc:
+            raise ServiceUnavailable(f"cannot take the leader key: {exc}") from exc
+        self._task = asyncio.get_running_loop().create_task(self._renew(max(ttl_s, 0.3) / 3))
+        return self
+
+    async def _renew(self, every_s: float) -> None:
+        assert self._kv is not None
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                self._revision = await self._kv.update(
+                    names.LEADER_KEY, self._value, last=self._revision
+                )
+            except (KeyWrongLastSequenceError, KeyNotFoundError):
+                self._lost = True  # it expired (this process stalled) and a dispatcher leads
+                return
+            except _NATS_ERRORS:
+                continue  # the broker away for a moment: tried again
+
+    async def check(self) -> None:
+        """Raise :class:`DispatcherLeading` if the key was lost: this process stalled past its
+        time to live, and a dispatcher took it."""
+        if self._lost:
+            raise DispatcherLeading(await leading_dispatcher(self._nc) or "(one that stopped)")
+
+    async def __aexit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._kv is not None and not self._lost:
+            # Deleted, so that a standby takes over at once (if this fails, the key runs out
+            # within its time to live).
+            with contextlib.suppress(*_NATS_ERRORS):
+                await self._kv.delete(names.LEADER_KEY, last=self._revision)
 
 
 async def _scan(
@@ -157,7 +240,11 @@ async def _scan(
     found: dict[str, list[_Copy]] = {}
     while seq <= last:
         try:
-            raw = await js.get_msg(names.RENEWED_STREAM, seq=seq, next=True)
+            # (With a subject, "next" is the next stored at or after seq: copies are acked out
+            # of order, and without one a gap would read as the end.)
+            raw = await js.get_msg(
+                names.RENEWED_STREAM, seq=seq, subject=names.RENEWED_SUBJECTS, next=True
+            )
         except NotFoundError:
             break
         except _NATS_ERRORS as exc:
@@ -191,7 +278,8 @@ def _parse(raw: RawStreamMsg) -> _Copy | None:
     except ValueError:
         return None
     assert raw.seq is not None
-    return _Copy(raw.seq, int(generation), rid, band, model, tenant, raw.data or b"")
+    source = names.parse_message_ref(headers.get(names.RENEWED_FROM_HEADER, ""))
+    return _Copy(raw.seq, int(generation), rid, band, model, tenant, raw.data or b"", source)
 
 
 async def _result_stored(js: JetStreamContext, tenant: str, request_id: str) -> bool:
@@ -217,10 +305,28 @@ async def _publish(js: JetStreamContext, c: _Copy) -> None:
         raise ServiceUnavailable(f"cannot return {c.request_id} to {subject}: {exc}") from exc
 
 
-async def _delete(js: JetStreamContext, seq: int) -> int:
+async def _delete_original(js: JetStreamContext, source: tuple[str, int], rid: str) -> int:
+    """Delete the message a copy was made from if it is still stored (and is that request's):
+    1 if deleted."""
+    stream, seq = source
     try:
-        return int(await js.delete_msg(names.RENEWED_STREAM, seq))
+        raw = await js.get_msg(stream, seq=seq)
+    except NotFoundError:
+        return 0  # acked once a leader held the copy: the usual case
+    except _NATS_ERRORS as exc:
+        raise ServiceUnavailable(f"cannot read {stream} #{seq}: {exc}") from exc
+    try:
+        if decode(raw.data or b"", SubmitRequest).request_id != rid:
+            return 0
+    except DecodeError:
+        return 0
+    return await _delete(js, stream, seq)
+
+
+async def _delete(js: JetStreamContext, stream: str, seq: int) -> int:
+    try:
+        return int(await js.delete_msg(stream, seq))
     except NotFoundError:
         return 0  # acked meanwhile, or deleted by an earlier run
     except _NATS_ERRORS as exc:
-        raise ServiceUnavailable(f"cannot delete copy #{seq}: {exc}") from exc
+        raise ServiceUnavailable(f"cannot delete {stream} #{seq}: {exc}") from exc

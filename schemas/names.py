@@ -132,6 +132,22 @@ RENEWAL_HEADER = "Sluice-Renewal"
 ARRIVED_HEADER = "Sluice-Arrived-Unix-Ms"
 """When a renewed copy's request arrived (its first message was stored): its place in the
 queue."""
+RENEWED_FROM_HEADER = "Sluice-Renewed-From"
+"""The message a renewed copy was made from, ``<stream>:<sequence>`` (:func:`message_ref`): it
+is acked once a leader holds the copy, and until then both are stored."""
+
+
+def message_ref(stream: str, seq: int) -> str:
+    """A stored message's reference: ``<stream>:<sequence>``."""
+    return f"{stream}:{seq}"
+
+
+def parse_message_ref(value: str) -> tuple[str, int] | None:
+    """``(stream, sequence)`` of a :func:`message_ref`; None if it is not one."""
+    stream, _, seq = value.rpartition(":")
+    if not stream or not (seq.isascii() and seq.isdigit()):
+        return None
+    return stream, int(seq)
 
 
 def renewed_subject(band: str, model: str, tenant: str, request_id: str) -> str:

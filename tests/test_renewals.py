@@ -341,3 +341,46 @@ async def test_a_leader_takes_renewed_copies_only_while_its_buffers_have_room(
         await eventually(copies_acked)
         await _sleep(0.5)
         assert agent.completed == 5
+
+
+async def test_a_copy_looked_up_while_its_original_arrives_is_held_instead(
+    nats_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copy's first delivery waits on its result's lookup; its original, pulled by its band
+    meanwhile, is held by then. The copy is held instead of it (it carries the renewed
+    deliveries), not acked as a duplicate of the original. (The lookup is made to wait, and
+    the batch lookup to fail, as when the broker is slow.)"""
+    async with LocalCluster(nats_url, **_settings()) as cluster, Client(nats_url) as c:
+        js = c.nc.jetstream()
+        st = cluster.dispatcher._state
+        intake = cluster.dispatcher._intake
+        looked_up = intake.answers.result_known
+
+        async def no_batch_lookup(msgs: object) -> dict[tuple[str, str], bool | None]:
+            return {}
+
+        async def slow_lookup(tenant: str, request_id: str) -> bool | None:
+            if request_id == "raced":
+                await js.publish(
+                    SUBJECT, encode(_body("raced")), headers={names.MSG_ID_HEADER: "raced"}
+                )
+
+                async def original_held() -> bool:
+                    held = st.held.get("raced")
+                    return held is not None and generation(held.msg) == 0
+
+                await eventually(original_held)
+            return await looked_up(tenant, request_id)
+
+        monkeypatch.setattr(intake, "_results_of_redeliveries", no_batch_lookup)
+        monkeypatch.setattr(intake.answers, "result_known", slow_lookup)
+        subject, headers = _copy("raced", 1, int(time.time() * 1000))
+        await js.publish(subject, encode(_body("raced")), headers=headers)
+
+        async def copy_held() -> bool:
+            held = st.held.get("raced")
+            return held is not None and generation(held.msg) == 1 and await _queued(js) == 0
+
+        await eventually(copy_held)
+        assert await _queued(js, names.RENEWED_STREAM) == 1  # the copy, held
+        assert st.copies_held == 1

@@ -11,14 +11,15 @@ import subprocess
 import time
 
 import pytest
+from nats.js.api import PubAck
 from nats.js.client import JetStreamContext
 
-from sluice.client import Client, DispatcherLeading
+from sluice.client import Client, DispatcherLeading, renewed
 from sluice.client.renewed import renewed_copies, return_renewed
 from sluice.dispatcher.runtime import Dispatcher
 from sluice.schemas import names
 from sluice.schemas.codec import encode
-from sluice.schemas.models import LeaderLease, Result, SubmitRequest
+from sluice.schemas.models import Result, SubmitRequest
 from sluice.testing.cluster import LocalCluster
 
 from .conftest import SLUICE, cluster_kwargs, eventually
@@ -42,9 +43,9 @@ def _body(request_id: str, band: str = "standard") -> SubmitRequest:
 
 async def _copy(
     js: JetStreamContext, request_id: str, generation: int, band: str = "standard"
-) -> None:
+) -> PubAck:
     """Store a renewed copy of ``request_id`` as a leader does."""
-    await js.publish(
+    return await js.publish(
         names.renewed_subject(band, "sim", "default", request_id),
         encode(_body(request_id, band)),
         headers={
@@ -88,6 +89,9 @@ async def test_copies_go_back_to_their_bands_and_run_once(nats_url: str) -> None
         )
         await js.delete_msg(names.request_stream("standard"), original.seq)
         await _copy(js, "moved", 1)
+        # A copy acked (its request ran) between two others: the scan reads past the gap.
+        gone = await _copy(js, "acked", 1)
+        await js.delete_msg(names.RENEWED_STREAM, gone.seq)
         await _copy(js, "moved", 2)  # (its older copy, not acked: the leader died)
         await _copy(js, "ran", 1)
         await js.publish(
@@ -181,27 +185,96 @@ async def test_a_leading_dispatcher_is_named_and_nothing_moves(nats_url: str) ->
         assert await _messages(js, names.request_stream("standard")) == 0
 
 
-async def test_a_dispatcher_that_takes_the_lead_midway_stops_the_move(nats_url: str) -> None:
-    """A standby left running takes the lead while copies are moved: the move stops before
-    the next request (the leader pulls and holds copies), and says who leads."""
-    async with (
-        LocalCluster(nats_url, **cluster_kwargs(workers=0)) as cluster,
-        Client(nats_url) as c,
-    ):
+async def test_a_dispatcher_started_midway_stands_by_until_the_move_ends(
+    nats_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The move holds the leader key: a dispatcher started while it runs (a standby left
+    running, say) stands by, and takes over only once the move ended; it then runs every
+    returned request once. (Had it led, it would have held a copy that the move deleted,
+    and acked the returned message as its duplicate: the request gone.)"""
+    settings = cluster_kwargs(workers=0)
+    async with LocalCluster(nats_url, **settings) as cluster, Client(nats_url) as c:
         js = c.nc.jetstream()
         await cluster.dispatcher.stop()
         for rid in ("a", "b", "c"):
             await _copy(js, rid, 1)
-        kv = await js.key_value(names.LEADER_BUCKET)
-        took: list[asyncio.Task[int]] = []
+        lease_s = cluster.dispatcher_settings.leader_lease_s
+        looked_up = renewed._result_stored
+        standby: list[Dispatcher] = []
 
-        def scanned(read: int, total: int) -> None:
-            if read == total and not took:  # the lead taken as the moves begin
-                lease = LeaderLease(dispatcher_id="standby-7", epoch=1)
-                took.append(asyncio.create_task(kv.put(names.LEADER_KEY, encode(lease))))
+        async def meanwhile(js: JetStreamContext, tenant: str, request_id: str) -> bool:
+            if not standby:
+                standby.append(Dispatcher(cluster.dispatcher_settings))
+                await standby[0].start()  # it campaigns once: the key is held
+                await asyncio.sleep(2.5 * lease_s)  # (a key left unrenewed is taken by now)
+                assert not standby[0]._state.leading()
+            return await looked_up(js, tenant, request_id)
 
-        with pytest.raises(DispatcherLeading) as info:
-            await return_renewed(c.nc, scanned)
-        assert info.value.dispatcher_id == "standby-7"
-        assert await _messages(js, names.RENEWED_STREAM) >= 2  # at most one request moved
-        await kv.delete(names.LEADER_KEY)
+        monkeypatch.setattr(renewed, "_result_stored", meanwhile)
+        done = await return_renewed(c.nc)
+        assert sorted(done.returned) == ["a", "b", "c"]
+        assert await _messages(js, names.RENEWED_STREAM) == 0
+        cluster.dispatcher = standby[0]
+
+        async def leads() -> bool:
+            return cluster.dispatcher._state.leading()
+
+        await eventually(leads)
+        agent = await cluster.add_agent("after-rollback")
+
+        async def ran() -> bool:
+            return all([await c.fetch_result(rid) for rid in ("a", "b", "c")])
+
+        await eventually(ran, timeout_s=30)
+        await asyncio.sleep(0.5)
+        assert agent.completed == 3
+
+
+async def test_a_renewed_request_whose_copy_no_leader_held_returns_once(nats_url: str) -> None:
+    """Full buffers keep a leader from pulling the copies it made (their originals, held,
+    are acked only once a leader holds a copy): both messages are stored when the move
+    runs. The original is deleted with the copy, so the request is queued once and runs
+    once. (Three bands with a buffer of one, a request in each, one hand-over to spend a
+    delivery, then two keepalive ticks.)"""
+    settings = cluster_kwargs(
+        workers=0,
+        dispatcher={"max_deliver": 4, "ack_wait_s": 1.5, "leader_lease_s": 3.0, "max_buffered": 1},
+    )
+    async with LocalCluster(nats_url, **settings) as cluster, Client(nats_url) as c:
+        js = c.nc.jetstream()
+        bands = names.DEFAULT_BANDS
+        for band in bands:
+            await c.submit("sim", PROMPT, max_tokens=4, band=band, request_id=f"in-{band}")
+
+        async def all_held() -> bool:
+            return cluster.dispatcher.held == len(bands)
+
+        await eventually(all_held)
+        await cluster.dispatcher.stop()  # a hand-over: each request's second delivery next
+        cluster.dispatcher = Dispatcher(cluster.dispatcher_settings)
+        await cluster.dispatcher.start()
+
+        async def renewed_all() -> bool:
+            return await _messages(js, names.RENEWED_STREAM) == len(bands)
+
+        await eventually(renewed_all, timeout_s=15)
+        await asyncio.sleep(0.5)
+        assert cluster.dispatcher._state.copies_held == 0  # no room: none pulled
+        await cluster.dispatcher.stop()
+
+        done = await return_renewed(c.nc)
+        assert sorted(done.returned) == sorted(f"in-{b}" for b in bands)
+        assert done.originals_deleted == len(bands) and done.copies_deleted == len(bands)
+        for band in bands:
+            assert await _messages(js, names.request_stream(band)) == 1, band
+
+        cluster.dispatcher = Dispatcher(cluster.dispatcher_settings)
+        await cluster.dispatcher.start()
+        agent = await cluster.add_agent("after-rollback")
+
+        async def ran() -> bool:
+            return all([await c.fetch_result(f"in-{b}") for b in bands])
+
+        await eventually(ran, timeout_s=30)
+        await asyncio.sleep(0.5)
+        assert agent.completed == len(bands)

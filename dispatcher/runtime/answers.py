@@ -79,6 +79,7 @@ async def term_batches(
             continue
         n = batch if isinstance(batch, int) else await batch()
         if n <= 0:
+            await asyncio.sleep(0)  # (never a busy loop, whatever the call did)
             continue
         try:
             msgs = await psub.fetch(batch=n, timeout=st.settings.fetch_timeout_s)

@@ -312,6 +312,7 @@ class Dispatcher:
         metrics.LEADER.set(0)
         st.held.clear()
         st.copies_held = 0
+        metrics.RENEWED_HELD.set(0)
         if st.decisions is not None:
             st.decisions.close()
         if self._own_nc and st.nc_or_none is not None:

@@ -231,15 +231,7 @@ class Intake:
         """Handle a request this dispatcher has seen before (held, cancelled, or finished):
         True if it was, and is now dealt with."""
         st, rid = self.state, req.request_id
-        held = st.held.get(rid)
-        if held is not None:
-            if same_message(held, msg):
-                held.msg = msg  # a redelivery of the message we hold: keep the newest handle
-            elif self.renewals.newer(held, msg):  # its renewed copy: held instead of the old
-                await ack(st.hold_instead(held, msg))
-            else:
-                metrics.DUPLICATES.inc()
-                await ack(msg)
+        if await self._held_already(rid, msg):
             return True
         copy = generation(msg) > 0
         if copy:
@@ -263,7 +255,25 @@ class Intake:
             # it runs: a duplicate is safe, an undelivered request is not.
             await self._look_again(msg, rid)
             return True
-        return False
+        # The lookup waited on the broker: another message of the request (its older one, a
+        # copy's original pulled by its band meanwhile) may be held by now.
+        return await self._held_already(rid, msg)
+
+    async def _held_already(self, rid: str, msg: Msg) -> bool:
+        """Deal with ``msg`` if a message of its request is held here (True): a redelivery of
+        it, a newer renewed copy (held instead), or a duplicate (acked)."""
+        st = self.state
+        held = st.held.get(rid)
+        if held is None:
+            return False
+        if same_message(held, msg):
+            held.msg = msg  # a redelivery of the message we hold: keep the newest handle
+        elif self.renewals.newer(held, msg):  # its renewed copy: held instead of the old
+            await ack(st.hold_instead(held, msg))
+        else:
+            metrics.DUPLICATES.inc()
+            await ack(msg)
+        return True
 
     async def settle_requeued(self, requeued: Sequence[Request]) -> None:
         """Requests queued again because their worker was lost (or reconciliation found

@@ -27,7 +27,7 @@ RENEWALS_REFUSED = Counter(
 )
 RENEWED_HELD = Gauge(
     "sluice_dispatcher_renewed_held_requests",
-    "Held requests whose message is a renewed copy in SLUICE_RENEWED (their only message)",
+    "Held requests whose message is a renewed copy in SLUICE_RENEWED (the older one acked)",
 )
 LOOKUPS_DEFERRED = Counter(
     "sluice_dispatcher_lookups_deferred_total",

@@ -124,6 +124,7 @@ class Renewals:
         headers = {
             names.MSG_ID_HEADER: names.renewal_msg_id(rid, gen),
             names.RENEWAL_HEADER: str(gen),
+            names.RENEWED_FROM_HEADER: names.message_ref(held.msg.metadata.stream, held.stream_seq),
         }
         arrived = self._arrived_unix_ms(held)
         if arrived is not None:

@@ -245,8 +245,9 @@ class State:
         return held
 
     def room_left(self) -> int:
-        """Requests the bands' buffers have room for in all (``max_buffered`` each, less what
-        is held; a band held over its own, by renewed copies, counts as full)."""
+        """Requests the bands' buffers have room for in all: ``max_buffered`` each, less every
+        request held (renewed copies may hold a band over its own buffer, which takes room
+        from the others)."""
         s = self.settings
         return len(s.bands) * s.max_buffered - len(self.held)
 
