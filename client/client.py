@@ -365,7 +365,9 @@ class Client:
 
     async def close(self) -> None:
         if self._own_nc and self._nc is not None:
-            with contextlib.suppress(*_NATS_ERRORS):  # closing a broken connection
+            # Closing a broken connection: nats-py also writes what it still had to send to
+            # a transport the event loop closed when the broker died (uvloop: RuntimeError).
+            with contextlib.suppress(*_NATS_ERRORS, RuntimeError):
                 await self._nc.close()
         self._nc = None
 

@@ -59,11 +59,13 @@ class UnknownWorker(SluiceError):
 
 
 class DispatcherLeading(SluiceError):
-    """A dispatcher leads, and the operation needs every dispatcher stopped."""
+    """The leader key is held (by ``dispatcher_id``), and the operation needs every
+    dispatcher stopped."""
 
-    def __init__(self, dispatcher_id: str) -> None:
+    def __init__(self, dispatcher_id: str, message: str | None = None) -> None:
         super().__init__(
-            f"dispatcher {dispatcher_id} leads: stop every dispatcher first (a stopped "
+            message
+            or f"dispatcher {dispatcher_id} leads: stop every dispatcher first (a stopped "
             "leader's key is gone at once; a crashed one's after its lease)"
         )
         self.dispatcher_id = dispatcher_id

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,11 +28,13 @@ from nats.js.errors import (
     BucketNotFoundError,
     KeyNotFoundError,
     KeyWrongLastSequenceError,
+    NoStreamResponseError,
     NotFoundError,
 )
 from nats.js.kv import KeyValue
 
-from sluice.client.errors import DispatcherLeading, QueueFull, ServiceUnavailable
+from sluice.client.errors import DispatcherLeading, ServiceUnavailable
+from sluice.common.aio import stop_if_cancelled
 from sluice.schemas import names
 from sluice.schemas.codec import decode, encode
 from sluice.schemas.errors import DecodeError
@@ -40,8 +43,9 @@ from sluice.schemas.models import LeaderLease, SubmitRequest
 _NATS_ERRORS = (nats.errors.Error, OSError)
 RETURN_LEADER = "sluice-renewed-return"
 """Who holds the leader key while :func:`return_renewed` runs (dispatchers stand by)."""
-Progress = Callable[[int, int], None]
-"""Called with (copies read so far, copies stored when the pass began)."""
+Progress = Callable[[str, int, int], None]
+"""Called with what is being done (``"reading copies"``, ``"moving requests"``), how many
+so far, and how many in all."""
 
 
 @dataclass(frozen=True)
@@ -62,30 +66,106 @@ class RenewedCopies:
     """What :data:`~sluice.schemas.names.RENEWED_STREAM` holds: ``requests`` with copies (by
     their newest copy's band), and ``copies`` in all (older ones wait to be acked)."""
 
+    stream_found: bool = False
+    """Whether the broker has the stream at all (no: no dispatcher with renewals ran there;
+    the wrong broker?)."""
     copies: int = 0
     requests: int = 0
     by_band: Counter[str] = field(default_factory=Counter)
+    bands_without_stream: list[str] = field(default_factory=list)
+    """Bands of copies that no stream of this broker takes: they cannot be moved back."""
     unreadable: list[int] = field(default_factory=list)
     """Sequences of messages that are no renewed copy (left where they are)."""
 
 
+@dataclass(frozen=True)
+class Left:
+    """A request :func:`return_renewed` left as it is, and why."""
+
+    request_id: str
+    band: str
+    tenant: str
+    reason: str
+
+
 @dataclass
 class Returned:
-    """What :func:`return_renewed` did, by request."""
+    """What :func:`return_renewed` did, by request (as far as it got, if it failed)."""
 
+    stream_found: bool = False
     returned: list[str] = field(default_factory=list)
     """Requests moved back to their band's queue (their copies deleted)."""
     ended: list[str] = field(default_factory=list)
     """Requests whose result is stored: they ran, and their copies were deleted."""
-    left: list[str] = field(default_factory=list)
-    """Requests whose band's queue (or its tenant's share) is full: their copies stay, for
-    a later run."""
+    left: list[Left] = field(default_factory=list)
+    """Requests left as they are: their band's queue (or its tenant's share) is full, or no
+    stream takes their band; run this again once that changed."""
     copies_deleted: int = 0
     originals_deleted: int = 0
     """Messages the copies were made from, still stored (their leader held them when it
     renewed them, and no leader held a copy since): deleted with the copies."""
     unreadable: list[int] = field(default_factory=list)
     """Sequences of messages that are no renewed copy (left where they are)."""
+
+
+async def renewed_copies(nc: NATS, progress: Progress | None = None) -> RenewedCopies:
+    """Count the stored renewed copies, reading each once (whatever runs meanwhile)."""
+    js = nc.jetstream()
+    out = RenewedCopies()
+    found, out.stream_found = await _scan(js, out.unreadable, progress)
+    for request_copies in found.values():
+        out.copies += len(request_copies)
+        out.requests += 1
+        out.by_band[request_copies[-1].band] += 1
+    out.bands_without_stream = sorted(await _bands_without_stream(js, set(out.by_band)))
+    return out
+
+
+async def return_renewed(
+    nc: NATS, progress: Progress | None = None, done: Returned | None = None
+) -> Returned:
+    """Move every request that has a renewed copy back to its band's queue, for a rollback
+    to a release without renewals; raises :class:`DispatcherLeading` unless every dispatcher
+    is stopped (a leader holds the copies it pulled). Meanwhile it holds the leader key, so
+    that a dispatcher started during the run stands by until it ends. ``done`` (if given) is
+    filled as the run goes: what was done before an error.
+
+    For each request, its newest copy is published to its band's subject under the message id
+    :func:`~sluice.schemas.names.returned_msg_id` (never its producer's: that may still be in
+    the broker's duplicate window, which would drop the message); then the messages its copies
+    were made from (a band message a leader held and renewed, whose copy no leader held since)
+    and all its copies are deleted. A request whose result is stored already ran: only those
+    are deleted. A request whose band's queue is full, or whose band no stream takes, stays
+    as it is (:attr:`Returned.left`). A returned request arrives as a new message, behind the
+    requests queued before it. Running this again after an interruption stores each request
+    once if it runs within the broker's duplicate window (``duplicate_window_s``, 120 s by
+    default); later, a request moved but not yet cleaned up is queued twice."""
+    js = nc.jetstream()
+    out = Returned() if done is None else done
+    async with _HeldLead(nc) as lead:
+        found, out.stream_found = await _scan(js, out.unreadable, progress)
+        for i, (rid, request_copies) in enumerate(found.items()):
+            if progress is not None:
+                progress("moving requests", i, len(found))
+            stop_if_cancelled()  # (nats-py swallows a Ctrl-C in its calls)
+            await lead.check()
+            newest = request_copies[-1]
+            if await _result_stored(js, newest.tenant, rid):
+                out.ended.append(rid)
+            else:
+                refused = await _publish(js, newest)
+                if refused is not None:
+                    out.left.append(Left(rid, newest.band, newest.tenant, refused))
+                    continue
+                out.returned.append(rid)
+            for c in request_copies:
+                if c.source is not None and c.source[0] != names.RENEWED_STREAM:
+                    out.originals_deleted += await _delete_original(js, c.source, rid)
+            for c in request_copies:
+                out.copies_deleted += await _delete(js, names.RENEWED_STREAM, c.seq)
+        if progress is not None:
+            progress("moving requests", len(found), len(found))
+    return out
 
 
 async def leading_dispatcher(nc: NATS) -> str | None:
@@ -105,54 +185,26 @@ async def leading_dispatcher(nc: NATS) -> str | None:
         return "(unreadable leader key)"
 
 
-async def renewed_copies(nc: NATS, progress: Progress | None = None) -> RenewedCopies:
-    """Count the stored renewed copies, reading each once (whatever runs meanwhile)."""
-    out = RenewedCopies()
-    for request_copies in (await _scan(nc.jetstream(), out.unreadable, progress)).values():
-        newest = request_copies[-1]
-        out.copies += len(request_copies)
-        out.requests += 1
-        out.by_band[newest.band] += 1
-    return out
-
-
-async def return_renewed(nc: NATS, progress: Progress | None = None) -> Returned:
-    """Move every request that has a renewed copy back to its band's queue, for a rollback
-    to a release without renewals; raises :class:`DispatcherLeading` unless every dispatcher
-    is stopped (a leader holds the copies it pulled). Meanwhile it holds the leader key, so
-    that a dispatcher started during the run stands by until it ends.
-
-    For each request, its newest copy is published to its band's subject under the message id
-    :func:`~sluice.schemas.names.returned_msg_id` (never its producer's: that may still be in
-    the broker's duplicate window, which would drop the message); then the messages its copies
-    were made from (a band message a leader held and renewed, whose copy no leader held since)
-    and all its copies are deleted. A request whose result is stored already ran: only those
-    are deleted. A request whose band's queue is full stays as it is (:attr:`Returned.left`):
-    run this again once the queue has room. A returned request arrives as a new message,
-    behind the requests queued before it. Running this again after an interruption stores
-    each request once if it runs within the broker's duplicate window (``duplicate_window_s``,
-    120 s by default); later, a request moved but not yet cleaned up is queued twice."""
+async def _refusal(nc: NATS) -> DispatcherLeading:
+    """Who holds the leader key, how long ago it was renewed and when it runs out if its
+    holder is gone."""
+    holder = await leading_dispatcher(nc) or "(one that let it go just now)"
     js = nc.jetstream()
-    out = Returned()
-    async with _HeldLead(nc) as lead:
-        for rid, request_copies in (await _scan(js, out.unreadable, progress)).items():
-            await lead.check()
-            newest = request_copies[-1]
-            if await _result_stored(js, newest.tenant, rid):
-                out.ended.append(rid)
-            else:
-                try:
-                    await _publish(js, newest)
-                except QueueFull:
-                    out.left.append(rid)
-                    continue
-                out.returned.append(rid)
-            for c in request_copies:
-                if c.source is not None and c.source[0] != names.RENEWED_STREAM:
-                    out.originals_deleted += await _delete_original(js, c.source, rid)
-            for c in request_copies:
-                out.copies_deleted += await _delete(js, names.RENEWED_STREAM, c.seq)
-    return out
+    stream = names.kv_stream(names.LEADER_BUCKET)
+    renewed, ttl_s = "", 0.0
+    with contextlib.suppress(*_NATS_ERRORS):
+        raw = await js.get_last_msg(stream, f"$KV.{names.LEADER_BUCKET}.{names.LEADER_KEY}")
+        ttl_s = float((await js.stream_info(stream)).config.max_age or 0.0)
+        if raw.time is not None:
+            ago_s = max(0.0, time.time() - raw.time.timestamp())
+            renewed = f" (its key renewed {ago_s:.1f} s ago)"
+    expiry = f"; a key whose holder crashed runs out {ttl_s:g} s after its last renewal"
+    tail = renewed + (expiry if ttl_s else "")
+    if holder == RETURN_LEADER:
+        what = "another `sluice renewed return` holds the leader key: wait for it to end"
+    else:
+        what = f"dispatcher {holder} leads: stop every dispatcher first"
+    return DispatcherLeading(holder, what + tail)
 
 
 class _HeldLead:
@@ -174,9 +226,7 @@ class _HeldLead:
             try:
                 self._revision = await kv.create(names.LEADER_KEY, self._value)
             except KeyWrongLastSequenceError:
-                raise DispatcherLeading(
-                    await leading_dispatcher(self._nc) or "(one that took the key just now)"
-                ) from None
+                raise await _refusal(self._nc) from None
             ttl_s = (await kv.status()).ttl or 0.0
         except BucketNotFoundError:
             self._kv = None
@@ -204,7 +254,7 @@ class _HeldLead:
         """Raise :class:`DispatcherLeading` if the key was lost: this process stalled past its
         time to live, and a dispatcher took it."""
         if self._lost:
-            raise DispatcherLeading(await leading_dispatcher(self._nc) or "(one that stopped)")
+            raise await _refusal(self._nc)
 
     async def __aexit__(
         self,
@@ -225,19 +275,20 @@ class _HeldLead:
 
 async def _scan(
     js: JetStreamContext, unreadable: list[int], progress: Progress | None
-) -> dict[str, list[_Copy]]:
-    """Every stored copy, by request id, oldest first by (generation, sequence)."""
+) -> tuple[dict[str, list[_Copy]], bool]:
+    """Every stored copy, by request id, oldest first by (generation, sequence); and whether
+    the stream exists."""
     try:
         info = await js.stream_info(names.RENEWED_STREAM)
     except NotFoundError:
-        return {}  # no dispatcher with renewals ever ran here
+        return {}, False  # no dispatcher with renewals ever ran here
     except _NATS_ERRORS as exc:
         raise ServiceUnavailable(f"cannot read {names.RENEWED_STREAM}: {exc}") from exc
     total, last = int(info.state.messages), int(info.state.last_seq)
-    if total == 0:
-        return {}
-    seq, read = max(1, int(info.state.first_seq)), 0  # (an unused stream's first is 0)
     found: dict[str, list[_Copy]] = {}
+    if total == 0:
+        return found, True
+    seq, read = max(1, int(info.state.first_seq)), 0  # (an unused stream's first is 0)
     while seq <= last:
         try:
             # (With a subject, "next" is the next stored at or after seq: copies are acked out
@@ -249,6 +300,7 @@ async def _scan(
             break
         except _NATS_ERRORS as exc:
             raise ServiceUnavailable(f"cannot read {names.RENEWED_STREAM}: {exc}") from exc
+        stop_if_cancelled()
         assert raw.seq is not None
         seq = raw.seq + 1
         if raw.seq > last:
@@ -260,26 +312,42 @@ async def _scan(
         else:
             found.setdefault(copy.request_id, []).append(copy)
         if progress is not None:
-            progress(read, total)
+            progress("reading copies", read, total)
     for request_copies in found.values():
         request_copies.sort(key=lambda c: (c.generation, c.seq))
-    return found
+    return found, True
 
 
 def _parse(raw: RawStreamMsg) -> _Copy | None:
+    """A stored message as a renewed copy, or None if it is none (its headers, its subject
+    and its body must agree: a dispatcher would refuse a body that does not)."""
     headers = raw.headers or {}
     generation = headers.get(names.RENEWAL_HEADER, "")
-    msg_id = headers.get(names.MSG_ID_HEADER, "")
-    rid = names.renewed_request_id(msg_id)
+    rid = names.renewed_request_id(headers.get(names.MSG_ID_HEADER, ""))
     if not (generation.isascii() and generation.isdigit()) or not rid or raw.subject is None:
         return None
     try:
         band, model, tenant = names.parse_renewed_subject(raw.subject)
-    except ValueError:
+        body = decode(raw.data or b"", SubmitRequest)
+    except (ValueError, DecodeError):
+        return None
+    if (body.request_id, body.band, body.model, body.tenant) != (rid, band, model, tenant):
         return None
     assert raw.seq is not None
     source = names.parse_message_ref(headers.get(names.RENEWED_FROM_HEADER, ""))
     return _Copy(raw.seq, int(generation), rid, band, model, tenant, raw.data or b"", source)
+
+
+async def _bands_without_stream(js: JetStreamContext, bands: set[str]) -> set[str]:
+    missing = set()
+    for band in bands:
+        try:
+            await js.stream_info(names.request_stream(band))
+        except NotFoundError:
+            missing.add(band)
+        except _NATS_ERRORS as exc:
+            raise ServiceUnavailable(f"cannot look up band {band!r}'s stream: {exc}") from exc
+    return missing
 
 
 async def _result_stored(js: JetStreamContext, tenant: str, request_id: str) -> bool:
@@ -292,17 +360,24 @@ async def _result_stored(js: JetStreamContext, tenant: str, request_id: str) -> 
     return True
 
 
-async def _publish(js: JetStreamContext, c: _Copy) -> None:
+async def _publish(js: JetStreamContext, c: _Copy) -> str | None:
+    """Publish the request to its band; None once stored, else why its band refused it."""
     subject = names.request_subject(c.band, c.model, c.tenant)
     msg_id = names.returned_msg_id(c.request_id, c.generation)
     try:
         await js.publish(subject, c.data, headers={names.MSG_ID_HEADER: msg_id})
     except APIError as exc:
         if exc.err_code == names.JS_ERR_MAX_MSGS:
-            raise QueueFull(c.band, c.model, 0.0, exc.description or "") from exc
+            detail = exc.description or ""
+            if "per subject" in detail:
+                return f"tenant {c.tenant!r}'s share of band {c.band!r}'s queue is full"
+            return f"band {c.band!r}'s queue is full"
         raise ServiceUnavailable(f"cannot return {c.request_id} to {subject}: {exc}") from exc
+    except NoStreamResponseError:
+        return f"no stream takes band {c.band!r} on this broker"
     except _NATS_ERRORS as exc:
         raise ServiceUnavailable(f"cannot return {c.request_id} to {subject}: {exc}") from exc
+    return None
 
 
 async def _delete_original(js: JetStreamContext, source: tuple[str, int], rid: str) -> int:

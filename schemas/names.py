@@ -143,11 +143,15 @@ def message_ref(stream: str, seq: int) -> str:
 
 
 def parse_message_ref(value: str) -> tuple[str, int] | None:
-    """``(stream, sequence)`` of a :func:`message_ref`; None if it is not one."""
+    """``(stream, sequence)`` of a :func:`message_ref`; None if it is not one (a stream's name
+    is letters, digits, ``_`` and ``-``, as every stream of Sluice's is)."""
     stream, _, seq = value.rpartition(":")
-    if not stream or not (seq.isascii() and seq.isdigit()):
+    if not _STREAM_NAME.fullmatch(stream) or not (seq.isascii() and seq.isdigit()):
         return None
     return stream, int(seq)
+
+
+_STREAM_NAME = re.compile(r"[A-Za-z0-9_-]+")
 
 
 def renewed_subject(band: str, model: str, tenant: str, request_id: str) -> str:

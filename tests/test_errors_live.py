@@ -9,12 +9,17 @@ the ``_NATS_ERRORS`` translations in ``Client``; the ``if stored`` before the ac
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import nats
 import pytest
+import uvloop
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from prometheus_client import REGISTRY
@@ -37,6 +42,7 @@ from sluice.schemas.codec import decode, encode
 from sluice.schemas.models import Assignment, AssignmentReply, Heartbeat, SubmitRequest
 from sluice.testing.cluster import LocalCluster
 from sluice.testing.engines import simulated_engine
+from sluice.testing.natsserver import EmbeddedNats
 
 from .conftest import FAST_DISPATCHER, cluster_kwargs, eventually
 
@@ -353,3 +359,23 @@ async def test_an_id_no_request_or_worker_can_have_is_invalid_not_a_traceback(
                 await c.cancel(rid)
         with pytest.raises(InvalidRequest, match="worker id"):
             await drain_worker(c.nc, "")
+
+
+def test_a_client_closes_quietly_after_its_broker_died(tmp_path: Path) -> None:
+    """The ``sluice`` commands run on uvloop, where nats-py's close wrote what it still had
+    to send to the transport the loop closed when the broker died: its RuntimeError replaced
+    the command's own error with a traceback (a helper's probe: a broker killed during
+    ``sluice renewed return``)."""
+
+    async def go() -> None:
+        with EmbeddedNats(store_dir=tmp_path) as server:
+            client = await Client(server.url).connect()
+            assert server.pid is not None
+            os.kill(server.pid, signal.SIGKILL)
+            await asyncio.sleep(0.3)
+            for _ in range(5):  # (queued while it reconnects)
+                with contextlib.suppress(nats.errors.Error):
+                    await client.nc.publish("anything", b"x" * 100)
+            await client.close()
+
+    uvloop.run(go())

@@ -7,8 +7,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 from nats.js.api import PubAck
@@ -19,8 +21,9 @@ from sluice.client.renewed import renewed_copies, return_renewed
 from sluice.dispatcher.runtime import Dispatcher
 from sluice.schemas import names
 from sluice.schemas.codec import encode
-from sluice.schemas.models import Result, SubmitRequest
+from sluice.schemas.models import LeaderLease, Result, SubmitRequest
 from sluice.testing.cluster import LocalCluster
+from sluice.testing.natsserver import EmbeddedNats
 
 from .conftest import SLUICE, cluster_kwargs, eventually
 
@@ -42,17 +45,25 @@ def _body(request_id: str, band: str = "standard") -> SubmitRequest:
 
 
 async def _copy(
-    js: JetStreamContext, request_id: str, generation: int, band: str = "standard"
+    js: JetStreamContext,
+    request_id: str,
+    generation: int,
+    band: str = "standard",
+    source: str | None = None,
 ) -> PubAck:
-    """Store a renewed copy of ``request_id`` as a leader does."""
+    """Store a renewed copy of ``request_id`` as a leader does (``source``: the reference to
+    the message it was made from)."""
+    headers = {
+        names.MSG_ID_HEADER: names.renewal_msg_id(request_id, generation),
+        names.RENEWAL_HEADER: str(generation),
+        names.ARRIVED_HEADER: str(int(time.time() * 1000)),
+    }
+    if source is not None:
+        headers[names.RENEWED_FROM_HEADER] = source
     return await js.publish(
         names.renewed_subject(band, "sim", "default", request_id),
         encode(_body(request_id, band)),
-        headers={
-            names.MSG_ID_HEADER: names.renewal_msg_id(request_id, generation),
-            names.RENEWAL_HEADER: str(generation),
-            names.ARRIVED_HEADER: str(int(time.time() * 1000)),
-        },
+        headers=headers,
     )
 
 
@@ -115,9 +126,11 @@ async def test_copies_go_back_to_their_bands_and_run_once(nats_url: str) -> None
         shown = _cli(nats_url, "show", "--json")
         assert shown.returncode == 0, shown.stderr
         assert json.loads(shown.stdout) == {
+            "stream_found": True,
             "requests": 3,
             "copies": 4,
             "by_band": {_FULL_BAND: 1, "standard": 2},
+            "bands_without_stream": [],
             "unreadable": [stray.seq],
         }
 
@@ -126,7 +139,10 @@ async def test_copies_go_back_to_their_bands_and_run_once(nats_url: str) -> None
         assert "run `sluice renewed return` again" in done.stderr
         figures = json.loads(done.stdout)
         assert figures["returned"] == 1 and figures["ended"] == 1 and figures["left"] == 1
-        assert figures["copies_deleted"] == 3 and figures["left_requests"] == ["waits"]
+        assert figures["copies_deleted"] == 3
+        (left,) = figures["left_requests"]
+        assert left["request_id"] == "waits" and "queue is full" in left["reason"]
+        assert "left waits" not in done.stdout  # (the JSON alone on stdout)
         assert figures["unreadable"] == [stray.seq]
         assert await _messages(js, names.RENEWED_STREAM) == 2  # "waits", the stray
         await js.delete_msg(names.RENEWED_STREAM, stray.seq)
@@ -142,6 +158,7 @@ async def test_copies_go_back_to_their_bands_and_run_once(nats_url: str) -> None
             await js.delete_msg(full, seq)
         again = await return_renewed(c.nc)
         assert (again.returned, again.ended, again.left) == (["waits"], [], [])
+        assert again.stream_found
         assert await _messages(js, names.RENEWED_STREAM) == 0
         assert (await renewed_copies(c.nc)).requests == 0
 
@@ -167,10 +184,10 @@ def generation_free(headers: dict[str, str]) -> bool:
 async def test_a_leading_dispatcher_is_named_and_nothing_moves(nats_url: str) -> None:
     """``sluice renewed return`` with a dispatcher leading: exit code 2, the leader named,
     every copy where it was."""
-    async with (
-        LocalCluster(nats_url, **cluster_kwargs(workers=0)) as cluster,
-        Client(nats_url) as c,
-    ):
+    # A 5 s leader lease: the command's process starves this one, whose lead must not run
+    # out meanwhile (the command would then move the copy).
+    settings = cluster_kwargs(workers=0, dispatcher={"leader_lease_s": 5.0})
+    async with LocalCluster(nats_url, **settings) as cluster, Client(nats_url) as c:
         js = c.nc.jetstream()
         await _copy(js, "kept", 1)
 
@@ -180,9 +197,71 @@ async def test_a_leading_dispatcher_is_named_and_nothing_moves(nats_url: str) ->
         await eventually(held)
         done = _cli(nats_url, "return")
         assert done.returncode == 2
-        assert cluster.dispatcher_settings.dispatcher_id in done.stderr
+        said = " ".join(done.stderr.split())  # (rich wraps long lines)
+        assert f"dispatcher {cluster.dispatcher_settings.dispatcher_id} leads" in said, said
+        assert "stop every dispatcher first" in said and "renewed" in said, said
+        assert "runs out" in said, said  # what a crashed leader's key does
         assert await _messages(js, names.RENEWED_STREAM) == 1
         assert await _messages(js, names.request_stream("standard")) == 0
+
+        # The key held by another run of the command (killed, say): named as such.
+        await cluster.dispatcher.stop()
+        kv = await js.key_value(names.LEADER_BUCKET)
+        # (put: a key this starved test process's dispatcher let run out is still there)
+        await kv.put(names.LEADER_KEY, encode(LeaderLease(dispatcher_id=renewed.RETURN_LEADER)))
+        with pytest.raises(DispatcherLeading) as info:
+            await return_renewed(c.nc)
+        assert "another `sluice renewed return` holds the leader key" in str(info.value)
+        await kv.delete(names.LEADER_KEY)
+
+
+async def test_odd_copies_are_left_alone_and_the_rest_moved(nats_url: str) -> None:
+    """A copy of a band no stream takes is left, with why (the others move; exit code 1); a
+    message whose subject, headers and body disagree is no copy (listed, left); a copy whose
+    original's reference cannot be read moves, its reference ignored."""
+    async with (
+        LocalCluster(nats_url, **cluster_kwargs(workers=0)) as cluster,
+        Client(nats_url) as c,
+    ):
+        js = c.nc.jetstream()
+        await cluster.dispatcher.stop()
+        await _copy(js, "ok-1", 1)
+        await _copy(js, "ghost-1", 1, band="ghost")
+        await _copy(js, "bad-ref", 1, source="bad.name:5")
+        subject, headers = (
+            names.renewed_subject("standard", "sim", "default", "mismatch"),
+            {
+                names.MSG_ID_HEADER: names.renewal_msg_id("mismatch", 1),
+                names.RENEWAL_HEADER: "1",
+            },
+        )
+        odd = await js.publish(subject, encode(_body("another-id")), headers=headers)
+        await _copy(js, "ok-2", 1)
+
+        shown = json.loads(_cli(nats_url, "show", "--json").stdout)
+        assert shown["requests"] == 4 and shown["bands_without_stream"] == ["ghost"]
+        assert shown["unreadable"] == [odd.seq]
+
+        done = _cli(nats_url, "return", "--json")
+        assert done.returncode == 1, done.stderr
+        figures = json.loads(done.stdout)
+        assert figures["returned"] == 3 and figures["unreadable"] == [odd.seq]
+        (left,) = figures["left_requests"]
+        assert left["request_id"] == "ghost-1"
+        assert left["reason"] == "no stream takes band 'ghost' on this broker"
+        assert await _messages(js, names.RENEWED_STREAM) == 2  # "ghost-1", the odd one
+        assert await _messages(js, names.request_stream("standard")) == 3
+
+
+def test_a_broker_without_renewals_says_so(tmp_path: Path) -> None:
+    """A broker where no dispatcher with renewals ran (the wrong one?) has nothing to show
+    or move, and says so."""
+    with EmbeddedNats(store_dir=tmp_path) as server:
+        for command in ("show", "return"):
+            done = _cli(server.url, command, "--json")
+            assert done.returncode == 0, done.stderr
+            assert "no SLUICE_RENEWED stream" in " ".join(done.stderr.split()), done.stderr
+        assert json.loads(_cli(server.url, "show", "--json").stdout)["stream_found"] is False
 
 
 async def test_a_dispatcher_started_midway_stands_by_until_the_move_ends(
@@ -192,7 +271,8 @@ async def test_a_dispatcher_started_midway_stands_by_until_the_move_ends(
     running, say) stands by, and takes over only once the move ended; it then runs every
     returned request once. (Had it led, it would have held a copy that the move deleted,
     and acked the returned message as its duplicate: the request gone.)"""
-    settings = cluster_kwargs(workers=0)
+    # A 2 s lease: the held key is renewed every 0.67 s, with room for a starved moment.
+    settings = cluster_kwargs(workers=0, dispatcher={"leader_lease_s": 2.0})
     async with LocalCluster(nats_url, **settings) as cluster, Client(nats_url) as c:
         js = c.nc.jetstream()
         await cluster.dispatcher.stop()
@@ -278,3 +358,46 @@ async def test_a_renewed_request_whose_copy_no_leader_held_returns_once(nats_url
         await eventually(ran, timeout_s=30)
         await asyncio.sleep(0.5)
         assert agent.completed == len(bands)
+
+
+async def test_a_move_stopped_midway_says_what_it_did_and_a_second_run_finishes_it(
+    nats_url: str,
+) -> None:
+    """SIGTERM while requests move: it stops within a request (nats-py swallowed the
+    cancellation, and the whole run went on), prints what it did and how to finish; run
+    again at once, every request is queued exactly once."""
+    async with (
+        LocalCluster(nats_url, **cluster_kwargs(workers=0)) as cluster,
+        Client(nats_url) as c,
+    ):
+        js = c.nc.jetstream()
+        await cluster.dispatcher.stop()
+        count = 400
+        for i in range(count):
+            await _copy(js, f"r{i}", 1)
+        env = {**os.environ, "SLUICE_NATS_URL": nats_url}
+        command = [*SLUICE, "renewed", "return", "--json"]
+        proc = await asyncio.create_subprocess_exec(
+            *command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        try:
+
+            async def moving() -> bool:
+                return await _messages(js, names.RENEWED_STREAM) < count - 20
+
+            await eventually(moving, timeout_s=30, every_s=0.01)
+            proc.send_signal(signal.SIGTERM)
+            out, errs = await asyncio.wait_for(proc.communicate(), 30)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        assert proc.returncode not in (0, 1), errs
+        figures = json.loads(out)
+        assert 0 < figures["returned"] < count, figures  # it stopped midway
+        assert "run `sluice renewed return` again within" in " ".join(errs.decode().split())
+        again = _cli(nats_url, "return", "--json")
+        assert again.returncode == 0, again.stderr
+        assert await _messages(js, names.RENEWED_STREAM) == 0
+        standard = names.request_stream("standard")
+        assert await _messages(js, standard) == count  # each once
