@@ -67,7 +67,8 @@ class SluiceSettings(BaseSettings):
         except ValidationError as exc:
             raise ConfigError(f"invalid {cls.__name__}:\n{cls._describe(exc)}") from exc
         except ValueError as exc:  # TOML syntax errors and similar
-            raise ConfigError(f"cannot read settings for {cls.__name__}: {exc}") from exc
+            where = f" from {path}" if path else ""
+            raise ConfigError(f"cannot read settings for {cls.__name__}{where}: {exc}") from exc
 
     @classmethod
     def _describe(cls, exc: ValidationError) -> str:

@@ -142,6 +142,9 @@ def test_settings_from_file_and_environment(
     cfg.write_text("[dispatcher]\nband_limits = { nope = 1 }\n")
     with pytest.raises(ConfigError, match="unknown bands"):
         DispatcherSettings.load(cfg)
+    cfg.write_text("This is [not toml\n")  # its syntax error names the file
+    with pytest.raises(ConfigError, match=f"from {re.escape(str(cfg))}: Expected"):
+        DispatcherSettings.load(cfg)
     # A misspelled table would be every part's to ignore: an error (mutation: the check
     # removed from _Section; the dispatcher then started on its defaults).
     cfg.write_text("[dispatchr]\nglobal_limit = 7\n")
