@@ -146,8 +146,8 @@ class State:
         told so (a ``QueuedNotice`` on their token subject)."""
         self.held_by_band: Counter[str] = Counter()
         self.copies_held = 0
-        """Held requests whose message is a renewed copy: their only message (the
-        ``sluice_dispatcher_renewed_held_requests`` gauge; a rollback waits for none)."""
+        """Held requests whose message is a renewed copy (the message it replaced is acked):
+        the ``sluice_dispatcher_renewed_held_requests`` gauge."""
         self.room = {b: asyncio.Event() for b in s.bands}
         """Set when a band's buffer has room again (its pull task waits on it)."""
         self.any_room = asyncio.Event()
