@@ -98,8 +98,8 @@ def return_(config: ConfigOpt = None, as_json: JsonOpt = False) -> None:
             err.print(
                 "[yellow]stopped before the end (what it did is above):[/yellow] run `sluice "
                 "renewed return` again within the broker's duplicate window "
-                "(duplicate_window_s, 120 s by default), or a request moved but not cleaned "
-                "up is queued twice"
+                "(duplicate_window_s, 120 s by default), or the one request it was moving "
+                "may be queued twice"
             )
         raise
     _report(done, as_json)

@@ -137,9 +137,10 @@ async def return_renewed(
     and all its copies are deleted. A request whose result is stored already ran: only those
     are deleted. A request whose band's queue is full, or whose band no stream takes, stays
     as it is (:attr:`Returned.left`). A returned request arrives as a new message, behind the
-    requests queued before it. Running this again after an interruption stores each request
-    once if it runs within the broker's duplicate window (``duplicate_window_s``, 120 s by
-    default); later, a request moved but not yet cleaned up is queued twice."""
+    requests queued before it. Requests move one at a time (published, then their copies
+    deleted): run again after an interruption within the broker's duplicate window
+    (``duplicate_window_s``, 120 s by default), the one request it was moving is stored once;
+    later, that one is queued twice."""
     js = nc.jetstream()
     out = Returned() if done is None else done
     async with _HeldLead(nc) as lead:
