@@ -111,6 +111,13 @@ def return_(config: ConfigOpt = None, as_json: JsonOpt = False) -> None:
             "return` again once that changed",
             code=1,
         )
+    if done.unreadable:
+        raise fail(
+            f"{len(done.unreadable)} messages that are no renewed copy stay in SLUICE_RENEWED: "
+            "look at them (`nats stream view SLUICE_RENEWED`) and delete them before the "
+            "rollback",
+            code=1,
+        )
 
 
 def _report(done: Any, as_json: bool) -> None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import secrets
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -21,6 +23,7 @@ from types import TracebackType
 
 import nats.errors
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.js.api import RawStreamMsg
 from nats.js.client import JetStreamContext
 from nats.js.errors import (
@@ -38,9 +41,13 @@ from sluice.common.aio import stop_if_cancelled
 from sluice.schemas import names
 from sluice.schemas.codec import decode, encode
 from sluice.schemas.errors import DecodeError
-from sluice.schemas.models import LeaderLease, SubmitRequest
+from sluice.schemas.models import Heartbeat, LeaderLease, SubmitRequest
 
 _NATS_ERRORS = (nats.errors.Error, OSError)
+RUNNING_LISTEN_S = 2.5
+"""How long :func:`return_renewed` hears the workers' heartbeats for the requests they run
+(two and a half of the agents' default heartbeat: with a longer ``heartbeat_s``, drain the
+workers first)."""
 RETURN_LEADER = "sluice-renewed-return"
 """Who holds the leader key while :func:`return_renewed` runs (dispatchers stand by)."""
 Progress = Callable[[str, int, int], None]
@@ -56,7 +63,6 @@ class _Copy:
     band: str
     model: str
     tenant: str
-    data: bytes
     source: tuple[str, int] | None
     """The message it was made from (stream, sequence), if it says."""
 
@@ -122,13 +128,18 @@ async def renewed_copies(nc: NATS, progress: Progress | None = None) -> RenewedC
 
 
 async def return_renewed(
-    nc: NATS, progress: Progress | None = None, done: Returned | None = None
+    nc: NATS,
+    progress: Progress | None = None,
+    done: Returned | None = None,
+    listen_s: float = RUNNING_LISTEN_S,
 ) -> Returned:
     """Move every request that has a renewed copy back to its band's queue, for a rollback
     to a release without renewals; raises :class:`DispatcherLeading` unless every dispatcher
     is stopped (a leader holds the copies it pulled). Meanwhile it holds the leader key, so
     that a dispatcher started during the run stands by until it ends. ``done`` (if given) is
-    filled as the run goes: what was done before an error.
+    filled as the run goes: what was done before an error. The workers' heartbeats are heard
+    for ``listen_s`` first: a request one of them still runs is left (moved, it could run
+    again once it finished).
 
     For each request, its newest copy is published to its band's subject under the message id
     :func:`~sluice.schemas.names.returned_msg_id` (never its producer's: that may still be in
@@ -144,6 +155,7 @@ async def return_renewed(
     js = nc.jetstream()
     out = Returned() if done is None else done
     async with _HeldLead(nc) as lead:
+        running = await _running(nc, listen_s, progress)
         found, out.stream_found = await _scan(js, out.unreadable, progress)
         for i, (rid, request_copies) in enumerate(found.items()):
             if progress is not None:
@@ -151,6 +163,10 @@ async def return_renewed(
             stop_if_cancelled()  # (nats-py swallows a Ctrl-C in its calls)
             await lead.check()
             newest = request_copies[-1]
+            if rid in running:
+                reason = f"running on worker {running[rid]}: run this again once it finished"
+                out.left.append(Left(rid, newest.band, newest.tenant, reason))
+                continue
             if await _result_stored(js, newest.tenant, rid):
                 out.ended.append(rid)
             else:
@@ -190,36 +206,41 @@ async def _refusal(nc: NATS) -> DispatcherLeading:
     """Who holds the leader key, how long ago it was renewed and when it runs out if its
     holder is gone."""
     holder = await leading_dispatcher(nc) or "(one that let it go just now)"
-    js = nc.jetstream()
-    stream = names.kv_stream(names.LEADER_BUCKET)
-    renewed, ttl_s = "", 0.0
+    ago_s = await _renewed_ago_s(nc)
+    renewed = "" if ago_s is None else f" (its key renewed {ago_s:.1f} s ago)"
+    if holder.startswith(RETURN_LEADER):
+        return DispatcherLeading(
+            holder,
+            "another `sluice renewed return` holds the leader key: wait for it to end"
+            f"{renewed}; the key of a run that was killed is taken over {_STALE_AFTER_S:g} s "
+            "after its last renewal",
+        )
+    ttl_s = 0.0
     with contextlib.suppress(*_NATS_ERRORS):
-        raw = await js.get_last_msg(stream, f"$KV.{names.LEADER_BUCKET}.{names.LEADER_KEY}")
-        ttl_s = float((await js.stream_info(stream)).config.max_age or 0.0)
-        if raw.time is not None:
-            ago_s = max(0.0, time.time() - raw.time.timestamp())
-            renewed = f" (its key renewed {ago_s:.1f} s ago)"
+        info = await nc.jetstream().stream_info(names.kv_stream(names.LEADER_BUCKET))
+        ttl_s = float(info.config.max_age or 0.0)
     expiry = f"; a key whose holder crashed runs out {ttl_s:g} s after its last renewal"
-    tail = renewed + (expiry if ttl_s else "")
-    if holder == RETURN_LEADER:
-        what = "another `sluice renewed return` holds the leader key: wait for it to end"
-    else:
-        what = f"dispatcher {holder} leads: stop every dispatcher first"
-    return DispatcherLeading(holder, what + tail)
+    return DispatcherLeading(
+        holder,
+        f"dispatcher {holder} leads: stop every dispatcher first{renewed}{expiry if ttl_s else ''}",
+    )
 
 
 class _HeldLead:
-    """The leader key, held (created, renewed every third of its time to live, deleted at
-    the end) while the copies move: a dispatcher started meanwhile finds it renewed and
-    stands by. No bucket: no dispatcher ran here yet, nothing to hold."""
+    """The leader key, held (created, renewed by compare-and-set every
+    :data:`_RENEW_EVERY_S`, deleted at the end) while the copies move: a dispatcher started
+    meanwhile sees it renewed and stands by, whatever lease it was given. No bucket: no
+    dispatcher ran here yet, nothing to hold."""
 
     def __init__(self, nc: NATS) -> None:
         self._nc = nc
         self._kv: KeyValue | None = None
         self._revision = 0
+        self._renewed_s = 0.0
         self._task: asyncio.Task[None] | None = None
         self._lost = False
-        self._value = encode(LeaderLease(dispatcher_id=RETURN_LEADER))
+        me = f"{RETURN_LEADER}-{os.getpid()}-{secrets.token_hex(3)}"
+        self._value = encode(LeaderLease(dispatcher_id=me))
 
     async def __aenter__(self) -> _HeldLead:
         try:
@@ -227,33 +248,59 @@ class _HeldLead:
             try:
                 self._revision = await kv.create(names.LEADER_KEY, self._value)
             except KeyWrongLastSequenceError:
-                raise await _refusal(self._nc) from None
-            ttl_s = (await kv.status()).ttl or 0.0
+                self._revision = await self._take_stale(kv)
         except BucketNotFoundError:
             self._kv = None
             return self
         except _NATS_ERRORS as exc:
             raise ServiceUnavailable(f"cannot take the leader key: {exc}") from exc
-        self._task = asyncio.get_running_loop().create_task(self._renew(max(ttl_s, 0.3) / 3))
+        self._renewed_s = time.monotonic()
+        self._task = asyncio.get_running_loop().create_task(self._renew_loop())
         return self
 
-    async def _renew(self, every_s: float) -> None:
-        assert self._kv is not None
-        while True:
-            await asyncio.sleep(every_s)
+    async def _take_stale(self, kv: KeyValue) -> int:
+        """Take the key over from a run of this command that stopped renewing it (killed),
+        else refuse: a dispatcher leads, or another run moves copies now."""
+        entry = await kv.get(names.LEADER_KEY)
+        holder = _holder(entry.value)
+        ago_s = await _renewed_ago_s(self._nc)
+        if holder.startswith(RETURN_LEADER) and ago_s is not None and ago_s > _STALE_AFTER_S:
             try:
-                self._revision = await self._kv.update(
-                    names.LEADER_KEY, self._value, last=self._revision
-                )
-            except (KeyWrongLastSequenceError, KeyNotFoundError):
-                self._lost = True  # it expired (this process stalled) and a dispatcher leads
+                return await kv.update(names.LEADER_KEY, self._value, last=entry.revision)
+            except KeyWrongLastSequenceError:
+                pass  # another run took it first
+        raise await _refusal(self._nc)
+
+    async def _renew(self) -> None:
+        assert self._kv is not None
+        try:
+            self._revision = await self._kv.update(
+                names.LEADER_KEY, self._value, last=self._revision
+            )
+        except (KeyWrongLastSequenceError, KeyNotFoundError):
+            # A renewal applied whose answer was lost leaves the key ours at a later
+            # revision: look before giving up.
+            entry = await self._kv.get(names.LEADER_KEY)
+            if entry.value != self._value or entry.revision is None:
+                self._lost = True  # it ran out (this process stalled), and another took it
                 return
-            except _NATS_ERRORS:
-                continue  # the broker away for a moment: tried again
+            self._revision = entry.revision
+        self._renewed_s = time.monotonic()
+
+    async def _renew_loop(self) -> None:
+        while not self._lost:
+            await asyncio.sleep(_RENEW_EVERY_S)
+            with contextlib.suppress(*_NATS_ERRORS):  # (the broker away: tried again)
+                await self._renew()
 
     async def check(self) -> None:
-        """Raise :class:`DispatcherLeading` if the key was lost: this process stalled past its
-        time to live, and a dispatcher took it."""
+        """Before each request: the key is still ours, renewed moments ago (renewed now if
+        not), else :class:`DispatcherLeading`."""
+        if self._kv is not None and time.monotonic() - self._renewed_s > _RENEW_EVERY_S:
+            try:
+                await self._renew()
+            except _NATS_ERRORS as exc:
+                raise ServiceUnavailable(f"cannot renew the leader key: {exc}") from exc
         if self._lost:
             raise await _refusal(self._nc)
 
@@ -268,10 +315,64 @@ class _HeldLead:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         if self._kv is not None and not self._lost:
-            # Deleted, so that a standby takes over at once (if this fails, the key runs out
-            # within its time to live).
+            # Deleted, so that a standby takes over at once (as it stands: a renewal cut
+            # short may have moved it on). If this fails, a standby waits out its lease.
             with contextlib.suppress(*_NATS_ERRORS):
-                await self._kv.delete(names.LEADER_KEY, last=self._revision)
+                entry = await self._kv.get(names.LEADER_KEY)
+                if entry.value == self._value:
+                    await self._kv.delete(names.LEADER_KEY, last=entry.revision)
+
+
+_RENEW_EVERY_S = 0.2
+"""How often :class:`_HeldLead` renews the key: well within any dispatcher's lease, which is
+what a standby waits for an unrenewed key (not the bucket's time to live, which the first
+dispatcher set and a later one does not change)."""
+_STALE_AFTER_S = 5.0
+"""A key of this command unrenewed this long was left by a run that was killed."""
+
+
+def _holder(value: bytes | None) -> str:
+    try:
+        return decode(value or b"", LeaderLease).dispatcher_id
+    except DecodeError:
+        return "(unreadable leader key)"
+
+
+async def _renewed_ago_s(nc: NATS) -> float | None:
+    """How long ago the leader key was last written, if the broker says."""
+    js = nc.jetstream()
+    with contextlib.suppress(*_NATS_ERRORS):
+        raw = await js.get_last_msg(
+            names.kv_stream(names.LEADER_BUCKET), f"$KV.{names.LEADER_BUCKET}.{names.LEADER_KEY}"
+        )
+        if raw.time is not None:
+            return max(0.0, time.time() - raw.time.timestamp())
+    return None
+
+
+async def _running(nc: NATS, listen_s: float, progress: Progress | None) -> dict[str, str]:
+    """Request id -> the worker that runs it, from the heartbeats heard for ``listen_s``."""
+    running: dict[str, str] = {}
+
+    async def heard(msg: Msg) -> None:
+        with contextlib.suppress(DecodeError):
+            beat = decode(msg.data, Heartbeat)
+            running.update(dict.fromkeys(beat.in_flight, beat.worker_id))
+
+    if listen_s <= 0:
+        return running
+    if progress is not None:
+        progress("hearing the workers", 0, 1)
+    try:
+        sub = await nc.subscribe(names.HEARTBEAT_SUBJECTS, cb=heard)
+        try:
+            await asyncio.sleep(listen_s)
+        finally:
+            with contextlib.suppress(*_NATS_ERRORS):
+                await sub.unsubscribe()
+    except _NATS_ERRORS as exc:
+        raise ServiceUnavailable(f"cannot hear the workers' heartbeats: {exc}") from exc
+    return running
 
 
 async def _scan(
@@ -336,7 +437,8 @@ def _parse(raw: RawStreamMsg) -> _Copy | None:
         return None
     assert raw.seq is not None
     source = names.parse_message_ref(headers.get(names.RENEWED_FROM_HEADER, ""))
-    return _Copy(raw.seq, int(generation), rid, band, model, tenant, raw.data or b"", source)
+    # (No body kept: a stream at its bound holds thousands; the newest is read again to move.)
+    return _Copy(raw.seq, int(generation), rid, band, model, tenant, source)
 
 
 async def _bands_without_stream(js: JetStreamContext, bands: set[str]) -> set[str]:
@@ -362,11 +464,18 @@ async def _result_stored(js: JetStreamContext, tenant: str, request_id: str) -> 
 
 
 async def _publish(js: JetStreamContext, c: _Copy) -> str | None:
-    """Publish the request to its band; None once stored, else why its band refused it."""
-    subject = names.request_subject(c.band, c.model, c.tenant)
-    msg_id = names.returned_msg_id(c.request_id, c.generation)
+    """Publish the request (its copy's body) to its band; None once stored (now, or by an
+    earlier run: the same copy's id), else why it was not."""
     try:
-        await js.publish(subject, c.data, headers={names.MSG_ID_HEADER: msg_id})
+        raw = await js.get_msg(names.RENEWED_STREAM, seq=c.seq)
+    except NotFoundError:
+        return "its copy was acked meanwhile (a dispatcher runs?)"
+    except _NATS_ERRORS as exc:
+        raise ServiceUnavailable(f"cannot read copy #{c.seq}: {exc}") from exc
+    subject = names.request_subject(c.band, c.model, c.tenant)
+    msg_id = names.returned_msg_id(c.request_id, c.seq)
+    try:
+        await js.publish(subject, raw.data or b"", headers={names.MSG_ID_HEADER: msg_id})
     except APIError as exc:
         if exc.err_code == names.JS_ERR_MAX_MSGS:
             detail = exc.description or ""

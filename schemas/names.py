@@ -184,12 +184,13 @@ def renewed_request_id(msg_id: str) -> str:
 _RENEWAL_MARK = "~r"
 
 
-def returned_msg_id(request_id: str, generation: int) -> str:
-    """The ``Nats-Msg-Id`` of a request moved back from its renewed copy to its band's queue
-    (``sluice renewed return``): not its producer's id, which may still be in the broker's
-    duplicate window (the move would be dropped), but one id per copy, so that a second run
-    after an interruption stores it once."""
-    return f"{request_id}~u{generation}"
+def returned_msg_id(request_id: str, copy_seq: int) -> str:
+    """The ``Nats-Msg-Id`` of a request moved back from its renewed copy (at ``copy_seq`` in
+    :data:`RENEWED_STREAM`) to its band's queue (``sluice renewed return``): not its
+    producer's id, which may still be in the broker's duplicate window (the move would be
+    dropped), but one id per copy, so that a second run after an interruption stores it
+    once, and a later copy of the same request is never taken for it."""
+    return f"{request_id}~u{copy_seq}"
 
 
 def renewed_max_deliveries_advisory() -> str:

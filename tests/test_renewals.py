@@ -12,6 +12,7 @@ from prometheus_client import REGISTRY
 
 from sluice.client import Client, Rejected, RejectReason, RequestHandle
 from sluice.dispatcher.runtime import Dispatcher
+from sluice.dispatcher.runtime.intake import Intake
 from sluice.dispatcher.runtime.renewals import generation, renew_from
 from sluice.schemas import names
 from sluice.schemas.codec import encode
@@ -384,3 +385,51 @@ async def test_a_copy_looked_up_while_its_original_arrives_is_held_instead(
         await eventually(copy_held)
         assert await _queued(js, names.RENEWED_STREAM) == 1  # the copy, held
         assert st.copies_held == 1
+
+
+async def test_a_request_in_two_bands_is_renewed_under_its_copys_own_band(
+    nats_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same id submitted to two bands: a leader holds its message of one band, then gets
+    the renewed copy made from the other's and holds that instead. Renewed again, the copy
+    goes under the band its body says (it went under the held request's first band, and the
+    next leader answered it ``malformed``: subject and body disagreed). A helper's review."""
+    async with LocalCluster(nats_url, **_settings()) as cluster, Client(nats_url) as c:
+        js = c.nc.jetstream()
+        _, headers = _copy("dup", 1, int(time.time() * 1000))
+        interactive = names.renewed_subject("interactive", "sim", "default", "dup")
+        body = _body("dup").model_copy(update={"band": "interactive"})
+        await js.publish(interactive, encode(body), headers=headers)
+
+        async def held() -> bool:
+            return cluster.dispatcher.held == 1
+
+        await eventually(held)
+        await cluster.dispatcher.stop()  # a hand-over: the copy's second delivery next
+        await js.publish(SUBJECT, encode(_body("dup")), headers={names.MSG_ID_HEADER: "dup"})
+        taken = Intake._copies_room
+        first = [True]
+
+        async def band_first(self: Intake) -> int:  # the band's pull wins the race this time
+            if first[0]:
+                first[0] = False
+                await asyncio.sleep(1.5)
+            return await taken(self)
+
+        monkeypatch.setattr(Intake, "_copies_room", band_first)
+        cluster.dispatcher = Dispatcher(cluster.dispatcher_settings)
+        await cluster.dispatcher.start()
+
+        async def renewed_again() -> bool:  # its copy held, renewed once more
+            h = cluster.dispatcher._state.held.get("dup")
+            return h is not None and generation(h.msg) == 2
+
+        await eventually(renewed_again, timeout_s=20)
+        await cluster.add_agent("late-worker")
+
+        async def answered() -> bool:
+            return await c.fetch_result("dup") is not None
+
+        await eventually(answered, timeout_s=30)
+        result = await c.fetch_result("dup")
+        assert result is not None and result.ok, result

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from nats.js.api import PubAck
 from nats.js.client import JetStreamContext
+from nats.js.errors import KeyNotFoundError
 
 from sluice.client import Client, DispatcherLeading, renewed
 from sluice.client.renewed import renewed_copies, return_renewed
@@ -50,11 +51,13 @@ async def _copy(
     generation: int,
     band: str = "standard",
     source: str | None = None,
+    msg_id: str | None = None,
 ) -> PubAck:
     """Store a renewed copy of ``request_id`` as a leader does (``source``: the reference to
-    the message it was made from)."""
+    the message it was made from; ``msg_id``: another id than the leader's, as if stored
+    after the renewed stream's duplicate window)."""
     headers = {
-        names.MSG_ID_HEADER: names.renewal_msg_id(request_id, generation),
+        names.MSG_ID_HEADER: msg_id or names.renewal_msg_id(request_id, generation),
         names.RENEWAL_HEADER: str(generation),
         names.ARRIVED_HEADER: str(int(time.time() * 1000)),
     }
@@ -88,7 +91,7 @@ async def test_copies_go_back_to_their_bands_and_run_once(nats_url: str) -> None
     async with LocalCluster(nats_url, **settings) as cluster, Client(nats_url) as c:
         js = c.nc.jetstream()
         with pytest.raises(DispatcherLeading):
-            await return_renewed(c.nc)
+            await return_renewed(c.nc, listen_s=0.1)
         await cluster.dispatcher.stop()  # a clean stop: its leader key is deleted
 
         # "moved": its producer's message, acked when its first copy came back (moments ago:
@@ -103,7 +106,7 @@ async def test_copies_go_back_to_their_bands_and_run_once(nats_url: str) -> None
         # A copy acked (its request ran) between two others: the scan reads past the gap.
         gone = await _copy(js, "acked", 1)
         await js.delete_msg(names.RENEWED_STREAM, gone.seq)
-        await _copy(js, "moved", 2)  # (its older copy, not acked: the leader died)
+        newest = await _copy(js, "moved", 2)  # (its older copy, not acked: the leader died)
         await _copy(js, "ran", 1)
         await js.publish(
             names.result_subject("default", "ran"),
@@ -150,13 +153,13 @@ async def test_copies_go_back_to_their_bands_and_run_once(nats_url: str) -> None
         assert await _messages(js, standard) == 1
         moved = await js.get_last_msg(standard, names.request_subject("standard", "sim", "default"))
         assert moved.headers is not None
-        assert moved.headers[names.MSG_ID_HEADER] == names.returned_msg_id("moved", 2)
+        assert moved.headers[names.MSG_ID_HEADER] == names.returned_msg_id("moved", newest.seq)
         assert generation_free(moved.headers)
 
         # Room in the full band (its fillers taken by hand): the next run moves the rest.
         for seq in range(1, bound + 1):
             await js.delete_msg(full, seq)
-        again = await return_renewed(c.nc)
+        again = await return_renewed(c.nc, listen_s=0.1)
         assert (again.returned, again.ended, again.left) == (["waits"], [], [])
         assert again.stream_found
         assert await _messages(js, names.RENEWED_STREAM) == 0
@@ -210,7 +213,7 @@ async def test_a_leading_dispatcher_is_named_and_nothing_moves(nats_url: str) ->
         # (put: a key this starved test process's dispatcher let run out is still there)
         await kv.put(names.LEADER_KEY, encode(LeaderLease(dispatcher_id=renewed.RETURN_LEADER)))
         with pytest.raises(DispatcherLeading) as info:
-            await return_renewed(c.nc)
+            await return_renewed(c.nc, listen_s=0.1)
         assert "another `sluice renewed return` holds the leader key" in str(info.value)
         await kv.delete(names.LEADER_KEY)
 
@@ -271,27 +274,31 @@ async def test_a_dispatcher_started_midway_stands_by_until_the_move_ends(
     running, say) stands by, and takes over only once the move ended; it then runs every
     returned request once. (Had it led, it would have held a copy that the move deleted,
     and acked the returned message as its duplicate: the request gone.)"""
-    # A 2 s lease: the held key is renewed every 0.67 s, with room for a starved moment.
-    settings = cluster_kwargs(workers=0, dispatcher={"leader_lease_s": 2.0})
+    # The first dispatcher made the leader bucket with a 30 s time to live; the standby has a
+    # 2 s lease: the key must be renewed well within the standby's lease, not the bucket's.
+    settings = cluster_kwargs(workers=0, dispatcher={"leader_lease_s": 30.0})
     async with LocalCluster(nats_url, **settings) as cluster, Client(nats_url) as c:
         js = c.nc.jetstream()
         await cluster.dispatcher.stop()
         for rid in ("a", "b", "c"):
             await _copy(js, rid, 1)
-        lease_s = cluster.dispatcher_settings.leader_lease_s
+        lease_s = 2.0
+        standby_settings = cluster.dispatcher_settings.model_copy(
+            update={"leader_lease_s": lease_s}
+        )
         looked_up = renewed._result_stored
         standby: list[Dispatcher] = []
 
         async def meanwhile(js: JetStreamContext, tenant: str, request_id: str) -> bool:
             if not standby:
-                standby.append(Dispatcher(cluster.dispatcher_settings))
+                standby.append(Dispatcher(standby_settings))
                 await standby[0].start()  # it campaigns once: the key is held
                 await asyncio.sleep(2.5 * lease_s)  # (a key left unrenewed is taken by now)
                 assert not standby[0]._state.leading()
             return await looked_up(js, tenant, request_id)
 
         monkeypatch.setattr(renewed, "_result_stored", meanwhile)
-        done = await return_renewed(c.nc)
+        done = await return_renewed(c.nc, listen_s=0.1)
         assert sorted(done.returned) == ["a", "b", "c"]
         assert await _messages(js, names.RENEWED_STREAM) == 0
         cluster.dispatcher = standby[0]
@@ -342,7 +349,7 @@ async def test_a_renewed_request_whose_copy_no_leader_held_returns_once(nats_url
         assert cluster.dispatcher._state.copies_held == 0  # no room: none pulled
         await cluster.dispatcher.stop()
 
-        done = await return_renewed(c.nc)
+        done = await return_renewed(c.nc, listen_s=0.1)
         assert sorted(done.returned) == sorted(f"in-{b}" for b in bands)
         assert done.originals_deleted == len(bands) and done.copies_deleted == len(bands)
         for band in bands:
@@ -401,3 +408,79 @@ async def test_a_move_stopped_midway_says_what_it_did_and_a_second_run_finishes_
         assert await _messages(js, names.RENEWED_STREAM) == 0
         standard = names.request_stream("standard")
         assert await _messages(js, standard) == count  # each once
+
+
+async def test_a_request_a_worker_still_runs_is_left(nats_url: str) -> None:
+    """The dispatchers stopped, the workers run on: a request one of them runs is left (its
+    heartbeats list it), with why, since moved it could run again once it finished."""
+    async with (
+        LocalCluster(nats_url, **cluster_kwargs(workers=1)) as cluster,
+        Client(nats_url) as c,
+    ):
+        js = c.nc.jetstream()
+        await c.submit("sim", PROMPT, max_tokens=4000, request_id="long")
+        agent = cluster.agents[0]
+
+        async def running() -> bool:
+            return agent.in_flight == 1
+
+        await eventually(running)
+        await cluster.dispatcher.stop()
+        await _copy(js, "long", 1)  # (as if renewed while it ran)
+        done = await return_renewed(c.nc, listen_s=2.5)
+        (left,) = done.left
+        assert left.request_id == "long", done
+        assert left.reason.startswith(f"running on worker {agent.worker_id}"), left
+        assert done.returned == [] and await _messages(js, names.RENEWED_STREAM) == 1
+
+
+async def test_a_later_copy_of_a_returned_request_returns_again(nats_url: str) -> None:
+    """A request returned, then run by newer dispatchers that renewed it again (the same
+    generation, a later copy), returned once more within the duplicate window: the message
+    id is the copy's, so the broker takes it; one per generation would have been dropped as
+    a duplicate, and the copy deleted: the request gone."""
+    async with (
+        LocalCluster(nats_url, **cluster_kwargs(workers=0)) as cluster,
+        Client(nats_url) as c,
+    ):
+        js = c.nc.jetstream()
+        await cluster.dispatcher.stop()
+        standard = names.request_stream("standard")
+        await _copy(js, "twice", 1)
+        assert (await return_renewed(c.nc, listen_s=0.1)).returned == ["twice"]
+        first = await js.get_last_msg(standard, names.request_subject("standard", "sim", "default"))
+        assert first.seq is not None
+        await js.delete_msg(standard, first.seq)  # pulled, held and renewed again meanwhile
+        # Renewed again to generation 1 (its held message was the returned one, generation
+        # 0), stored past the renewed stream's window since the first copy: another id there.
+        await _copy(js, "twice", 1, msg_id="twice~r01")
+        assert (await return_renewed(c.nc, listen_s=0.1)).returned == ["twice"]
+        assert await _messages(js, standard) == 1
+        assert await _messages(js, names.RENEWED_STREAM) == 0
+
+
+async def test_the_held_key_survives_a_lost_renewal_reply_and_a_killed_runs_key_is_taken(
+    nats_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The key as this run holds it: a renewal that the broker applied but whose reply was
+    lost (the key ours at a later revision) is no loss of the lead, and the run's value is
+    its own (a pid and a token), so it is told from another run's. A run that was killed
+    left its key (a bucket whose time to live is long): the next run takes it over once it
+    went unrenewed for ``_STALE_AFTER_S``."""
+    settings = cluster_kwargs(workers=0, dispatcher={"leader_lease_s": 30.0})
+    async with LocalCluster(nats_url, **settings) as cluster, Client(nats_url) as c:
+        await cluster.dispatcher.stop()
+        kv = await c.nc.jetstream().key_value(names.LEADER_BUCKET)
+        async with renewed._HeldLead(c.nc) as lead:
+            await kv.put(names.LEADER_KEY, lead._value)  # (the lost reply's write)
+            await lead._renew()
+            await lead.check()  # still ours
+        killed = LeaderLease(dispatcher_id=f"{renewed.RETURN_LEADER}-1-dead")
+        await kv.put(names.LEADER_KEY, encode(killed))
+        with pytest.raises(DispatcherLeading):  # renewed moments ago: a run that lives?
+            await return_renewed(c.nc, listen_s=0.1)
+        monkeypatch.setattr(renewed, "_STALE_AFTER_S", 0.5)
+        await asyncio.sleep(1.0)
+        assert (await return_renewed(c.nc, listen_s=0.1)).stream_found
+        with pytest.raises(KeyNotFoundError):  # deleted at the end, as its own
+            await kv.get(names.LEADER_KEY)

@@ -129,7 +129,10 @@ class Renewals:
         arrived = self._arrived_unix_ms(held)
         if arrived is not None:
             headers[names.ARRIVED_HEADER] = str(arrived)
-        subject = names.renewed_subject(held.band, held.model, held.tenant, rid)
+        # The subject from the body it carries, not from the held request's first message: a
+        # request submitted to two bands may be held from one and carry the other's copy.
+        body = held.request
+        subject = names.renewed_subject(body.band, body.model, body.tenant, rid)
         try:
             await st.js.publish(subject, held.msg.data, headers=headers, timeout=_PUBLISH_TIMEOUT_S)
         except BROKER_ERRORS as exc:
