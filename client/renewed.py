@@ -36,7 +36,8 @@ from nats.js.errors import (
 )
 from nats.js.kv import KeyValue
 
-from sluice.client.errors import DispatcherLeading, ServiceUnavailable
+from sluice.client.client import unavailable_on_broker_errors
+from sluice.client.errors import DispatcherLeading
 from sluice.common.aio import stop_if_cancelled
 from sluice.schemas import names
 from sluice.schemas.codec import decode, encode
@@ -188,18 +189,13 @@ async def return_renewed(
 async def leading_dispatcher(nc: NATS) -> str | None:
     """The id of the dispatcher that leads now, or None if none does (its key is gone: a
     clean stop deletes it, a crashed leader's expires after a lease)."""
-    js = nc.jetstream()
-    try:
-        kv = await js.key_value(names.LEADER_BUCKET)
-        entry = await kv.get(names.LEADER_KEY)
-    except (BucketNotFoundError, KeyNotFoundError):
-        return None
-    except _NATS_ERRORS as exc:
-        raise ServiceUnavailable(f"cannot read the leader key: {exc}") from exc
-    try:
-        return decode(entry.value or b"", LeaderLease).dispatcher_id
-    except DecodeError:
-        return "(unreadable leader key)"
+    with unavailable_on_broker_errors("read the leader key"):
+        try:
+            kv = await nc.jetstream().key_value(names.LEADER_BUCKET)
+            entry = await kv.get(names.LEADER_KEY)
+        except (BucketNotFoundError, KeyNotFoundError):
+            return None
+    return _holder(entry.value)
 
 
 async def _refusal(nc: NATS) -> DispatcherLeading:
@@ -243,17 +239,15 @@ class _HeldLead:
         self._value = encode(LeaderLease(dispatcher_id=me))
 
     async def __aenter__(self) -> _HeldLead:
-        try:
-            self._kv = kv = await self._nc.jetstream().key_value(names.LEADER_BUCKET)
+        with unavailable_on_broker_errors("take the leader key"):
+            try:
+                self._kv = kv = await self._nc.jetstream().key_value(names.LEADER_BUCKET)
+            except BucketNotFoundError:
+                return self
             try:
                 self._revision = await kv.create(names.LEADER_KEY, self._value)
             except KeyWrongLastSequenceError:
                 self._revision = await self._take_stale(kv)
-        except BucketNotFoundError:
-            self._kv = None
-            return self
-        except _NATS_ERRORS as exc:
-            raise ServiceUnavailable(f"cannot take the leader key: {exc}") from exc
         self._renewed_s = time.monotonic()
         self._task = asyncio.get_running_loop().create_task(self._renew_loop())
         return self
@@ -297,10 +291,8 @@ class _HeldLead:
         """Before each request: the key is still ours, renewed moments ago (renewed now if
         not), else :class:`DispatcherLeading`."""
         if self._kv is not None and time.monotonic() - self._renewed_s > _RENEW_EVERY_S:
-            try:
+            with unavailable_on_broker_errors("renew the leader key"):
                 await self._renew()
-            except _NATS_ERRORS as exc:
-                raise ServiceUnavailable(f"cannot renew the leader key: {exc}") from exc
         if self._lost:
             raise await _refusal(self._nc)
 
@@ -363,15 +355,13 @@ async def _running(nc: NATS, listen_s: float, progress: Progress | None) -> dict
         return running
     if progress is not None:
         progress("hearing the workers", 0, 1)
-    try:
+    with unavailable_on_broker_errors("hear the workers' heartbeats"):
         sub = await nc.subscribe(names.HEARTBEAT_SUBJECTS, cb=heard)
-        try:
-            await asyncio.sleep(listen_s)
-        finally:
-            with contextlib.suppress(*_NATS_ERRORS):
-                await sub.unsubscribe()
-    except _NATS_ERRORS as exc:
-        raise ServiceUnavailable(f"cannot hear the workers' heartbeats: {exc}") from exc
+    try:
+        await asyncio.sleep(listen_s)
+    finally:
+        with contextlib.suppress(*_NATS_ERRORS):
+            await sub.unsubscribe()
     return running
 
 
@@ -380,28 +370,26 @@ async def _scan(
 ) -> tuple[dict[str, list[_Copy]], bool]:
     """Every stored copy, by request id, oldest first by (generation, sequence); and whether
     the stream exists."""
-    try:
-        info = await js.stream_info(names.RENEWED_STREAM)
-    except NotFoundError:
-        return {}, False  # no dispatcher with renewals ever ran here
-    except _NATS_ERRORS as exc:
-        raise ServiceUnavailable(f"cannot read {names.RENEWED_STREAM}: {exc}") from exc
+    with unavailable_on_broker_errors(f"read {names.RENEWED_STREAM}"):
+        try:
+            info = await js.stream_info(names.RENEWED_STREAM)
+        except NotFoundError:
+            return {}, False  # no dispatcher with renewals ever ran here
     total, last = int(info.state.messages), int(info.state.last_seq)
     found: dict[str, list[_Copy]] = {}
     if total == 0:
         return found, True
     seq, read = max(1, int(info.state.first_seq)), 0  # (an unused stream's first is 0)
     while seq <= last:
-        try:
-            # (With a subject, "next" is the next stored at or after seq: copies are acked out
-            # of order, and without one a gap would read as the end.)
-            raw = await js.get_msg(
-                names.RENEWED_STREAM, seq=seq, subject=names.RENEWED_SUBJECTS, next=True
-            )
-        except NotFoundError:
-            break
-        except _NATS_ERRORS as exc:
-            raise ServiceUnavailable(f"cannot read {names.RENEWED_STREAM}: {exc}") from exc
+        with unavailable_on_broker_errors(f"read {names.RENEWED_STREAM}"):
+            try:
+                # (With a subject, "next" is the next stored at or after seq: copies are acked
+                # out of order, and without one a gap would read as the end.)
+                raw = await js.get_msg(
+                    names.RENEWED_STREAM, seq=seq, subject=names.RENEWED_SUBJECTS, next=True
+                )
+            except NotFoundError:
+                break
         stop_if_cancelled()
         assert raw.seq is not None
         seq = raw.seq + 1
@@ -444,49 +432,44 @@ def _parse(raw: RawStreamMsg) -> _Copy | None:
 async def _bands_without_stream(js: JetStreamContext, bands: set[str]) -> set[str]:
     missing = set()
     for band in bands:
-        try:
-            await js.stream_info(names.request_stream(band))
-        except NotFoundError:
-            missing.add(band)
-        except _NATS_ERRORS as exc:
-            raise ServiceUnavailable(f"cannot look up band {band!r}'s stream: {exc}") from exc
+        with unavailable_on_broker_errors(f"look up band {band!r}'s stream"):
+            try:
+                await js.stream_info(names.request_stream(band))
+            except NotFoundError:
+                missing.add(band)
     return missing
 
 
 async def _result_stored(js: JetStreamContext, tenant: str, request_id: str) -> bool:
-    try:
-        await js.get_last_msg(names.RESULT_STREAM, names.result_subject(tenant, request_id))
-    except NotFoundError:
-        return False
-    except _NATS_ERRORS as exc:
-        raise ServiceUnavailable(f"cannot look up the result of {request_id}: {exc}") from exc
+    with unavailable_on_broker_errors(f"look up the result of {request_id}"):
+        try:
+            await js.get_last_msg(names.RESULT_STREAM, names.result_subject(tenant, request_id))
+        except NotFoundError:
+            return False
     return True
 
 
 async def _publish(js: JetStreamContext, c: _Copy) -> str | None:
     """Publish the request (its copy's body) to its band; None once stored (now, or by an
     earlier run: the same copy's id), else why it was not."""
-    try:
-        raw = await js.get_msg(names.RENEWED_STREAM, seq=c.seq)
-    except NotFoundError:
-        return "its copy was acked meanwhile (a dispatcher runs?)"
-    except _NATS_ERRORS as exc:
-        raise ServiceUnavailable(f"cannot read copy #{c.seq}: {exc}") from exc
+    with unavailable_on_broker_errors(f"read copy #{c.seq}"):
+        try:
+            raw = await js.get_msg(names.RENEWED_STREAM, seq=c.seq)
+        except NotFoundError:
+            return "its copy was acked meanwhile (a dispatcher runs?)"
     subject = names.request_subject(c.band, c.model, c.tenant)
     msg_id = names.returned_msg_id(c.request_id, c.seq)
-    try:
-        await js.publish(subject, raw.data or b"", headers={names.MSG_ID_HEADER: msg_id})
-    except APIError as exc:
-        if exc.err_code == names.JS_ERR_MAX_MSGS:
-            detail = exc.description or ""
-            if "per subject" in detail:
+    with unavailable_on_broker_errors(f"return {c.request_id} to {subject}"):
+        try:
+            await js.publish(subject, raw.data or b"", headers={names.MSG_ID_HEADER: msg_id})
+        except APIError as exc:
+            if exc.err_code != names.JS_ERR_MAX_MSGS:
+                raise
+            if "per subject" in (exc.description or ""):
                 return f"tenant {c.tenant!r}'s share of band {c.band!r}'s queue is full"
             return f"band {c.band!r}'s queue is full"
-        raise ServiceUnavailable(f"cannot return {c.request_id} to {subject}: {exc}") from exc
-    except NoStreamResponseError:
-        return f"no stream takes band {c.band!r} on this broker"
-    except _NATS_ERRORS as exc:
-        raise ServiceUnavailable(f"cannot return {c.request_id} to {subject}: {exc}") from exc
+        except NoStreamResponseError:
+            return f"no stream takes band {c.band!r} on this broker"
     return None
 
 
@@ -494,12 +477,11 @@ async def _delete_original(js: JetStreamContext, source: tuple[str, int], rid: s
     """Delete the message a copy was made from if it is still stored (and is that request's):
     1 if deleted."""
     stream, seq = source
-    try:
-        raw = await js.get_msg(stream, seq=seq)
-    except NotFoundError:
-        return 0  # acked once a leader held the copy: the usual case
-    except _NATS_ERRORS as exc:
-        raise ServiceUnavailable(f"cannot read {stream} #{seq}: {exc}") from exc
+    with unavailable_on_broker_errors(f"read {stream} #{seq}"):
+        try:
+            raw = await js.get_msg(stream, seq=seq)
+        except NotFoundError:
+            return 0  # acked once a leader held the copy: the usual case
     try:
         if decode(raw.data or b"", SubmitRequest).request_id != rid:
             return 0
@@ -509,9 +491,8 @@ async def _delete_original(js: JetStreamContext, source: tuple[str, int], rid: s
 
 
 async def _delete(js: JetStreamContext, stream: str, seq: int) -> int:
-    try:
-        return int(await js.delete_msg(stream, seq))
-    except NotFoundError:
-        return 0  # acked meanwhile, or deleted by an earlier run
-    except _NATS_ERRORS as exc:
-        raise ServiceUnavailable(f"cannot delete {stream} #{seq}: {exc}") from exc
+    with unavailable_on_broker_errors(f"delete {stream} #{seq}"):
+        try:
+            return int(await js.delete_msg(stream, seq))
+        except NotFoundError:
+            return 0  # acked meanwhile, or deleted by an earlier run
