@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import ssl
 import urllib.parse
 from collections.abc import Awaitable, Callable
@@ -122,6 +123,8 @@ async def connect(
     client reconnects to any of them (and to the nodes the cluster announces). ``auth``: the
     process's broker identity and TLS (default: anonymous, plain TCP)."""
     servers = servers_of(url)
+    with contextlib.suppress(TimeoutError):  # a slow resolver: the connect's own bound holds
+        await asyncio.wait_for(_resolvable(servers, url), timeout=connect_timeout_s)
     nc = NATS()
     # nats-py retries the first connect for ever when reconnects are unlimited: bound it, so
     # that a wrong URL or a broker that is down fails the start instead of hanging it.
@@ -136,6 +139,16 @@ async def connect(
         "error_cb": _on_error,
         **(auth or BrokerAuth()).options(),
     }
+    # nats-py reports the first connect's failures only to error_cb (it retries them): keep
+    # the last, so that the error says why no server answered.
+    tried: list[Exception] = []
+
+    async def first_errors(exc: Exception) -> None:
+        if not nc.is_connected:
+            tried[:] = [exc]
+        await _on_error(exc)
+
+    options["error_cb"] = first_errors
     if reconnected_cb is not None:
         options["reconnected_cb"] = reconnected_cb
     if disconnected_cb is not None:
@@ -148,6 +161,8 @@ async def connect(
         with contextlib.suppress(OSError, TimeoutError, AssertionError, nats.errors.Error):
             await nc.close()
         why = str(exc) or f"no server answered within {first_connect_s:g}s"
+        if not str(exc) and tried:
+            why += f" (the last try: {_described(tried[-1])})"
         raise TransportError(f"cannot connect to NATS at {url}: {why}") from exc
     if (options.get("tls") is not None or any(_parsed(s).scheme == "tls" for s in servers)) and (
         not _on_tls(nc)
@@ -163,6 +178,39 @@ async def connect(
             "but the server did not start TLS; refusing a plain-text connection"
         )
     return nc
+
+
+async def _resolvable(servers: list[str], url: str) -> None:
+    """Raise :class:`TransportError` at once when no server's host name exists (DNS says so,
+    not a temporary failure): nats-py would retry it until the first connect's bound ran out
+    and then say only that no server answered."""
+    loop = asyncio.get_running_loop()
+    unknown: list[str] = []
+    for server in servers:
+        host = _parsed(server).hostname or ""
+        try:
+            await loop.getaddrinfo(host, None)
+        except socket.gaierror as exc:
+            if exc.errno not in _NO_SUCH_NAME:
+                return  # a temporary failure (no DNS server yet): the connect retries
+            unknown.append(host)
+        else:
+            return
+    raise TransportError(
+        f"cannot connect to NATS at {url}: no such host: {', '.join(map(repr, unknown))}"
+    )
+
+
+_NO_SUCH_NAME = frozenset(
+    code
+    for code in (getattr(socket, "EAI_NONAME", None), getattr(socket, "EAI_NODATA", None))
+    if code is not None
+)
+"""getaddrinfo's answers that a name does not exist (rather than that DNS did not answer)."""
+
+
+def _described(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def _on_tls(nc: NATS) -> bool:

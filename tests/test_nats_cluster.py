@@ -116,6 +116,26 @@ def test_servers_of_splits_a_server_list() -> None:
         servers_of(" , ")
 
 
+async def test_a_host_that_does_not_exist_fails_the_connect_at_once() -> None:
+    host = "no-such-host.invalid"  # RFC 6761: never resolves
+    try:
+        socket.getaddrinfo(host, None)
+    except socket.gaierror as exc:
+        if exc.errno != socket.EAI_NONAME:
+            pytest.skip(f"this machine's resolver answers {exc} rather than 'no such name'")
+    with pytest.raises(TransportError, match=r"no such host: 'no-such-host\.invalid'"):
+        # without the check, nats-py retries the name until the first connect's bound
+        await connect(f"nats://{host}:4222", "test", connect_timeout_s=0.5)
+
+
+async def test_a_connect_no_server_answers_says_why() -> None:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(TransportError, match="the last try: ConnectionRefusedError"):
+        await connect(f"nats://127.0.0.1:{port}", "test", connect_timeout_s=0.5)
+
+
 async def test_a_server_list_connects_past_a_dead_node(nats3: NatsCluster) -> None:
     nats3.kill(0)  # the first server of the list is gone
     nc = await connect(nats3.url, "test", connect_timeout_s=1.0)
