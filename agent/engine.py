@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from sluice.agent.errors import EngineError
+from sluice.schemas.models import Sampling
 
 __all__ = ["Engine", "EngineError", "EngineLoad", "Finished", "Step", "TokensOut"]
 
@@ -100,10 +101,11 @@ class Engine(Protocol):
         hashes: Sequence[int],
         now_s: float,
         prompt: str | Sequence[int] | None = None,
+        sampling: Sampling | None = None,
     ) -> None:
         """Queue a request (``hashes``: its full prompt blocks' chained hashes; ``prompt``: its
-        text or token ids, for engines that run real prompts). Raises :class:`EngineError` for
-        a request it can never run."""
+        text or token ids, and ``sampling`` how to sample its output, for engines that run real
+        prompts). Raises :class:`EngineError` for a request it can never run."""
         ...
 
     @property

@@ -29,7 +29,14 @@ from sluice.client.errors import (
 )
 from sluice.client.settings import ClientSettings
 from sluice.client.subscriptions import ResultSubscription
-from sluice.schemas.models import QueuedNotice, RejectReason, Result, Timings, TokenChunk
+from sluice.schemas.models import (
+    QueuedNotice,
+    RejectReason,
+    Result,
+    Sampling,
+    Timings,
+    TokenChunk,
+)
 
 __all__ = [
     "BatchNotFound",
@@ -54,6 +61,7 @@ __all__ = [
     "ResultSubscription",
     "ResultTimeout",
     "Retry",
+    "Sampling",
     "ServiceUnavailable",
     "SluiceError",
     "Timings",

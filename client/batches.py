@@ -499,6 +499,7 @@ class Batches:
                     band=band,
                     tenant=self.tenant,
                     request_id=line.request_id,
+                    sampling=line.sampling,
                 )
                 return
             except QueueFull as exc:  # the backlog is at its bound: wait as it says

@@ -2,8 +2,10 @@
 
 An input line is either OpenAI's ``{"custom_id", "method": "POST", "url", "body"}`` (``url``
 ``/v1/chat/completions`` with ``body.messages``, or ``/v1/completions`` with ``body.prompt``;
-``max_tokens`` or ``max_completion_tokens``) or Sluice's ``{"custom_id"?, "model", "prompt" |
-"tokens", "max_tokens"?}`` (``custom_id`` defaults to ``line-N``). Blank lines are skipped. A
+``max_tokens`` or ``max_completion_tokens``; the sampling fields of
+:func:`~sluice.client.sampling.openai_sampling`) or Sluice's ``{"custom_id"?, "model", "prompt"
+| "tokens", "max_tokens"?, "sampling"?}`` (``custom_id`` defaults to ``line-N``; ``sampling``
+an object of :class:`~sluice.schemas.models.Sampling`'s fields). Blank lines are skipped. A
 line that is not valid JSON or not a valid request, or repeats a ``custom_id``, is an error
 line: it is never submitted and it appears in the error file with its line number.
 
@@ -18,11 +20,12 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from sluice.client import jsontext
+from sluice.client.errors import InvalidRequest
 from sluice.client.oaiformat import (
     ENDPOINT_KINDS,
     Kind,
@@ -30,8 +33,9 @@ from sluice.client.oaiformat import (
     http_status,
     rejection_error,
 )
+from sluice.client.sampling import openai_sampling, sampling_of
 from sluice.common.chat import ChatError, render_chat
-from sluice.schemas.models import Result
+from sluice.schemas.models import Result, Sampling
 
 DEFAULT_MAX_TOKENS = 256
 """Output tokens of a line that names none."""
@@ -50,6 +54,8 @@ class BatchLine:
     prompt: str | list[int]
     max_tokens: int
     kind: Kind
+    sampling: Sampling | None = None
+    """An OpenAI line's sampling fields, or a native line's ``sampling`` object."""
 
 
 @dataclass(frozen=True)
@@ -130,6 +136,7 @@ def _line(n: int, cid: str, obj: Mapping[str, Any], batch_id: str) -> BatchLine:
             raise _Bad("body must be an object")
         if body.get("n", 1) != 1:
             raise _Bad("only n = 1 is supported")
+        sampling = _sampling(lambda: openai_sampling(body))
         if kind == "chat":
             try:
                 prompt: str | list[int] = render_chat(body.get("messages"))
@@ -146,11 +153,23 @@ def _line(n: int, cid: str, obj: Mapping[str, Any], batch_id: str) -> BatchLine:
         prompt = _prompt(obj.get("prompt", obj.get("tokens")), "prompt")
         max_tokens = obj.get("max_tokens", DEFAULT_MAX_TOKENS)
         model = obj.get("model")
+        given = obj.get("sampling")
+        if given is not None and not isinstance(given, dict):
+            raise _Bad("sampling must be an object")
+        sampling = _sampling(lambda: sampling_of(given))
     if not isinstance(model, str) or not model:
         raise _Bad("model must be a non-empty string")
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise _Bad("max_tokens must be an integer >= 1")
-    return BatchLine(n, cid, request_id_of(batch_id, cid), model, prompt, max_tokens, kind)
+    rid = request_id_of(batch_id, cid)
+    return BatchLine(n, cid, rid, model, prompt, max_tokens, kind, sampling)
+
+
+def _sampling(read: Callable[[], Sampling | None]) -> Sampling | None:
+    try:
+        return read()
+    except InvalidRequest as exc:
+        raise _Bad(str(exc)) from exc
 
 
 def _prompt(value: Any, name: str) -> str | list[int]:

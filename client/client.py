@@ -8,10 +8,10 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import nats.errors
 from nats.aio.client import Client as NATS
@@ -30,6 +30,7 @@ from sluice.client.errors import (
     SluiceError,
     rejection_error,
 )
+from sluice.client.sampling import sampling_of
 from sluice.client.settings import (
     DEFAULT_PUBLISH_RETRY_S,
     DEFAULT_PUBLISH_TIMEOUT_S,
@@ -49,6 +50,7 @@ from sluice.schemas.models import (
     QueuedNotice,
     ReconcileReport,
     Result,
+    Sampling,
     SubmitRequest,
     TokenChunk,
     WaitEstimate,
@@ -402,6 +404,7 @@ class Client:
         deadline_s: float | None = None,
         retry: Retry | int | None = None,
         session_id: str | None = None,
+        sampling: Sampling | Mapping[str, Any] | None = None,
     ) -> RequestHandle:
         """Queue a request and return its handle.
 
@@ -415,13 +418,16 @@ class Client:
         serves the band, or when the broker did not take the request within
         ``publish_retry_s`` (a publish that times out or meets a leader change of a JetStream
         cluster is sent again until then, with the same id). ``session_id``: the requests of
-        one session (a conversation) stick to the workers that served it.
+        one session (a conversation) stick to the workers that served it. ``sampling``: how
+        the engine samples the output (:class:`~sluice.schemas.models.Sampling`, or a mapping
+        of its fields: ``temperature``, ``top_p``, ``seed``, ``stop``, ...); unset fields
+        keep the engine's defaults.
         """
         if retry is not None and not isinstance(retry, Retry | int):
             raise InvalidRequest(f"retry must be a Retry or a number of retries, not {retry!r}")
         policy = Retry(attempts=retry) if isinstance(retry, int) else retry or Retry(attempts=0)
         request = self._build(
-            model, prompt, max_tokens, band, tenant, request_id, deadline_s, session_id
+            model, prompt, max_tokens, band, tenant, request_id, deadline_s, session_id, sampling
         )
         handle = RequestHandle(self, request)
         await handle._subscribe(self.nc)
@@ -455,6 +461,7 @@ class Client:
         request_id: str | None,
         deadline_s: float | None,
         session_id: str | None = None,
+        sampling: Sampling | Mapping[str, Any] | None = None,
     ) -> SubmitRequest:
         if deadline_s is not None and deadline_s <= 0:
             raise InvalidRequest(f"deadline_s must be > 0, got {deadline_s}")
@@ -495,6 +502,7 @@ class Client:
                 submitted_unix_ms=now_ms,
                 deadline_unix_ms=None if deadline_s is None else now_ms + int(deadline_s * 1000),
                 session_id=session_id,
+                sampling=sampling_of(sampling),
             )
         except ValidationError as exc:
             raise InvalidRequest(str(exc)) from exc
@@ -510,12 +518,13 @@ class Client:
         request_id: str | None = None,
         deadline_s: float | None = None,
         session_id: str | None = None,
+        sampling: Sampling | Mapping[str, Any] | None = None,
     ) -> str:
         """Queue a request without following it (offline work: its result is picked up
         later, with :meth:`fetch_result` or :meth:`results`); returns its request id. Raises
         as :meth:`submit` does (``QueueFull`` at once: no retry here)."""
         request = self._build(
-            model, prompt, max_tokens, band, tenant, request_id, deadline_s, session_id
+            model, prompt, max_tokens, band, tenant, request_id, deadline_s, session_id, sampling
         )
         await self._publish(request)
         return request.request_id

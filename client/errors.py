@@ -10,7 +10,12 @@ class SluiceError(Exception):
 
 
 class InvalidRequest(SluiceError, ValueError):
-    """The request was refused before it was sent (bad arguments)."""
+    """The request was refused before it was sent (bad arguments). ``param``: the field at
+    fault, when one is (an OpenAI body's key)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class QueueFull(SluiceError):

@@ -226,6 +226,7 @@ class _Completions:
                 band=band,
                 tenant=principal.tenant,
                 session_id=session,
+                sampling=job.sampling,
             )
         except SluiceError as exc:
             raise from_client_error(exc, job.model) from exc

@@ -5,11 +5,13 @@ A chat's messages are rendered by the fleet's one template (:func:`sluice.common
 as ``sluice engine`` renders them), so every turn of a conversation starts with the text of the
 turn before it. A completion's prompt is a string or a list of token ids.
 
-Sluice relays a prompt and an output bound, nothing else: fields that would change what the
-engine returns in ways the caller relies on (``n`` > 1, ``stop``, ``tools``, ``logprobs``, a
-``response_format`` other than text, ``echo``, ``suffix``, ``best_of`` > 1) are refused with a
-400 rather than ignored; sampling knobs (``temperature``, ``top_p``, ``seed``, penalties, ...)
-and fields the gateway does not know are accepted and have no effect.
+Sluice relays a prompt, an output bound and the sampling fields
+(:func:`sluice.client.sampling.openai_sampling`: ``temperature``, ``top_p``, ``seed``, the
+penalties, ``stop``, ...) to the engine. Fields that would change what the engine returns in
+ways the caller relies on and that Sluice does not relay (``n`` > 1, ``tools``, ``logprobs``, a
+``response_format`` other than text, ``echo``, ``suffix``, ``best_of`` > 1, ``logit_bias``,
+guided decoding) are refused with a 400 rather than ignored; fields the gateway does not know
+(``store``, ``metadata``, ...) are accepted and have no effect.
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from sluice.client import jsontext
+from sluice.client.errors import InvalidRequest
 from sluice.client.oaiformat import Kind
+from sluice.client.sampling import openai_sampling
 from sluice.common.chat import ChatError, render_chat
 from sluice.gateway.errors import BadRequest
-from sluice.schemas.models import MAX_OUTPUT_TOKENS
+from sluice.schemas.models import MAX_OUTPUT_TOKENS, Sampling
 
 SESSION_HEADER = "x-session-id"
 """The request header naming a session (a conversation): its requests stick to the workers
@@ -42,6 +46,7 @@ class Job:
     stream: bool
     include_usage: bool
     user: str | None
+    sampling: Sampling | None = None
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -82,9 +87,6 @@ def _unsupported(body: Mapping[str, Any], kind: Kind) -> None:
     best_of = body.get("best_of")
     if best_of is not None and (best_of != 1 or isinstance(best_of, bool)):
         raise BadRequest("best_of is not supported", param="best_of")
-    for key in ("stop", "tools", "functions", "logprobs", "suffix", "echo", "top_logprobs"):
-        if body.get(key):
-            raise BadRequest(f"{key} is not supported by the Sluice gateway", param=key)
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
         raise BadRequest("only the text response_format is supported", param="response_format")
@@ -102,6 +104,10 @@ def _common(body: Mapping[str, Any], kind: Kind, default_max_tokens: int) -> dic
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise BadRequest("user must be a string", param="user")
+    try:
+        sampling = openai_sampling(body)
+    except InvalidRequest as exc:
+        raise BadRequest(str(exc), param=exc.param) from exc
     return {
         "kind": kind,
         "model": model,
@@ -109,6 +115,7 @@ def _common(body: Mapping[str, Any], kind: Kind, default_max_tokens: int) -> dic
         "stream": _flag(body, "stream"),
         "include_usage": _flag(options or {}, "include_usage"),
         "user": user or None,
+        "sampling": sampling,
     }
 
 

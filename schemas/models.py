@@ -17,7 +17,9 @@ from pydantic import (
     PlainSerializer,
     PlainValidator,
     SerializationInfo,
+    SerializerFunctionWrapHandler,
     WithJsonSchema,
+    model_serializer,
     model_validator,
 )
 
@@ -82,6 +84,48 @@ class RejectReason(StrEnum):
     INTERNAL = "internal"
 
 
+MAX_STOP_SEQUENCES: Final = 16
+"""The most stop strings (and, apart, stop token ids) a request may give."""
+MAX_STOP_CHARS: Final = 256
+"""The longest stop string."""
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+
+
+class Sampling(BaseModel):
+    """How the engine samples a request's output (``SubmitRequest.sampling``): the OpenAI
+    completions fields and the common extensions vLLM and SGLang both take, by their names
+    there. An unset field is not sent, so the engine's own default applies. The dispatcher
+    never reads them; the agent passes them to its engine as they are."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1)
+    """-1 (or 0 on vLLM): every token."""
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=10)
+    stop: tuple[StopString, ...] = Field(default=(), max_length=MAX_STOP_SEQUENCES)
+    """The output ends before the first of these strings (which it does not include)."""
+    stop_token_ids: tuple[Annotated[int, Field(ge=0, lt=2**32)], ...] = Field(
+        default=(), max_length=MAX_STOP_SEQUENCES
+    )
+    """The output ends at the first of these tokens."""
+
+    @model_serializer(mode="wrap")
+    def _set_only(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Only what was set travels: an engine applies its own defaults to the rest.
+        out: dict[str, Any] = handler(self)
+        return {k: v for k, v in out.items() if v is not None and v != () and v != []}
+
+    def engine_fields(self) -> dict[str, Any]:
+        """The fields an OpenAI-compatible engine takes in a completions body."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in self.model_dump().items()}
+
+
 class SubmitRequest(_Wire):
     """What a producer publishes on ``sluice.req.<band>.<model>.<tenant>``.
 
@@ -103,6 +147,9 @@ class SubmitRequest(_Wire):
     submitted_unix_ms: int = Field(ge=0)
     deadline_unix_ms: int | None = Field(default=None, ge=0)
     session_id: Name | None = None
+    sampling: Sampling | None = Field(default=None, exclude_if=lambda v: v is None)
+    """How the engine samples the output (None: the engine's defaults). Not sent when None,
+    so that a request without it is read by a release that predates it."""
 
     @model_validator(mode="after")
     def _one_prompt(self) -> SubmitRequest:

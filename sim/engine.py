@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sluice.agent.engine import EngineError, EngineLoad, Failed, Finished, Step, TokensOut
+from sluice.schemas.models import Sampling
 from sluice.sim.kvcache import KVCache, KVListener
 from sluice.sim.profiles import EngineProfile
 from sluice.sim.tokens import detokenize, output_token
@@ -159,9 +160,11 @@ class SimEngine:
         hashes: Sequence[int],
         now_s: float,
         prompt: str | Sequence[int] | None = None,
+        sampling: Sampling | None = None,
     ) -> None:
         """Queue a request. ``hashes`` are its full prompt blocks' chained hashes (the cost
-        model needs only them; ``prompt`` is ignored)."""
+        model needs only them; ``prompt`` and ``sampling`` are ignored: its pseudo output is
+        no sample, and ends at its length: ``sluice engine`` honours stop strings)."""
         bt = self.profile.block_tokens
         if prompt_tokens < 1 or output_tokens < 1:
             raise EngineError("a request needs at least one prompt and one output token")
@@ -188,6 +191,21 @@ class SimEngine:
                 self.cache.release(s.hashes, s.reserve_blocks)
                 return True
         return False
+
+    def finish_early(self, request_id: str) -> Finished | None:
+        """End a running request now, as a stop string or token ends it in a real engine: its
+        blocks are released as at a finish, and its finish (the tokens generated so far) is
+        returned; None if it does not run."""
+        for i, s in enumerate(self._running):
+            if s.request_id == request_id:
+                del self._running[i]
+                self.cache.release(s.hashes, s.reserve_blocks)
+                decode_s = self.busy_s - s.decode_mark_s if s.generated else 0.0
+                return Finished(
+                    s.request_id, s.prompt_tokens, s.cached_tokens, s.generated, s.prefill_s,
+                    decode_s,
+                )  # fmt: skip
+        return None
 
     # ------------------------------------------------------------------ time
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import functools
 import itertools
@@ -47,7 +48,7 @@ import subprocess
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -136,11 +137,34 @@ class Prompt:
     KV events of its blocks carry)."""
 
 
+@dataclass(frozen=True)
+class Sample:
+    """What a request's sampling fields change in the simulated engine's pseudo output.
+    ``key`` picks its tokens: a greedy request's (``temperature`` 0) depend on its prompt
+    only, a seeded one's on its prompt and ``seed``, any other's (None) on the request, so
+    that two identical prompts get two samples, as from a real engine. ``stop`` strings and
+    ``stop_ids`` (token ids) end the output early, as vLLM ends it: the stop string is not in
+    the text, and a finish of theirs is ``stop`` rather than ``length``."""
+
+    key: str | None = None
+    stop: tuple[str, ...] = ()
+    stop_ids: frozenset[int] = frozenset()
+
+
 @dataclass
 class _Stream:
     queue: asyncio.Queue[TokensOut | Finished | Failed]
     hashes: tuple[int, ...] = ()
     produced: int = 0
+    sample: Sample = Sample()
+    text: str = ""
+    """The output so far, kept only while a stop string may end it."""
+    sent: int = 0
+    """How much of :attr:`text` was streamed: the tail that may begin a stop string waits."""
+    stopped: bool = False
+    """A stop string or token ended it (its finish reason is ``stop``)."""
+    matched: str | int | None = None
+    """The stop string or token id that ended it."""
     submitted_s: float = 0.0
     """``time.monotonic()`` when the request reached the engine."""
     ttft_s: float | None = None
@@ -363,15 +387,20 @@ class SimServer:
                         if s.ttft_s is None and isinstance(ev, TokensOut):
                             s.ttft_s = time.monotonic() - s.submitted_s
                             self._observe("time_to_first_token_seconds", s.ttft_s)
-                        elif isinstance(ev, Finished) and s.ttft_s is not None:
-                            # Its prefill ran on the engine's clock, `speed` times the wall's.
-                            # The stepping loop may catch up on a lag (it sleeps less than a
-                            # step lasts), so the wall can see less than that: a prefill never
-                            # outlasts the time to the first token, and queue + prefill = TTFT.
-                            prefill = min(ev.prefill_s / self.speed, s.ttft_s)
-                            self._observe("request_prefill_time_seconds", prefill)
-                            self._observe("request_queue_time_seconds", s.ttft_s - prefill)
+                        elif isinstance(ev, Finished):
+                            self._observe_finish(s, ev)
                         s.queue.put_nowait(ev)
+
+    def _observe_finish(self, s: _Stream, fin: Finished) -> None:
+        if s.ttft_s is None:
+            return
+        # Its prefill ran on the engine's clock, `speed` times the wall's. The stepping loop
+        # may catch up on a lag (it sleeps less than a step lasts), so the wall can see less
+        # than that: a prefill never outlasts the time to the first token, and queue +
+        # prefill = TTFT.
+        prefill = min(fin.prefill_s / self.speed, s.ttft_s)
+        self._observe("request_prefill_time_seconds", prefill)
+        self._observe("request_queue_time_seconds", s.ttft_s - prefill)
 
     def stop_taking(self, grace_s: float) -> None:
         """The server is stopping: no new request is taken (a 503), those running may finish
@@ -388,7 +417,9 @@ class SimServer:
         for rid, stream in self._streams.items():
             stream.queue.put_nowait(Failed(rid, "the engine is shutting down"))
 
-    def submit(self, prompt: Prompt, max_tokens: int) -> tuple[str, _Stream]:
+    def submit(
+        self, prompt: Prompt, max_tokens: int, sample: Sample = Sample()
+    ) -> tuple[str, _Stream]:
         """Queue a request in the engine; its events arrive on the returned stream."""
         if self.closing:
             raise EngineError("the engine is shutting down")
@@ -403,7 +434,9 @@ class SimServer:
                 if h not in self._block_meta:
                     tokens = list(prompt.token_ids[i * bt : (i + 1) * bt])
                     self._block_meta[h] = (prompt.hashes[i - 1] if i else None, tokens)
-        stream = _Stream(asyncio.Queue(), prompt.hashes, submitted_s=time.monotonic())
+        stream = _Stream(
+            asyncio.Queue(), prompt.hashes, submitted_s=time.monotonic(), sample=sample
+        )
         self._streams[rid] = stream
         self._wake.set()
         return rid, stream
@@ -426,16 +459,65 @@ class SimServer:
                 if isinstance(ev, Failed):
                     raise EngineError(ev.error)  # (only a shutdown fails one)
                 if isinstance(ev, TokensOut):
-                    tokens = self.engine.output_tokens(rid, stream.produced, ev.count)
+                    if stream.stopped:  # (tokens of the step that finished it anyway)
+                        continue
+                    key = stream.sample.key or rid
+                    tokens = self.engine.output_tokens(key, stream.produced, ev.count)
                     stream.produced += ev.count
                     self.generation_tokens_total += ev.count
-                    yield self.engine.detokenize(tokens), None
+                    if not (stream.sample.stop or stream.sample.stop_ids):
+                        yield self.engine.detokenize(tokens), None
+                        continue
+                    piece, fin = self._until_stop(rid, stream, tokens)
+                    if piece:
+                        yield piece, None
+                    if fin is not None:
+                        self.requests_finished_total += 1
+                        yield "", fin
+                        return
                 else:
+                    if stream.sent < len(stream.text):  # held back for a stop string
+                        yield stream.text[stream.sent :], None
                     self.requests_finished_total += 1
                     yield "", ev
                     return
         finally:
             self.release(rid)
+
+    def _until_stop(
+        self, rid: str, stream: _Stream, tokens: list[int]
+    ) -> tuple[str, Finished | None]:
+        """The text of ``tokens`` that may be streamed, and the finish when a stop string or
+        token ended the request here (it is then finished early in the engine)."""
+        sample = stream.sample
+        cut = next((i for i, t in enumerate(tokens) if t in sample.stop_ids), None)
+        start = len(stream.text)
+        stream.text += self.engine.detokenize(tokens if cut is None else tokens[:cut])
+        longest = max(map(len, sample.stop), default=1)
+        after = max(0, start - longest + 1)  # a stop string may straddle two pieces
+        found = [i for i in (stream.text.find(x, after) for x in sample.stop) if i >= 0]
+        if found:
+            end = min(found)
+            stream.matched = next(x for x in sample.stop if stream.text.find(x, after) == end)
+        elif cut is not None:
+            end = len(stream.text)
+            stream.matched = tokens[cut]
+        else:
+            end = max(stream.sent, len(stream.text) - longest + 1)
+            piece, stream.sent = stream.text[stream.sent : end], end
+            return piece, None
+        piece, stream.sent = stream.text[stream.sent : end], end
+        stream.text = stream.text[:end]
+        stream.stopped = True
+        fin = self.engine.finish_early(rid)
+        if fin is None:  # it had finished in this very step: its finish is on the way
+            return piece, None
+        # Its output is what was streamed to the stop (the engine may be a step ahead of this
+        # stream), without the tokens after a stop token, never generated in a real engine.
+        unmade = 0 if cut is None else len(tokens) - cut - 1
+        fin = dataclasses.replace(fin, output_tokens=stream.produced - unmade)
+        self._observe_finish(stream, fin)
+        return piece, fin
 
     async def collect(self, rid: str, stream: _Stream) -> tuple[str, Finished]:
         """The whole output of a request, and its finish."""
@@ -650,6 +732,50 @@ def _sampling(body: Mapping[str, Any]) -> None:
             raise BadRequest(f"{key} must be {rule}, not {body.get(key)!r}", key)
 
 
+_NOT_SIMULATED = ("logprobs", "top_logprobs", "echo", "prompt_logprobs")
+"""Fields whose answer the simulated engine cannot give (its tokens have no probabilities,
+and it does not echo prompts): a 400 rather than an answer without them."""
+_INTS: TypeAdapter[list[int] | None] = TypeAdapter(list[int] | None)
+
+
+def _sample(body: Mapping[str, Any], prompt: Prompt) -> Sample:
+    """The sampling fields the simulated engine honours (:class:`Sample`), read from an
+    OpenAI body or SGLang's ``sampling_params``, checked as vLLM checks them; the others
+    (``top_p``, penalties, ...) are checked by :func:`_sampling` and change nothing in its
+    pseudo output."""
+    for name in _NOT_SIMULATED:
+        if body.get(name):
+            raise BadRequest(f"{name}: the simulated engine does not produce it", name)
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop
+    if stops is not None and (
+        not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops)
+    ):
+        raise BadRequest("stop must be a non-empty string or a list of them", "stop")
+    try:
+        stop_ids = _INTS.validate_python(body.get("stop_token_ids"))
+    except ValidationError:
+        raise BadRequest("stop_token_ids must be a list of token ids", "stop_token_ids") from None
+    try:
+        seed = _INT.validate_python(body.get("seed", body.get("sampling_seed")))
+    except ValidationError:
+        raise BadRequest("seed must be an integer", "seed") from None
+    temperature = body.get("temperature")  # (checked by _sampling)
+    t = None if temperature is None else float(temperature)
+    key = sample_key(prompt.token_ids, t, seed)
+    return Sample(key, tuple(stops or ()), frozenset(stop_ids or ()))
+
+
+def sample_key(token_ids: Sequence[int], temperature: float | None, seed: int | None) -> str | None:
+    """:attr:`Sample.key` of a prompt's token ids with this ``temperature`` (None: vLLM's
+    default, 1) and ``seed``."""
+    greedy = temperature == 0.0
+    if not greedy and seed is None:
+        return None
+    digest = xxhash.xxh64_hexdigest(",".join(map(str, token_ids)).encode())
+    return f"greedy:{digest}" if greedy else f"seed:{seed}:{digest}"
+
+
 def _served(body: Mapping[str, Any], model: str) -> None:
     """The request names the served model, or none (vLLM's default then): another is a 404,
     as in vLLM (an agent with the wrong ``engine_model`` was served all the same)."""
@@ -721,7 +847,7 @@ class _OpenAI:
             raise BadRequest("stream_options is only for stream=true", "stream_options")
         _one_choice(body)
         _sampling(body)
-        rid, stream = s.submit(prompt, max_tokens)
+        rid, stream = s.submit(prompt, max_tokens, _sample(body, prompt))
         head = {
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}",
             "object": "chat.completion.chunk" if chat else "text_completion",
@@ -735,7 +861,8 @@ class _OpenAI:
         if got is None:
             return Response(status_code=499)
         text, fin = got
-        choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
+        reason = "stop" if stream.stopped else "length"
+        choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
             head["object"] = "chat.completion"
@@ -749,7 +876,8 @@ class _OpenAI:
         first = True
         async for piece, fin in _until_shutdown(self.server.events(rid, stream)):
             if fin is not None:
-                done: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
+                reason = "stop" if stream.stopped else "length"
+                done: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
                 if chat:
                     done["delta"] = {}
                 else:
@@ -790,14 +918,16 @@ class _SGLang:
             raise BadRequest("sampling_params must be an object", "sampling_params")
         max_new = _positive_int(params, "max_new_tokens", 128)
         streaming = _flag(body, "stream")
-        rid, stream = s.submit(prompt, max_new)
+        _sampling(params)
+        rid, stream = s.submit(prompt, max_new, _sample(params, prompt))
         if streaming:
             return StreamingResponse(self._stream(rid, stream), media_type="text/event-stream")
         got = await _whole(request, s, rid, stream)
         if got is None:
             return Response(status_code=499)
         text, fin = got
-        return JSONResponse({"text": text, "meta_info": _meta(rid, fin, fin.output_tokens)})
+        meta = _meta(rid, fin, fin.output_tokens, stream)
+        return JSONResponse({"text": text, "meta_info": meta})
 
     async def flush_cache(self, _: Request) -> Response:
         """SGLang's ``/flush_cache``: 200 once flushed, 400 while requests run."""
@@ -811,7 +941,8 @@ class _SGLang:
         text, n = "", 0
         async for piece, fin in _until_shutdown(self.server.events(rid, stream)):
             if fin is not None:
-                yield _sse({"text": text, "meta_info": _meta(rid, fin, fin.output_tokens)})
+                meta = _meta(rid, fin, fin.output_tokens, stream)
+                yield _sse({"text": text, "meta_info": meta})
                 yield _sse("[DONE]")
                 return
             text += piece
@@ -852,13 +983,16 @@ async def _until_shutdown(
         return
 
 
-def _meta(rid: str, fin: Finished, completion: int) -> dict[str, Any]:
+def _meta(rid: str, fin: Finished, completion: int, stream: _Stream) -> dict[str, Any]:
+    reason: dict[str, Any] = {"type": "length", "length": completion}
+    if stream.stopped:
+        reason = {"type": "stop", "matched": stream.matched}
     return {
         "id": rid,
         "prompt_tokens": fin.prompt_tokens,
         "completion_tokens": completion,
         "cached_tokens": fin.cached_tokens,
-        "finish_reason": {"type": "length", "length": completion},
+        "finish_reason": reason,
     }
 
 

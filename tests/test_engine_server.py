@@ -790,3 +790,85 @@ def test_an_engine_starved_of_its_event_loop_counts_the_clock_it_dropped() -> No
         return server.clock_dropped_s_total
 
     assert asyncio.run(starve()) >= 0.3  # the 0.4 s it could not step, less the lag it allows
+
+
+def _completion(engine: httpx.Client, **fields: Any) -> dict[str, Any]:
+    body = {"model": "sim-8b", "prompt": "tell me a story", "max_tokens": 24, **fields}
+    response = engine.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    out: dict[str, Any] = response.json()
+    return out
+
+
+def test_greedy_and_seeded_requests_repeat_their_output_and_others_do_not(
+    engine: httpx.Client,
+) -> None:
+    def text(**fields: Any) -> str:
+        return str(_completion(engine, **fields)["choices"][0]["text"])
+
+    greedy = text(temperature=0)
+    assert text(temperature=0, seed=5) == greedy  # greedy: the prompt alone decides
+    assert text(temperature=0, prompt="another story") != greedy
+    assert text(seed=5) == text(seed=5, temperature=0.7) != text(seed=6)
+    assert text() != text()  # sampled (vLLM's default temperature, 1): two samples
+
+
+def test_a_stop_string_ends_the_output_before_it(engine: httpx.Client) -> None:
+    full = _completion(engine, temperature=0)["choices"][0]["text"]
+    words = full.split(" ")
+    stop = " " + words[6]  # the sixth word (the text starts with a space)
+    want = full[: full.find(stop)]
+    answer = _completion(engine, temperature=0, stop=[" no-such-word", stop])
+    assert answer["choices"][0]["text"] == want and answer["choices"][0]["finish_reason"] == "stop"
+    assert answer["usage"]["completion_tokens"] == len(want.split(" ")) - 1 + 1  # + the stop's
+    # Streamed, with a stop of two words: the word that might begin it is held back (not
+    # streamed before the next shows whether the stop string came), and not lost when not.
+    body = {"model": "sim-8b", "prompt": "tell me a story", "max_tokens": 24, "temperature": 0}
+    two = " " + " ".join(words[6:8])
+    false_start = " " + words[6] + " no-such-word"
+    with engine.stream(
+        "POST", "/v1/completions", json={**body, "stream": True, "stop": [false_start, two]}
+    ) as r:
+        events = _events(r)
+    chunks = [e for e in events if isinstance(e, dict)]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == full[: full.find(two)]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop" and events[-1] == "[DONE]"
+    # A stop string that never comes: the whole output, finished by its length.
+    answer = _completion(engine, temperature=0, stop="zzz")
+    assert answer["choices"][0]["text"] == full
+    assert answer["choices"][0]["finish_reason"] == "length"
+    # SGLang's /generate: in sampling_params, and its finish reason names the match.
+    got = engine.post(
+        "/generate",
+        json={"text": "tell me a story", "sampling_params": {"max_new_tokens": 24,
+              "temperature": 0, "stop": stop}},
+    ).json()  # fmt: skip
+    assert got["text"] == want
+    assert got["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+
+
+def test_a_stop_token_ends_the_output_at_it(engine: httpx.Client) -> None:
+    from sluice.sim.tokens import output_token
+    from sluice.testing.engineserver import sample_key
+
+    full = _completion(engine, prompt=PROMPT, temperature=0)["choices"][0]["text"]
+    # The engine's own key for this greedy prompt: which pseudo token comes fourth.
+    key = sample_key(PROMPT, 0.0, None)
+    assert key is not None
+    fourth = output_token(key, 3)
+    answer = _completion(engine, prompt=PROMPT, temperature=0, stop_token_ids=[fourth])
+    words = full.split(" ")[1:]
+    first = next(i for i in range(24) if output_token(key, i) == fourth)
+    assert answer["choices"][0]["text"] == "".join(" " + w for w in words[:first])
+    assert answer["choices"][0]["finish_reason"] == "stop"
+    assert answer["usage"]["completion_tokens"] == first + 1
+
+
+def test_what_the_simulated_engine_cannot_produce_is_a_400(engine: httpx.Client) -> None:
+    for field, value in (("logprobs", 2), ("echo", True), ("stop", [""]), ("stop", 5),
+                         ("stop_token_ids", ["a"]), ("seed", "x")):  # fmt: skip
+        response = engine.post(
+            "/v1/completions", json={"model": "sim-8b", "prompt": "x", field: value}
+        )
+        assert response.status_code == 400, (field, value)
+        assert response.json()["error"]["param"] == field

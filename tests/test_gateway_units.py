@@ -149,7 +149,17 @@ def test_messages_that_cannot_be_rendered(messages: object) -> None:
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": True}, "n"),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "best_of": True}, None),
-        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ["\n"]}, "stop"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": [""]}, "stop"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": 3}, "stop"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True}, None),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"1": 2}},
+            None,
+        ),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_p": 0}, "top_p"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": -1}, None),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "seed": True}, "seed"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "seed": 2**64}, "seed"),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, None),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}, None),
         ({"model": "m", "messages": "x"}, "messages"),
@@ -164,8 +174,9 @@ def test_chat_fields_that_are_refused(body: dict[str, object], param: str | None
 
 
 def test_completion_prompts_and_defaults() -> None:
-    job = completion_job({"model": "m", "prompt": "hi", "temperature": 0.2}, 16)
+    job = completion_job({"model": "m", "prompt": "hi"}, 16)
     assert job.prompt == "hi" and job.max_tokens == 16 and not job.stream
+    assert job.sampling is None  # the engine's own defaults
     assert completion_job({"model": "m", "prompt": [[1, 2]]}, 16).prompt == [1, 2]
     chat = chat_job(
         {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5},
@@ -202,3 +213,49 @@ def test_the_example_config_has_a_gateway_table() -> None:
     finally:
         GatewaySettings.load(None)  # later settings in this process read no file
     assert settings.port == 8080 and settings.keys == [] and settings.host == "127.0.0.1"
+
+
+def test_sampling_fields_are_relayed_as_the_engine_names_them() -> None:
+    body = {
+        "model": "m",
+        "prompt": "hi",
+        "temperature": 0,
+        "top_p": 0.9,
+        "top_k": 40,
+        "min_p": 0.05,
+        "seed": 7,
+        "frequency_penalty": 0.5,
+        "presence_penalty": -0.5,
+        "repetition_penalty": 1.1,
+        "stop": "\n\n",
+        "stop_token_ids": [2],
+        "store": True,  # a field the gateway does not know: no effect
+    }
+    job = completion_job(body, 16)
+    assert job.sampling is not None
+    fields = job.sampling.engine_fields()
+    assert fields == {k: v for k, v in body.items() if k not in ("model", "prompt", "store")} | {
+        "stop": ["\n\n"]
+    }
+    # Null and empty values are no request; a list of stops stays a list.
+    job = chat_job(
+        {"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ["a", "b"],
+         "temperature": None, "logprobs": False},
+        16,
+    )  # fmt: skip
+    assert job.sampling is not None and job.sampling.engine_fields() == {"stop": ["a", "b"]}
+    assert completion_job({"model": "m", "prompt": "hi", "stop": None}, 16).sampling is None
+
+
+def test_the_client_takes_sampling_as_a_mapping_and_names_a_bad_field() -> None:
+    from sluice.client import Client, InvalidRequest, Sampling
+
+    c = Client("nats://127.0.0.1:1")  # not connected: building a request needs no broker
+    built = c._build("m", "hi", 8, None, None, None, None, None, {"temperature": 0.5})
+    assert built.sampling == Sampling(temperature=0.5)
+    assert c._build("m", "hi", 8, None, None, None, None, None, {}).sampling is None
+    with pytest.raises(InvalidRequest) as info:
+        c._build("m", "hi", 8, None, None, None, None, None, {"top_p": 2})
+    assert info.value.param == "top_p" and "top_p" in str(info.value)
+    with pytest.raises(InvalidRequest):
+        c._build("m", "hi", 8, None, None, None, None, None, ["temperature"])  # type: ignore[arg-type]

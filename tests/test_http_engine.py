@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
+import json
 import os
 import signal
 import time
@@ -22,7 +23,7 @@ import pytest
 from sluice.agent.engine import Failed, TokensOut
 from sluice.agent.runtime import Agent, AgentSettings
 from sluice.agent.runtime.httpengine import HttpEngine, HttpEngineConfig
-from sluice.client import Client
+from sluice.client import Batches, Client
 from sluice.testing.cluster import LocalCluster
 from sluice.testing.engines import build_engine
 
@@ -99,6 +100,77 @@ async def test_tokens_stream_through_http_engines_and_a_repeated_prefix_hits(
     assert again.ok and again.worker_id == first.worker_id  # its prefix is cached there
     assert again.cached_tokens == len(PROMPT) - 1  # as the engine reported it
     assert sum(a.completed for a in fleet["agents"]) == 2
+
+
+async def test_sampling_fields_reach_the_engine_through_the_gateway(
+    fleet: dict[str, Any], nats_url: str
+) -> None:
+    """The openai package, the gateway, the wire, the dispatcher, the agent, then the engine
+    process: a greedy request repeats its output, a sampled one does not, and a stop string
+    ends the output before it, in a whole answer and in a stream (``sluice engine`` honours
+    them as vLLM does: ``test_engine_server.py``)."""
+    from openai import AsyncOpenAI
+
+    from sluice.gateway import GatewayServer, GatewaySettings
+
+    gs = GatewaySettings(nats_url=nats_url, host="127.0.0.1", port=0)
+    async with GatewayServer(gs) as gw:
+        oa = AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="k", max_retries=0, timeout=30)
+        try:
+
+            async def text(**fields: Any) -> tuple[str, str | None]:
+                r = await oa.completions.create(
+                    model="sim", prompt="once upon a time", max_tokens=16, **fields
+                )
+                return r.choices[0].text, r.choices[0].finish_reason
+
+            greedy, reason = await text(temperature=0)
+            assert reason == "length" and (await text(temperature=0))[0] == greedy
+            assert (await text(seed=3)) == (await text(seed=3)) != (await text(seed=4))
+            assert (await text())[0] != (await text())[0]  # the engine's default: sampled
+            stop_whole = " " + greedy.split(" ")[4]
+            want_whole = greedy[: greedy.find(stop_whole)]
+            assert await text(temperature=0, stop=stop_whole) == (want_whole, "stop")
+            stream = await oa.chat.completions.create(
+                model="sim",
+                messages=[{"role": "user", "content": "once upon a time"}],
+                max_tokens=16,
+                temperature=0,
+                stream=True,
+            )
+            chat = "".join([c.choices[0].delta.content or "" async for c in stream])
+            stop = " " + chat.split(" ")[3]
+            stream = await oa.chat.completions.create(
+                model="sim",
+                messages=[{"role": "user", "content": "once upon a time"}],
+                max_tokens=16,
+                temperature=0,
+                stop=[stop],
+                stream=True,
+            )
+            chunks = [c async for c in stream]
+            assert (
+                "".join(c.choices[0].delta.content or "" for c in chunks) == chat[: chat.find(stop)]
+            )
+            assert chunks[-1].choices[0].finish_reason == "stop"
+        finally:
+            await oa.close()
+    # A batch's lines carry theirs too.
+    line = {
+        "custom_id": "a",
+        "url": "/v1/completions",
+        "body": {"model": "sim", "prompt": "once upon a time", "max_tokens": 16,
+                 "temperature": 0, "stop": stop_whole},
+    }  # fmt: skip
+    async with Client(nats_url) as c:
+        b = Batches(c)
+        record = await b.create((await b.upload(json.dumps(line).encode(), "in.jsonl")).id)
+        await b.submit(record.id)
+        record = await b.wait(record.id, every_s=0.2, timeout_s=60)
+        assert record.status == "completed" and record.output_file_id, record
+        out = json.loads(await b.content(record.output_file_id))
+    choice = out["response"]["body"]["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == (want_whole, "stop")
 
 
 async def test_an_engine_killed_mid_generation_costs_an_attempt_not_the_request(

@@ -250,3 +250,26 @@ def test_text_fallback_is_chained_and_distinct_from_tokens() -> None:
     assert estimate_text_tokens(text) == -(-len(text) // 4)
     assert prompt_hashes(None, text) == hs
     assert prompt_hashes([120] * 48, None) != hs
+
+
+def test_sampling_travels_only_when_set_so_an_older_reader_takes_the_request() -> None:
+    from pydantic import ConfigDict
+
+    from sluice.schemas.models import Sampling
+
+    class OlderSubmitRequest(SubmitRequest):  # the wire before sampling, which it forbids
+        model_config = ConfigDict(frozen=True, extra="forbid")
+        sampling: None = None  # type: ignore[assignment]
+
+    plain = SubmitRequest(request_id="r", model="m", prompt_text="hi", submitted_unix_ms=1)
+    assert "sampling" not in msgpack.unpackb(encode(plain))
+    assert decode(encode(plain), OlderSubmitRequest).request_id == "r"
+    sampled = plain.model_copy(update={"sampling": Sampling(temperature=0.0, stop=("\n",))})
+    # Only the fields set travel: an engine keeps its own defaults for the rest.
+    assert msgpack.unpackb(encode(sampled))["sampling"] == {"temperature": 0.0, "stop": ["\n"]}
+    assert decode(encode(sampled), SubmitRequest) == sampled
+    for bad in ({"temperature": -1}, {"top_p": 0}, {"stop": [""]}, {"seed": 2**63},
+                {"temperature": float("nan")}, {"stop": ["a"] * 17}, {"guess": 1}):  # fmt: skip
+        with pytest.raises(DecodeError):
+            decode(msgpack.packb({**msgpack.unpackb(encode(plain)), "sampling": bad}),
+                   SubmitRequest)  # fmt: skip

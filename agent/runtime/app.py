@@ -357,7 +357,9 @@ class Agent:
         error: str | None = None
         try:
             prompt = ids if ids is not None else req.prompt_text
-            self.engine.add(rid, n_prompt, req.max_tokens, hashes, time.monotonic(), prompt)
+            self.engine.add(
+                rid, n_prompt, req.max_tokens, hashes, time.monotonic(), prompt, req.sampling
+            )
             self._wake.set()
         except EngineError as exc:
             error = str(exc)

@@ -59,6 +59,7 @@ from sluice.agent.kvevents import (
 )
 from sluice.agent.runtime.scrape import EngineMetricsError, ScrapedLoad, parse_load
 from sluice.common.errors import INTERNAL_ERRORS, internal_error
+from sluice.schemas.models import Sampling
 from sluice.schemas.tokens import token_list
 
 log = logging.getLogger(__name__)
@@ -468,6 +469,7 @@ class HttpEngine:
         hashes: Sequence[int],
         now_s: float,
         prompt: str | Sequence[int] | None = None,
+        sampling: Sampling | None = None,
     ) -> None:
         if prompt is None:
             raise EngineError("an HTTP engine needs the prompt's text or token ids")
@@ -486,6 +488,8 @@ class HttpEngine:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        if sampling is not None:
+            body.update(sampling.engine_fields())
         run.task = asyncio.create_task(self._stream(request_id, body), name=f"http-{request_id}")
         self._record(prompt_tokens, hashes)
 
