@@ -643,6 +643,10 @@ def gateway(
     tokenizer: Annotated[
         str | None, typer.Option(help="A local tokenizer.json: prompts as the engine's ids.")
     ] = None,
+    chat_template: Annotated[
+        str | None,
+        typer.Option(help="The model's chat template: tokenizer_config.json or a .jinja file."),
+    ] = None,
 ) -> None:
     """Run the OpenAI-compatible gateway: /v1/chat/completions, /v1/completions, /v1/models
     over the fleet (settings: SLUICE_GATEWAY_*, table gateway; docs/gateway.md)."""
@@ -651,7 +655,12 @@ def gateway(
 
     overrides = {
         k: v
-        for k, v in {"host": host, "port": port, "tokenizer": tokenizer}.items()
+        for k, v in {
+            "host": host,
+            "port": port,
+            "tokenizer": tokenizer,
+            "chat_template": chat_template,
+        }.items()
         if v is not None
     }
     try:
@@ -1115,6 +1124,10 @@ def engine(
             min=1,
         ),
     ] = None,
+    chat_template: Annotated[
+        str | None,
+        typer.Option(help="The model's chat template: tokenizer_config.json or a .jinja file."),
+    ] = None,
 ) -> None:
     """Run the simulated engine as a server speaking vLLM's and SGLang's HTTP protocols
     (OpenAI completions and chat, /generate, /metrics, ...; docs/engines.md)."""
@@ -1145,6 +1158,7 @@ def engine(
             tokenizer=tokenizer,
             kv_page_tokens=kv_page_tokens,
             announce=lambda: err.print(banner, markup=False),
+            chat_template=chat_template,
         )
     except ConfigError as exc:
         raise fail(str(exc)) from exc

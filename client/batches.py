@@ -259,7 +259,7 @@ class Batches:
         existing = await self._get(bid)
         if existing is not None:
             return existing[0]
-        lines, errors = parse_lines(data, bid)
+        lines, errors = parse_lines(data, bid, self.client.render_chat)
         now = _now()
         try:
             record = BatchRecord(
@@ -311,7 +311,9 @@ class Batches:
         key = (record.input_file_id, record.id)
         parsed = self._parsed.get(key)
         if parsed is None:
-            parsed = parse_lines(await self.content(record.input_file_id), record.id)
+            parsed = parse_lines(
+                await self.content(record.input_file_id), record.id, self.client.render_chat
+            )
             self._parsed[key] = parsed
             if len(self._parsed) > _PARSED_KEPT:
                 self._parsed.popitem(last=False)

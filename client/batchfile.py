@@ -91,8 +91,11 @@ def parse_window(text: str) -> float:
     return float(m.group(1)) * _UNIT_S[m.group(2)]
 
 
-def parse_lines(data: bytes, batch_id: str) -> tuple[list[BatchLine], list[LineError]]:
-    """The valid lines and the error lines of an input file."""
+def parse_lines(
+    data: bytes, batch_id: str, render: Callable[[Any], str] = render_chat
+) -> tuple[list[BatchLine], list[LineError]]:
+    """The valid lines and the error lines of an input file; ``render`` renders a chat line's
+    messages (the model's chat template, or Sluice's neutral one)."""
     good: list[BatchLine] = []
     bad: list[LineError] = []
     seen: set[str] = set()
@@ -115,7 +118,7 @@ def parse_lines(data: bytes, batch_id: str) -> tuple[list[BatchLine], list[LineE
             custom_id = cid
             if cid in seen:
                 raise _Bad(f"custom_id {cid!r} repeats an earlier line", "duplicate_custom_id")
-            line = _line(n, cid, obj, batch_id)
+            line = _line(n, cid, obj, batch_id, render)
             seen.add(cid)
             good.append(line)
         except _Bad as exc:
@@ -123,7 +126,9 @@ def parse_lines(data: bytes, batch_id: str) -> tuple[list[BatchLine], list[LineE
     return good, bad
 
 
-def _line(n: int, cid: str, obj: Mapping[str, Any], batch_id: str) -> BatchLine:
+def _line(
+    n: int, cid: str, obj: Mapping[str, Any], batch_id: str, render: Callable[[Any], str]
+) -> BatchLine:
     if "url" in obj or "body" in obj or "method" in obj:
         if obj.get("method", "POST") != "POST":
             raise _Bad("method must be POST")
@@ -139,7 +144,7 @@ def _line(n: int, cid: str, obj: Mapping[str, Any], batch_id: str) -> BatchLine:
         sampling = _sampling(lambda: openai_sampling(body))
         if kind == "chat":
             try:
-                prompt: str | list[int] = render_chat(body.get("messages"))
+                prompt: str | list[int] = render(body.get("messages"))
             except ChatError as exc:
                 raise _Bad(str(exc)) from exc
         else:

@@ -38,6 +38,8 @@ from sluice.client.settings import (
 )
 from sluice.client.subscriptions import DEFAULT_ACK_WAIT_S, ResultSubscription
 from sluice.common.aio import stop_if_cancelled, wait_at_most
+from sluice.common.chat import render_chat
+from sluice.common.chattemplate import ChatTemplate
 from sluice.common.tokenizer import PromptTokenizer
 from sluice.common.transport import BrokerAuth, TransportError, connect
 from sluice.schemas import names
@@ -320,6 +322,7 @@ class Client:
         queue_full_retry_after_s: float = 1.0,
         tokenizer: PromptTokenizer | None = None,
         auth: BrokerAuth | None = None,
+        chat_template: ChatTemplate | None = None,
     ) -> None:
         self.nats_url = nats_url
         self.auth = auth
@@ -328,6 +331,9 @@ class Client:
         self.tokenizer = tokenizer
         """Turns text prompts into token ids before they are sent
         (:mod:`sluice.common.tokenizer`)."""
+        self.chat_template = chat_template
+        """Renders chats (:meth:`render_chat`) as the model reads them; None: Sluice's neutral
+        template (:func:`sluice.common.chat.render_chat`)."""
         self.tenant = tenant
         self.band = band
         self.publish_timeout_s = publish_timeout_s
@@ -355,7 +361,19 @@ class Client:
                 if settings.tokenizer is None
                 else PromptTokenizer.from_file(settings.tokenizer)
             ),
+            chat_template=(
+                None
+                if settings.chat_template is None
+                else ChatTemplate.from_file(settings.chat_template)
+            ),
         )
+
+    def render_chat(self, messages: Any) -> str:
+        """The prompt of an OpenAI ``messages`` list: rendered with :attr:`chat_template`, or
+        Sluice's neutral template. Raises :class:`~sluice.common.chat.ChatError`."""
+        if self.chat_template is not None:
+            return self.chat_template.render(messages)
+        return render_chat(messages)
 
     async def connect(self) -> Client:
         if self._nc is None:

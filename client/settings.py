@@ -43,6 +43,11 @@ class ClientSettings(BrokerSettings):
         default=None,
         description="A local tokenizer.json: text prompts are sent as the engine's token ids.",
     )
+    chat_template: str | None = Field(
+        default=None,
+        description="The model's chat template, for a batch's chat lines: its "
+        "tokenizer_config.json, or a .jinja file (none: Sluice's neutral template).",
+    )
     queue_full_retry_after_s: float = Field(
         default=1.0, ge=0, description="Retry-after hint when a queue is full and none is known."
     )

@@ -30,7 +30,9 @@ class ChatError(CommonError, ValueError):
         self.param = param
 
 
-def _content(i: int, content: Any) -> str:
+def message_text(i: int, content: Any) -> str:
+    """The text of message ``i``'s ``content``: a string, or its text parts joined;
+    :class:`ChatError` for anything else."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -56,5 +58,5 @@ def render_chat(messages: Any) -> str:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"]:
             raise ChatError(f"messages[{i}] needs a role")
-        parts.append(f"<|{m['role']}|>\n{_content(i, m.get('content'))}\n")
+        parts.append(f"<|{m['role']}|>\n{message_text(i, m.get('content'))}\n")
     return "".join(parts) + ASSISTANT_CUE

@@ -28,6 +28,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sluice.client import Client, RequestHandle, SluiceError
 from sluice.common.aio import finish_tasks, wait_event
+from sluice.common.chattemplate import ChatTemplate
 from sluice.common.errors import internal_error
 from sluice.common.tokenizer import PromptTokenizer
 from sluice.gateway import metrics
@@ -74,12 +75,16 @@ class Gateway:
             tokenizer = None
             if settings.tokenizer is not None:
                 tokenizer = PromptTokenizer.from_file(settings.tokenizer)
+            template = None
+            if settings.chat_template is not None:
+                template = ChatTemplate.from_file(settings.chat_template)
             client = Client(
                 settings.nats_url,
                 tenant=settings.open_tenant,
                 band=settings.default_band,
                 tokenizer=tokenizer,
                 auth=settings.broker_auth(),
+                chat_template=template,
             )
         self.client = client
         self.catalog = Catalog(client, settings.models_ttl_s)
@@ -211,7 +216,10 @@ class _Completions:
         deadline = asyncio.get_running_loop().time() + s.request_timeout_s
         principal = gw.authenticate(request)
         body = parse_json(await read_body(request, s.max_body_bytes))
-        job = (chat_job if kind == "chat" else completion_job)(body, s.default_max_tokens)
+        if kind == "chat":
+            job = chat_job(body, s.default_max_tokens, gw.client.render_chat)
+        else:
+            job = completion_job(body, s.default_max_tokens)
         asked = request.headers.get(PRIORITY_HEADER)
         band = principal.band(asked)
         if asked is not None:

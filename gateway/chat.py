@@ -16,7 +16,7 @@ guided decoding) are refused with a 400 rather than ignored; fields the gateway 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,11 +119,16 @@ def _common(body: Mapping[str, Any], kind: Kind, default_max_tokens: int) -> dic
     }
 
 
-def chat_job(body: Mapping[str, Any], default_max_tokens: int) -> Job:
-    """The job of a ``/v1/chat/completions`` body."""
+def chat_job(
+    body: Mapping[str, Any],
+    default_max_tokens: int,
+    render: Callable[[Any], str] = render_chat,
+) -> Job:
+    """The job of a ``/v1/chat/completions`` body, its messages rendered by ``render`` (the
+    model's chat template, or Sluice's neutral one)."""
     fields = _common(body, "chat", default_max_tokens)
     try:
-        prompt = render_chat(body.get("messages"))
+        prompt = render(body.get("messages"))
     except ChatError as exc:
         raise BadRequest(str(exc), param=exc.param) from exc
     return Job(prompt=prompt, **fields)

@@ -104,6 +104,11 @@ class GatewaySettings(BrokerSettings):
         default=None,
         description="A local tokenizer.json: prompts are sent as the engine's token ids.",
     )
+    chat_template: str | None = Field(
+        default=None,
+        description="The model's chat template: its tokenizer_config.json, or a .jinja file "
+        "(none: Sluice's neutral template).",
+    )
     default_max_tokens: int = Field(
         default=DEFAULT_MAX_TOKENS,
         ge=1,

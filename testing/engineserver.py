@@ -67,6 +67,7 @@ from sluice.agent.engine import EngineError, Failed, Finished, TokensOut
 from sluice.agent.errors import KVEventError
 from sluice.agent.kvevents import REPLAY_END, decode_seq, encode_seq, replay_endpoint
 from sluice.common.chat import ChatError, render_chat
+from sluice.common.chattemplate import ChatTemplate
 from sluice.common.errors import ConfigError, internal_error
 from sluice.common.tokenizer import PromptTokenizer
 from sluice.schemas.hashing import block_hashes, estimate_text_tokens, text_block_hashes
@@ -271,6 +272,7 @@ class SimServer:
         kv_events: KVEventPublisher | None = None,
         tokenizer: PromptTokenizer | None = None,
         kv_page_tokens: int | None = None,
+        chat_template: ChatTemplate | None = None,
     ) -> None:
         if speed <= 0:
             raise ValueError("speed must be > 0")
@@ -281,6 +283,10 @@ class SimServer:
         ``--page-size``, 1 by default), a chain of pages an event; None: vLLM's, a hash per
         block."""
         self.tokenizer = tokenizer
+        self.render_chat: Callable[[Any], str] = (
+            render_chat if chat_template is None else chat_template.render
+        )
+        """How a chat becomes its prompt: the model's template, or Sluice's neutral one."""
         self.kv_events = kv_events
         self._pending_events: list[Any] = []
         # Per prompt block hash: the hash before it and its token ids (for BlockStored).
@@ -824,7 +830,7 @@ class _OpenAI:
     async def chat(self, request: Request) -> Response:
         body = await _json(request)
         try:
-            text = render_chat(body.get("messages"))
+            text = self.server.render_chat(body.get("messages"))
         except ChatError as exc:
             raise BadRequest(str(exc), exc.param) from exc
         prompt = self.server.prompt(text, "messages")
@@ -1087,12 +1093,15 @@ def serve(
     tokenizer: str | None = None,
     kv_page_tokens: int | None = None,
     announce: Callable[[], object] | None = None,
+    chat_template: str | None = None,
 ) -> None:
     """Run the server until interrupted (on ``host:port``, or on the Unix socket ``uds``);
     ``kv_events``: publish vLLM-format KV events on this ZMQ endpoint (replay beside it), or
     with ``kv_page_tokens`` SGLang's, a hash per page of that many tokens; ``tokenizer``: a
     ``tokenizer.json`` for text prompts (a bad file or page size is a ``ConfigError``);
-    ``announce`` is called once the server is bound and set up, before it serves."""
+    ``chat_template``: the model's (a ``tokenizer_config.json`` or a ``.jinja`` file) for
+    chats, as vLLM's ``--chat-template``; ``announce`` is called once the server is bound
+    and set up, before it serves."""
     import uvicorn
 
     if (port is None) == (uds is None):
@@ -1103,6 +1112,7 @@ def serve(
         raise ConfigError(str(exc)) from None
     if kv_page_tokens is not None and kv_events is None:
         raise ConfigError("a KV page size shapes the KV events: give an endpoint for them")
+    template = None if chat_template is None else ChatTemplate.from_file(chat_template)
     # Bound here, before anything starts: uvicorn logged a busy port or an unknown host and
     # exited with its own code (3), and a socket in a missing folder was a traceback.
     if port is not None:
@@ -1125,6 +1135,7 @@ def serve(
             kv_events=_publisher(kv_events),
             tokenizer=None if tokenizer is None else PromptTokenizer.from_file(tokenizer),
             kv_page_tokens=kv_page_tokens,
+            chat_template=template,
         )
         bound.pop_all()
     app = build_app(server)

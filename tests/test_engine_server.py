@@ -21,6 +21,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from sluice.common.chat import render_chat
 from sluice.schemas.hashing import DEFAULT_BLOCK_TOKENS
 
 
@@ -872,3 +873,38 @@ def test_what_the_simulated_engine_cannot_produce_is_a_400(engine: httpx.Client)
         )
         assert response.status_code == 400, (field, value)
         assert response.json()["error"]["param"] == field
+
+
+def test_a_chat_template_renders_chats_as_vllms_chat_template_flag_does(tmp_path: Path) -> None:
+    """``--chat-template``: a chat is the completion of its rendering by the model's template
+    (greedy: the same output, the same prompt tokens), not of Sluice's neutral one."""
+    from sluice.common.chattemplate import ChatTemplate
+
+    template = tmp_path / "chatml.jinja"
+    template.write_text(
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+        "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
+        "{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    messages = [{"role": "user", "content": "tell me a story"}]
+    rendered = ChatTemplate.from_file(template).render(messages)
+    port = _free_port()
+    proc = _start(["--port", str(port), "--model", "sim-8b", "--chat-template", str(template)])
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+            _wait_healthy(client, proc)
+            body = {"model": "sim-8b", "max_tokens": 8, "temperature": 0}
+            chat = client.post("/v1/chat/completions", json={**body, "messages": messages})
+            plain = client.post("/v1/completions", json={**body, "prompt": rendered})
+            neutral = client.post("/v1/completions", json={**body, "prompt": render_chat(messages)})
+    finally:
+        _stop(proc)
+    said = chat.json()["choices"][0]["message"]["content"]
+    assert said == plain.json()["choices"][0]["text"] != neutral.json()["choices"][0]["text"]
+    assert chat.json()["usage"]["prompt_tokens"] == plain.json()["usage"]["prompt_tokens"]
+    bad = subprocess.run(
+        [sys.executable, "-m", "sluice.cli", "engine", "--port", str(port), "--chat-template",
+         str(tmp_path / "missing.json")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert bad.returncode != 0 and "cannot read the chat template" in _said(bad.stderr)

@@ -7,8 +7,10 @@ Each test names in its docstring the edit that makes it fail."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import itertools
+import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -22,7 +24,7 @@ from openai import AsyncOpenAI
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from sluice.client import Client, RejectReason, Result
+from sluice.client import Batches, Client, ClientSettings, RejectReason, Result
 from sluice.common.chat import render_chat
 from sluice.common.tokenizer import PromptTokenizer
 from sluice.gateway import ApiKey, GatewayServer, GatewaySettings
@@ -613,3 +615,76 @@ async def test_a_body_that_stops_coming_is_a_408_within_body_timeout(nats_url: s
             assert head.startswith(b"HTTP/1.1 408"), head
         finally:
             writer.close()
+
+
+async def test_a_chat_is_rendered_with_the_models_template(nats_url: str, tmp_path: Path) -> None:
+    """``chat_template`` (a tokenizer_config.json): the request the gateway queues carries the
+    chat as the model's template renders it, its leading BOS left to the engine. No worker
+    runs it, so it waits in its band's stream to be read. Mutation: the gateway's client
+    built without the template (the neutral ``<|user|>`` rendering goes out)."""
+    from sluice.schemas import names
+    from sluice.schemas.codec import decode
+    from sluice.schemas.models import SubmitRequest
+
+    config = tmp_path / "tokenizer_config.json"
+    template = (
+        "{{ bos_token }}{% for m in messages %}"
+        "{% if m['role'] == 'tool' %}{{ raise_exception('no tool turns') }}{% endif %}"
+        "{{ '<|im_start|>' + m['role'] + '\\n' + "
+        "m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    config.write_text(json.dumps({"bos_token": "<s>", "chat_template": template}))
+    kw = cluster_kwargs(workers=0)
+    async with (
+        LocalCluster(nats_url, **kw),
+        Client(nats_url) as c,
+        serving(nats_url, chat_template=str(config)) as (_, oa),
+    ):
+        asking = asyncio.create_task(
+            oa.chat.completions.create(
+                model="sim", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+            )
+        )
+        js = c.nc.jetstream()
+        band = GatewaySettings.model_fields["default_band"].default
+        stream, subject = names.request_stream(band), names.request_subject(band, "sim", "default")
+
+        async def queued() -> bool:
+            if asking.done():
+                asking.result()  # (its error: the gateway refused the chat)
+            try:
+                await js.get_last_msg(stream, subject)
+            except Exception:  # not there yet
+                return False
+            return True
+
+        try:
+            await eventually(queued)
+            msg = await js.get_last_msg(stream, subject)
+        finally:
+            asking.cancel()
+            with contextlib.suppress(asyncio.CancelledError, openai.APIError):
+                await asking
+        sent = decode(msg.data, SubmitRequest)
+        assert sent.prompt_text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+        # A batch's chat line, through a client with the template (ClientSettings'
+        # chat_template, as `sluice batch` reads it), goes out rendered alike.
+        settings = ClientSettings(nats_url=nats_url, chat_template=str(config))
+        async with Client.from_settings(settings) as bc:
+            b = Batches(bc)
+            line = {
+                "custom_id": "a",
+                "url": "/v1/chat/completions",
+                "body": {"model": "sim", "messages": [{"role": "user", "content": "hi"}]},
+            }
+            refused = {**line, "custom_id": "b", "body": {"model": "sim", "messages": [
+                {"role": "tool", "content": "x"}]}}  # fmt: skip
+            data = b"\n".join(json.dumps(x).encode() for x in (line, refused))
+            record = await b.create((await b.upload(data, "in.jsonl")).id)
+            # Counted as the template renders them: the refused line is invalid at once.
+            assert (record.counts.total, record.counts.invalid) == (1, 1)
+            await b.submit(record.id)
+        subject = names.request_subject("batch", "sim", "default")
+        msg = await js.get_last_msg(names.request_stream("batch"), subject)
+        assert decode(msg.data, SubmitRequest).prompt_text == sent.prompt_text
