@@ -18,7 +18,9 @@ from pydantic import (
     PlainValidator,
     SerializationInfo,
     SerializerFunctionWrapHandler,
+    Strict,
     WithJsonSchema,
+    field_validator,
     model_serializer,
     model_validator,
 )
@@ -91,29 +93,51 @@ MAX_STOP_CHARS: Final = 256
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
+Number = Annotated[float, Strict()]
+"""A number as JSON gives it (an int or a float; not a bool, not a string of digits)."""
+WholeNumber = Annotated[int, Strict()]
+
+
 class Sampling(BaseModel):
     """How the engine samples a request's output (``SubmitRequest.sampling``): the OpenAI
-    completions fields and the common extensions vLLM and SGLang both take, by their names
-    there. An unset field is not sent, so the engine's own default applies. The dispatcher
-    never reads them; the agent passes them to its engine as they are."""
+    completions fields and the extensions vLLM's and SGLang's completions endpoints both take,
+    by their names there, in ranges both accept. An unset field is not sent, so the engine's
+    own default applies. The dispatcher never reads them; the agent passes them to its engine
+    as they are (:meth:`engine_fields`)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
-    temperature: float | None = Field(default=None, ge=0)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=-1)
-    """-1 (or 0 on vLLM): every token."""
-    min_p: float | None = Field(default=None, ge=0, le=1)
-    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
-    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
-    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(default=None, gt=0, le=10)
+    temperature: Number | None = Field(default=None, ge=0)
+    top_p: Number | None = Field(default=None, gt=0, le=1)
+    top_k: WholeNumber | None = Field(default=None, ge=-1)
+    """-1 or 0: every token (sent as -1, which SGLang takes too)."""
+    min_p: Number | None = Field(default=None, ge=0, le=1)
+    seed: WholeNumber | None = Field(default=None, ge=-(2**63), lt=2**63)
+    frequency_penalty: Number | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: Number | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: Number | None = Field(default=None, gt=0, le=2)
+    """SGLang's range (vLLM takes any above 0)."""
     stop: tuple[StopString, ...] = Field(default=(), max_length=MAX_STOP_SEQUENCES)
-    """The output ends before the first of these strings (which it does not include)."""
-    stop_token_ids: tuple[Annotated[int, Field(ge=0, lt=2**32)], ...] = Field(
+    """The output ends before the first of these strings (which it does not include). One
+    string is taken as a list of one, as OpenAI's API takes it."""
+    stop_token_ids: tuple[Annotated[int, Strict(), Field(ge=0, lt=2**32)], ...] = Field(
         default=(), max_length=MAX_STOP_SEQUENCES
     )
     """The output ends at the first of these tokens."""
+    min_tokens: WholeNumber | None = Field(default=None, ge=0, le=MAX_OUTPUT_TOKENS)
+    """Stop strings, stop tokens and end-of-sequence are not taken before this many tokens."""
+    ignore_eos: Annotated[bool, Strict()] | None = None
+    """Go on past the end-of-sequence token, to ``max_tokens`` (what load tests ask for)."""
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("top_k")
+    @classmethod
+    def _every_token(cls, value: int | None) -> int | None:
+        return -1 if value == 0 else value
 
     @model_serializer(mode="wrap")
     def _set_only(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -124,6 +148,10 @@ class Sampling(BaseModel):
     def engine_fields(self) -> dict[str, Any]:
         """The fields an OpenAI-compatible engine takes in a completions body."""
         return {k: list(v) if isinstance(v, tuple) else v for k, v in self.model_dump().items()}
+
+    def __bool__(self) -> bool:
+        """Whether any field is set (an empty one asks for the engine's defaults)."""
+        return bool(self.model_dump())
 
 
 class SubmitRequest(_Wire):
@@ -147,7 +175,7 @@ class SubmitRequest(_Wire):
     submitted_unix_ms: int = Field(ge=0)
     deadline_unix_ms: int | None = Field(default=None, ge=0)
     session_id: Name | None = None
-    sampling: Sampling | None = Field(default=None, exclude_if=lambda v: v is None)
+    sampling: Sampling | None = Field(default=None, exclude_if=lambda v: not v)
     """How the engine samples the output (None: the engine's defaults). Not sent when None,
     so that a request without it is read by a release that predates it."""
 

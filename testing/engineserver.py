@@ -150,6 +150,10 @@ class Sample:
     key: str | None = None
     stop: tuple[str, ...] = ()
     stop_ids: frozenset[int] = frozenset()
+    min_tokens: int = 0
+    """Stops are not looked for before this many tokens (vLLM's ``min_tokens``)."""
+    include_stop: bool = False
+    """The stop string stays in the text (vLLM's ``include_stop_str_in_output``)."""
 
 
 @dataclass
@@ -166,6 +170,8 @@ class _Stream:
     """A stop string or token ended it (its finish reason is ``stop``)."""
     matched: str | int | None = None
     """The stop string or token id that ended it."""
+    stopped_at: int = 0
+    """Its tokens at the stop: what its finish counts, though the engine ran on meanwhile."""
     submitted_s: float = 0.0
     """``time.monotonic()`` when the request reached the engine."""
     ttft_s: float | None = None
@@ -484,6 +490,8 @@ class SimServer:
                 else:
                     if stream.sent < len(stream.text):  # held back for a stop string
                         yield stream.text[stream.sent :], None
+                    if stream.stopped:  # (it finished before its stop was seen)
+                        ev = dataclasses.replace(ev, output_tokens=stream.stopped_at)
                     self.requests_finished_total += 1
                     yield "", ev
                     return
@@ -496,15 +504,26 @@ class SimServer:
         """The text of ``tokens`` that may be streamed, and the finish when a stop string or
         token ended the request here (it is then finished early in the engine)."""
         sample = stream.sample
-        cut = next((i for i, t in enumerate(tokens) if t in sample.stop_ids), None)
+        before = stream.produced - len(tokens)  # (tokens made before these)
+        cut = next(
+            (
+                i
+                for i, t in enumerate(tokens)
+                if t in sample.stop_ids and before + i + 1 > sample.min_tokens
+            ),
+            None,
+        )
         start = len(stream.text)
         stream.text += self.engine.detokenize(tokens if cut is None else tokens[:cut])
         longest = max(map(len, sample.stop), default=1)
         after = max(0, start - longest + 1)  # a stop string may straddle two pieces
-        found = [i for i in (stream.text.find(x, after) for x in sample.stop) if i >= 0]
+        found: list[tuple[int, str]] = []
+        if stream.produced > sample.min_tokens:
+            found = [(i, x) for x in sample.stop if (i := stream.text.find(x, after)) >= 0]
         if found:
-            end = min(found)
-            stream.matched = next(x for x in sample.stop if stream.text.find(x, after) == end)
+            end, stream.matched = min(found)  # the earliest match (of two there, the first)
+            if sample.include_stop:
+                end += len(stream.matched)
         elif cut is not None:
             end = len(stream.text)
             stream.matched = tokens[cut]
@@ -515,13 +534,13 @@ class SimServer:
         piece, stream.sent = stream.text[stream.sent : end], end
         stream.text = stream.text[:end]
         stream.stopped = True
-        fin = self.engine.finish_early(rid)
-        if fin is None:  # it had finished in this very step: its finish is on the way
-            return piece, None
-        # Its output is what was streamed to the stop (the engine may be a step ahead of this
+        # Its output is what was streamed to the stop (the engine may be steps ahead of this
         # stream), without the tokens after a stop token, never generated in a real engine.
-        unmade = 0 if cut is None else len(tokens) - cut - 1
-        fin = dataclasses.replace(fin, output_tokens=stream.produced - unmade)
+        stream.stopped_at = stream.produced - (0 if cut is None else len(tokens) - cut - 1)
+        fin = self.engine.finish_early(rid)
+        if fin is None:  # it finished before this stream saw its stop: its finish is queued
+            return piece, None
+        fin = dataclasses.replace(fin, output_tokens=stream.stopped_at)
         self._observe_finish(stream, fin)
         return piece, fin
 
@@ -719,6 +738,8 @@ _SAMPLING: tuple[tuple[str, float, float, bool, str], ...] = (
     ("top_p", 0.0, 1.0, False, "in (0, 1]"),
     ("frequency_penalty", -2.0, 2.0, True, "in [-2, 2]"),
     ("presence_penalty", -2.0, 2.0, True, "in [-2, 2]"),
+    ("min_p", 0.0, 1.0, True, "in [0, 1]"),
+    ("repetition_penalty", 0.0, math.inf, False, "> 0"),
 )
 """Sampling parameters checked as vLLM checks them: (name, low, high, low allowed, rule).
 The simulated engine's text does not depend on them; out of range, vLLM answers 400, and so
@@ -736,6 +757,13 @@ def _sampling(body: Mapping[str, Any]) -> None:
         above = value >= low if closed else value > low
         if not (math.isfinite(value) and above and value <= high):
             raise BadRequest(f"{key} must be {rule}, not {body.get(key)!r}", key)
+    for key, least in (("top_k", -1), ("min_tokens", 0)):
+        try:
+            count = _INT.validate_python(body.get(key))
+        except ValidationError:
+            raise BadRequest(f"{key} must be an integer", key) from None
+        if count is not None and count < least:
+            raise BadRequest(f"{key} must be at least {least}, not {count}", key)
 
 
 _NOT_SIMULATED = ("logprobs", "top_logprobs", "echo", "prompt_logprobs")
@@ -769,7 +797,10 @@ def _sample(body: Mapping[str, Any], prompt: Prompt) -> Sample:
     temperature = body.get("temperature")  # (checked by _sampling)
     t = None if temperature is None else float(temperature)
     key = sample_key(prompt.token_ids, t, seed)
-    return Sample(key, tuple(stops or ()), frozenset(stop_ids or ()))
+    least = _INT.validate_python(body.get("min_tokens")) or 0  # (checked by _sampling)
+    include = _flag(body, "include_stop_str_in_output")
+    _flag(body, "ignore_eos")  # (its pseudo output has no end-of-sequence token)
+    return Sample(key, tuple(stops or ()), frozenset(stop_ids or ()), least, include)
 
 
 def sample_key(token_ids: Sequence[int], temperature: float | None, seed: int | None) -> str | None:

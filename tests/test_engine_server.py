@@ -4,6 +4,7 @@ Prometheus metrics)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import json
@@ -908,3 +909,44 @@ def test_a_chat_template_renders_chats_as_vllms_chat_template_flag_does(tmp_path
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert bad.returncode != 0 and "cannot read the chat template" in _said(bad.stderr)
+
+
+def test_min_tokens_and_include_stop_str_in_output_as_vllm_has_them(engine: httpx.Client) -> None:
+    full = _completion(engine, temperature=0)["choices"][0]["text"]
+    stop = " " + full.split(" ")[3]
+    cut = full.find(stop)
+    kept = _completion(engine, temperature=0, stop=stop, include_stop_str_in_output=True)
+    assert kept["choices"][0]["text"] == full[: cut + len(stop)]
+    # No stop before min_tokens: here never, so the whole output, finished by its length.
+    late = _completion(engine, temperature=0, stop=stop, min_tokens=24, ignore_eos=True)
+    assert (late["choices"][0]["text"], late["choices"][0]["finish_reason"]) == (full, "length")
+    for field, value in (("min_tokens", -1), ("top_k", -2), ("repetition_penalty", 0),
+                         ("min_p", 2), ("ignore_eos", "maybe")):  # fmt: skip
+        response = engine.post(
+            "/v1/completions", json={"model": "sim-8b", "prompt": "x", field: value}
+        )
+        assert response.status_code == 400, (field, value)
+
+
+async def test_a_stop_read_late_still_counts_the_tokens_to_the_stop() -> None:
+    """The engine steps on while its stream is read; a stream read after the request ran to
+    its end sees the stop in the tokens it reads, and the finish counts the tokens to the
+    stop, not all the engine made (as a real engine, which stops there)."""
+    from sluice.sim.profiles import get_profile
+    from sluice.testing.engineserver import SimServer, _sample
+
+    s = SimServer(get_profile("reference"), model="sim", speed=50.0)
+    await s.start()
+    try:
+        p = s.prompt("tell me a story", "prompt")
+        rid, stream = s.submit(p, 16, _sample({"temperature": 0}, p))
+        full, _ = await s.collect(rid, stream)
+        stop = " " + full.split(" ")[3]  # the third token's word
+        for late in (False, True):
+            rid, stream = s.submit(p, 16, _sample({"temperature": 0, "stop": stop}, p))
+            if late:
+                await asyncio.sleep(1.0)  # 16 tokens at x50 take well under a second
+            text, fin = await s.collect(rid, stream)
+            assert (text, fin.output_tokens) == (full[: full.find(stop)], 3), late
+    finally:
+        await s.stop()

@@ -142,26 +142,52 @@ def test_messages_that_cannot_be_rendered(messages: object) -> None:
         render_chat(messages)
 
 
+_CHAT = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
         ({"messages": [{"role": "user", "content": "x"}]}, "model"),
-        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
-        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": True}, "n"),
-        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "best_of": True}, None),
-        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": [""]}, "stop"),
-        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": 3}, "stop"),
-        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True}, None),
+        ({**_CHAT, "n": 2}, "n"),
+        ({**_CHAT, "n": True}, "n"),
+        ({**_CHAT, "best_of": True}, None),
+        ({**_CHAT, "stop": [""]}, "stop"),
+        ({**_CHAT, "stop": 3}, "stop"),
+        ({**_CHAT, "logprobs": True}, None),
         (
-            {"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"1": 2}},
+            {**_CHAT, "logit_bias": {"1": 2}},
             None,
         ),
-        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_p": 0}, "top_p"),
-        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": -1}, None),
-        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "seed": True}, "seed"),
-        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "seed": 2**64}, "seed"),
-        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, None),
-        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}, None),
+        ({**_CHAT, "top_p": 0}, "top_p"),
+        ({**_CHAT, "temperature": -1}, None),
+        ({**_CHAT, "seed": True}, "seed"),
+        ({**_CHAT, "seed": 2**64}, "seed"),
+        ({**_CHAT, "top_p": "0.5"}, "top_p"),
+        ({**_CHAT, "ignore_eos": 1}, None),
+        (
+            {**_CHAT, "repetition_penalty": 3},
+            None,
+        ),
+        (
+            {
+                "model": "m",
+                "messages": [{"role": "user", "content": "x"}],
+                "stop_token_ids": [True],
+            },
+            None,
+        ),
+        (
+            {
+                "model": "m",
+                "messages": [{"role": "user", "content": "x"}],
+                "include_stop_str_in_output": True,
+            },
+            None,
+        ),
+        ({**_CHAT, "regex": "a+"}, "regex"),
+        ({**_CHAT, "max_tokens": 0}, None),
+        ({**_CHAT, "stream": "yes"}, None),
         ({"model": "m", "messages": "x"}, "messages"),
     ],
 )
@@ -257,5 +283,24 @@ def test_the_client_takes_sampling_as_a_mapping_and_names_a_bad_field() -> None:
     with pytest.raises(InvalidRequest) as info:
         c._build("m", "hi", 8, None, None, None, None, None, {"top_p": 2})
     assert info.value.param == "top_p" and "top_p" in str(info.value)
+    # One stop string, as OpenAI's API takes it; a Sampling with nothing set is none.
+    one = c._build("m", "hi", 8, None, None, None, None, None, {"stop": "END"})
+    assert one.sampling == Sampling(stop=("END",))
+    assert c._build("m", "hi", 8, None, None, None, None, None, Sampling()).sampling is None
+    with pytest.raises(InvalidRequest):
+        c._build("m", "hi", 8, None, None, None, None, None, {"temperature": True})
     with pytest.raises(InvalidRequest):
         c._build("m", "hi", 8, None, None, None, None, None, ["temperature"])  # type: ignore[arg-type]
+
+
+def test_logprobs_zero_is_asked_for_and_false_or_empty_fields_are_not() -> None:
+    with pytest.raises(BadRequest) as info:  # a completion's chosen tokens' own logprobs
+        completion_job({"model": "m", "prompt": "hi", "logprobs": 0}, 16)
+    assert info.value.param == "logprobs"
+    quiet = {"logprobs": False, "echo": False, "tools": [], "logit_bias": {}, "suffix": ""}
+    assert completion_job({"model": "m", "prompt": "hi", **quiet}, 16).sampling is None
+    job = completion_job(
+        {"model": "m", "prompt": "hi", "top_k": 0, "min_tokens": 3, "ignore_eos": True}, 16
+    )
+    assert job.sampling is not None  # top_k 0 goes as -1, which SGLang takes too
+    assert job.sampling.engine_fields() == {"top_k": -1, "min_tokens": 3, "ignore_eos": True}

@@ -131,6 +131,16 @@ async def test_sampling_fields_reach_the_engine_through_the_gateway(
             stop_whole = " " + greedy.split(" ")[4]
             want_whole = greedy[: greedy.find(stop_whole)]
             assert await text(temperature=0, stop=stop_whole) == (want_whole, "stop")
+            # The engine's count and finish, though the text held back for a stop string came
+            # in no piece of its own: a stop that never matched ends by the length, 16 tokens;
+            # one that matched counts the tokens to it, the one that carried it included.
+            for stop, count, reason in ((" no-such-word", 16, "length"), (stop_whole, 4, "stop")):
+                r = await oa.completions.create(
+                    model="sim", prompt="once upon a time", max_tokens=16, temperature=0,
+                    stop=stop,
+                )  # fmt: skip
+                assert r.usage is not None and r.usage.completion_tokens == count, stop
+                assert r.choices[0].finish_reason == reason, stop
             stream = await oa.chat.completions.create(
                 model="sim",
                 messages=[{"role": "user", "content": "once upon a time"}],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import pickle
 import struct
+from typing import Any
 
 import msgpack
 import pytest
@@ -253,17 +254,28 @@ def test_text_fallback_is_chained_and_distinct_from_tokens() -> None:
 
 
 def test_sampling_travels_only_when_set_so_an_older_reader_takes_the_request() -> None:
-    from pydantic import ConfigDict
+    from pydantic import create_model
 
     from sluice.schemas.models import Sampling
 
-    class OlderSubmitRequest(SubmitRequest):  # the wire before sampling, which it forbids
-        model_config = ConfigDict(frozen=True, extra="forbid")
-        sampling: None = None  # type: ignore[assignment]
-
+    # The wire before sampling: the same fields but that one, any other forbidden.
+    fields: dict[str, Any] = {
+        name: (info.annotation, info)
+        for name, info in SubmitRequest.model_fields.items()
+        if name != "sampling"
+    }
+    older = create_model("OlderSubmitRequest", __config__=SubmitRequest.model_config, **fields)
+    assert "sampling" not in older.model_fields
+    with pytest.raises(DecodeError):  # (it does forbid the field)
+        decode(msgpack.packb({**msgpack.unpackb(encode(SubmitRequest(
+            request_id="r", model="m", prompt_text="hi", submitted_unix_ms=1))),
+            "sampling": None}), older)  # fmt: skip
     plain = SubmitRequest(request_id="r", model="m", prompt_text="hi", submitted_unix_ms=1)
     assert "sampling" not in msgpack.unpackb(encode(plain))
-    assert decode(encode(plain), OlderSubmitRequest).request_id == "r"
+    assert decode(encode(plain), older).request_id == "r"
+    # Nothing set is no sampling: an older reader takes it too.
+    empty = plain.model_copy(update={"sampling": Sampling()})
+    assert decode(encode(empty), older).request_id == "r"
     sampled = plain.model_copy(update={"sampling": Sampling(temperature=0.0, stop=("\n",))})
     # Only the fields set travel: an engine keeps its own defaults for the rest.
     assert msgpack.unpackb(encode(sampled))["sampling"] == {"temperature": 0.0, "stop": ["\n"]}

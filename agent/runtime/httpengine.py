@@ -699,6 +699,14 @@ class HttpEngine:
         output = _count(usage.get("completion_tokens"), "completion_tokens") or len(run.pieces)
         if output > run.max_pieces:
             raise EngineError(f"the engine counted {output} tokens, {run.max_pieces} asked for")
+        if output > len(run.pieces):
+            # Tokens whose text came in another token's piece (an engine streams several
+            # tokens at once under load) or never came (held back for a stop string that then
+            # matched, a special token): counted, with no text, so that the result has the
+            # engine's count and its finish reason follows (``length`` only at max_tokens).
+            gap, none_yet = output - len(run.pieces), not run.pieces
+            run.pieces.extend(itertools.islice(self._ids, gap))
+            self._emit(TokensOut(rid, gap, none_yet))
         # More cached than prompt tokens is no engine's count: at most the prompt was cached.
         cached_n = min(_count(cached, "cached_tokens"), prompt)
         now = time.monotonic()
