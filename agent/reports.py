@@ -123,9 +123,13 @@ def completion(
     )
 
 
-def failure(worker_id: str, request_id: str, attempt: int, error: str) -> Completion:
-    """The completion of a request the worker could not finish (the dispatcher retries it)."""
+def failure(
+    worker_id: str, request_id: str, attempt: int, error: str, *, refused: bool = False
+) -> Completion:
+    """The completion of a request the worker could not finish (the dispatcher retries it,
+    unless its engine ``refused`` it)."""
     return Completion(
+        refused=refused,
         request_id=request_id,
         worker_id=worker_id,
         attempt=attempt,
