@@ -50,6 +50,7 @@ from sluice.client.errors import (
     ServiceUnavailable,
 )
 from sluice.client.oaiformat import ENDPOINT_KINDS
+from sluice.common.chattemplate import ChatRender, ChatTemplate, chat_prompt
 from sluice.schemas import names
 from sluice.schemas.codec import decode, encode
 from sluice.schemas.errors import DecodeError
@@ -57,6 +58,7 @@ from sluice.schemas.models import (
     TERMINAL_BATCH_STATES,
     BatchCounts,
     BatchRecord,
+    ChatTemplateSpec,
     FileRecord,
     Rejection,
     RejectReason,
@@ -259,7 +261,8 @@ class Batches:
         existing = await self._get(bid)
         if existing is not None:
             return existing[0]
-        lines, errors = parse_lines(data, bid, self.client.render_chat)
+        template = self.client.chat_template
+        lines, errors = parse_lines(data, bid, self._render(template))
         now = _now()
         try:
             record = BatchRecord(
@@ -272,6 +275,7 @@ class Batches:
                 created_at=now,
                 expires_at=now + int(window_s),
                 counts=BatchCounts(total=len(lines), invalid=len(errors)),
+                chat_template=None if template is None else ChatTemplateSpec(**template.spec()),
                 metadata=metadata or {},
             )
         except ValidationError as exc:
@@ -311,8 +315,11 @@ class Batches:
         key = (record.input_file_id, record.id)
         parsed = self._parsed.get(key)
         if parsed is None:
+            # Rendered with the batch's own template, whichever process reads it.
+            spec = record.chat_template
+            template = None if spec is None else ChatTemplate.from_spec(spec.model_dump())
             parsed = parse_lines(
-                await self.content(record.input_file_id), record.id, self.client.render_chat
+                await self.content(record.input_file_id), record.id, self._render(template)
             )
             self._parsed[key] = parsed
             if len(self._parsed) > _PARSED_KEPT:
@@ -320,6 +327,10 @@ class Batches:
         else:
             self._parsed.move_to_end(key)
         return parsed
+
+    def _render(self, template: ChatTemplate | None) -> ChatRender:
+        tokenizer = self.client.tokenizer
+        return lambda messages, options: chat_prompt(messages, options, template, tokenizer)
 
     async def _get(self, batch_id: str) -> tuple[BatchRecord, int] | None:
         try:

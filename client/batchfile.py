@@ -34,7 +34,8 @@ from sluice.client.oaiformat import (
     rejection_error,
 )
 from sluice.client.sampling import openai_sampling, sampling_of
-from sluice.common.chat import ChatError, render_chat
+from sluice.common.chat import ChatError
+from sluice.common.chattemplate import ChatOptions, ChatRender, chat_prompt
 from sluice.schemas.models import Result, Sampling
 
 DEFAULT_MAX_TOKENS = 256
@@ -92,7 +93,7 @@ def parse_window(text: str) -> float:
 
 
 def parse_lines(
-    data: bytes, batch_id: str, render: Callable[[Any], str] = render_chat
+    data: bytes, batch_id: str, render: ChatRender = chat_prompt
 ) -> tuple[list[BatchLine], list[LineError]]:
     """The valid lines and the error lines of an input file; ``render`` renders a chat line's
     messages (the model's chat template, or Sluice's neutral one)."""
@@ -126,9 +127,7 @@ def parse_lines(
     return good, bad
 
 
-def _line(
-    n: int, cid: str, obj: Mapping[str, Any], batch_id: str, render: Callable[[Any], str]
-) -> BatchLine:
+def _line(n: int, cid: str, obj: Mapping[str, Any], batch_id: str, render: ChatRender) -> BatchLine:
     if "url" in obj or "body" in obj or "method" in obj:
         if obj.get("method", "POST") != "POST":
             raise _Bad("method must be POST")
@@ -144,7 +143,8 @@ def _line(
         sampling = _sampling(lambda: openai_sampling(body))
         if kind == "chat":
             try:
-                prompt: str | list[int] = render(body.get("messages"))
+                options = ChatOptions.from_body(body)
+                prompt: str | list[int] = render(body.get("messages"), options)
             except ChatError as exc:
                 raise _Bad(str(exc)) from exc
         else:

@@ -38,8 +38,7 @@ from sluice.client.settings import (
 )
 from sluice.client.subscriptions import DEFAULT_ACK_WAIT_S, ResultSubscription
 from sluice.common.aio import stop_if_cancelled, wait_at_most
-from sluice.common.chat import render_chat
-from sluice.common.chattemplate import ChatTemplate
+from sluice.common.chattemplate import ChatOptions, ChatTemplate, chat_prompt
 from sluice.common.tokenizer import PromptTokenizer
 from sluice.common.transport import BrokerAuth, TransportError, connect
 from sluice.schemas import names
@@ -332,8 +331,8 @@ class Client:
         """Turns text prompts into token ids before they are sent
         (:mod:`sluice.common.tokenizer`)."""
         self.chat_template = chat_template
-        """Renders chats (:meth:`render_chat`) as the model reads them; None: Sluice's neutral
-        template (:func:`sluice.common.chat.render_chat`)."""
+        """Renders chats (:meth:`chat_prompt`) as the model reads them; None: Sluice's
+        neutral template (:func:`sluice.common.chat.render_chat`)."""
         self.tenant = tenant
         self.band = band
         self.publish_timeout_s = publish_timeout_s
@@ -368,12 +367,11 @@ class Client:
             ),
         )
 
-    def render_chat(self, messages: Any) -> str:
-        """The prompt of an OpenAI ``messages`` list: rendered with :attr:`chat_template`, or
-        Sluice's neutral template. Raises :class:`~sluice.common.chat.ChatError`."""
-        if self.chat_template is not None:
-            return self.chat_template.render(messages)
-        return render_chat(messages)
+    def chat_prompt(self, messages: Any, options: ChatOptions | None = None) -> str | list[int]:
+        """The prompt of an OpenAI ``messages`` list: rendered with :attr:`chat_template` (as
+        token ids with :attr:`tokenizer`), or Sluice's neutral template. Raises
+        :class:`~sluice.common.chat.ChatError`."""
+        return chat_prompt(messages, options, self.chat_template, self.tokenizer)
 
     async def connect(self) -> Client:
         if self._nc is None:

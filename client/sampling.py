@@ -42,6 +42,8 @@ UNSUPPORTED: tuple[str, ...] = (
     "json_schema",
     "ebnf",
     "stop_regex",
+    "chat_template",
+    "documents",
 )
 """Body keys that change what the engine returns in ways a caller relies on, which Sluice
 does not relay: refused with a 400 when set (null, false or empty is no request; for

@@ -1,4 +1,5 @@
-"""The one chat template: an OpenAI ``messages`` list rendered into one prompt.
+"""Sluice's neutral chat template: an OpenAI ``messages`` list rendered into one prompt, where
+no model's own template is configured (:mod:`sluice.common.chattemplate`).
 
 ``sluice gateway`` (the producers' OpenAI face) and ``sluice engine`` (the simulated engine's
 server) both render chats with :func:`render_chat`, so a chat renders to the same text in

@@ -43,12 +43,17 @@ class PromptTokenizer:
         except Exception as exc:  # the library raises plain Exceptions for bad files
             raise ConfigError(f"tokenizer file {p} is not a tokenizer.json: {exc}") from exc
 
-    def encode(self, text: str) -> list[int]:
-        """The text's token ids; a text that is not valid Unicode (a lone surrogate, which a
-        JSON ``\\ud800`` escape gives) raises ``UnicodeEncodeError``, as encoding it would
-        (the library raised a ``TypeError``, a 500 where a 400 was due)."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The text's token ids, the tokenizer's special tokens added as a completion's prompt
+        gets them (``add_special_tokens=False``: as a rendered chat is tokenized); a text that
+        is not valid Unicode (a lone surrogate, which a JSON ``\\ud800`` escape gives) raises
+        ``UnicodeEncodeError``, as encoding it would (the library raised a ``TypeError``, a
+        500 where a 400 was due)."""
         try:
-            ids: list[int] = self._tok.encode(text).ids  # type: ignore[attr-defined]
+            encoded = self._tok.encode(  # type: ignore[attr-defined]
+                text, add_special_tokens=add_special_tokens
+            )
+            ids: list[int] = encoded.ids
         except TypeError:
             text.encode("utf-8")  # the reason, if it is one
             raise

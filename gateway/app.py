@@ -217,7 +217,7 @@ class _Completions:
         principal = gw.authenticate(request)
         body = parse_json(await read_body(request, s.max_body_bytes))
         if kind == "chat":
-            job = chat_job(body, s.default_max_tokens, gw.client.render_chat)
+            job = chat_job(body, s.default_max_tokens, gw.client.chat_prompt)
         else:
             job = completion_job(body, s.default_max_tokens)
         asked = request.headers.get(PRIORITY_HEADER)

@@ -1,9 +1,11 @@
 """The OpenAI request bodies the gateway reads: ``/v1/chat/completions`` and
 ``/v1/completions`` become one :class:`Job` (model, prompt, output bound, streaming).
 
-A chat's messages are rendered by the fleet's one template (:func:`sluice.common.chat.render_chat`,
-as ``sluice engine`` renders them), so every turn of a conversation starts with the text of the
-turn before it. A completion's prompt is a string or a list of token ids.
+A chat's messages are rendered by the model's own chat template when the gateway has one
+(:mod:`sluice.common.chattemplate`), else by Sluice's neutral template
+(:func:`sluice.common.chat.render_chat`, as ``sluice engine`` renders them), so every turn of a
+conversation starts with the text of the turn before it. A completion's prompt is a string or
+a list of token ids.
 
 Sluice relays a prompt, an output bound and the sampling fields
 (:func:`sluice.client.sampling.openai_sampling`: ``temperature``, ``top_p``, ``seed``, the
@@ -16,7 +18,7 @@ guided decoding) are refused with a 400 rather than ignored; fields the gateway 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +26,8 @@ from sluice.client import jsontext
 from sluice.client.errors import InvalidRequest
 from sluice.client.oaiformat import Kind
 from sluice.client.sampling import openai_sampling
-from sluice.common.chat import ChatError, render_chat
+from sluice.common.chat import ChatError
+from sluice.common.chattemplate import ChatOptions, ChatRender, chat_prompt
 from sluice.gateway.errors import BadRequest
 from sluice.schemas.models import MAX_OUTPUT_TOKENS, Sampling
 
@@ -120,15 +123,14 @@ def _common(body: Mapping[str, Any], kind: Kind, default_max_tokens: int) -> dic
 
 
 def chat_job(
-    body: Mapping[str, Any],
-    default_max_tokens: int,
-    render: Callable[[Any], str] = render_chat,
+    body: Mapping[str, Any], default_max_tokens: int, render: ChatRender = chat_prompt
 ) -> Job:
-    """The job of a ``/v1/chat/completions`` body, its messages rendered by ``render`` (the
-    model's chat template, or Sluice's neutral one)."""
+    """The job of a ``/v1/chat/completions`` body, its messages (and ``add_generation_prompt``,
+    ``continue_final_message``, ``chat_template_kwargs``) rendered by ``render``: the model's
+    chat template, or Sluice's neutral one."""
     fields = _common(body, "chat", default_max_tokens)
     try:
-        prompt = render(body.get("messages"))
+        prompt = render(body.get("messages"), ChatOptions.from_body(body))
     except ChatError as exc:
         raise BadRequest(str(exc), param=exc.param) from exc
     return Job(prompt=prompt, **fields)

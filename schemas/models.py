@@ -628,6 +628,16 @@ class BatchCounts(_Wire):
     invalid: int = Field(default=0, ge=0)
 
 
+class ChatTemplateSpec(BaseModel):
+    """A chat template as a batch keeps it (``BatchRecord.chat_template``): its Jinja source
+    and the special tokens it is rendered with."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    source: str = Field(min_length=1, max_length=256 * 1024)
+    special_tokens: dict[str, str | list[str]] = Field(default_factory=dict)
+
+
 class BatchRecord(_Wire):
     """One offline batch: what it runs, where it stands, and where its files are. Times are
     Unix seconds (OpenAI's batch object counts in seconds)."""
@@ -662,6 +672,10 @@ class BatchRecord(_Wire):
     ``max_payload``), by request id: their error. They fail in the error file; at most
     ``MAX_REFUSED_LINES`` (``sluice.client.batches``), past which the batch fails."""
     metadata: dict[str, str] = Field(default_factory=dict)
+    chat_template: ChatTemplateSpec | None = Field(default=None, exclude_if=lambda v: v is None)
+    """The chat template its chat lines are rendered with (None: Sluice's neutral one): the
+    creator's, kept here so that any process that reads the batch renders them alike. Not
+    sent when None, so that a release before it reads the others."""
 
 
 class FileRecord(_Wire):

@@ -66,8 +66,8 @@ from starlette.routing import Route
 from sluice.agent.engine import EngineError, Failed, Finished, TokensOut
 from sluice.agent.errors import KVEventError
 from sluice.agent.kvevents import REPLAY_END, decode_seq, encode_seq, replay_endpoint
-from sluice.common.chat import ChatError, render_chat
-from sluice.common.chattemplate import ChatTemplate
+from sluice.common.chat import ChatError
+from sluice.common.chattemplate import ChatOptions, ChatTemplate, chat_prompt
 from sluice.common.errors import ConfigError, internal_error
 from sluice.common.tokenizer import PromptTokenizer
 from sluice.schemas.hashing import block_hashes, estimate_text_tokens, text_block_hashes
@@ -289,10 +289,9 @@ class SimServer:
         ``--page-size``, 1 by default), a chain of pages an event; None: vLLM's, a hash per
         block."""
         self.tokenizer = tokenizer
-        self.render_chat: Callable[[Any], str] = (
-            render_chat if chat_template is None else chat_template.render
-        )
-        """How a chat becomes its prompt: the model's template, or Sluice's neutral one."""
+        self.chat_template = chat_template
+        """How a chat becomes its prompt (as vLLM's ``--chat-template``); None: Sluice's
+        neutral template."""
         self.kv_events = kv_events
         self._pending_events: list[Any] = []
         # Per prompt block hash: the hash before it and its token ids (for BlockStored).
@@ -860,11 +859,13 @@ class _OpenAI:
 
     async def chat(self, request: Request) -> Response:
         body = await _json(request)
+        s = self.server
         try:
-            text = self.server.render_chat(body.get("messages"))
+            options = ChatOptions.from_body(body)
+            rendered = chat_prompt(body.get("messages"), options, s.chat_template, s.tokenizer)
         except ChatError as exc:
             raise BadRequest(str(exc), exc.param) from exc
-        prompt = self.server.prompt(text, "messages")
+        prompt = s.prompt(rendered, "messages")
         return await self._answer(request, body, prompt, chat=True)
 
     async def _answer(

@@ -684,7 +684,11 @@ async def test_a_chat_is_rendered_with_the_models_template(nats_url: str, tmp_pa
             record = await b.create((await b.upload(data, "in.jsonl")).id)
             # Counted as the template renders them: the refused line is invalid at once.
             assert (record.counts.total, record.counts.invalid) == (1, 1)
-            await b.submit(record.id)
+        # Submitted by a process without the template (a gateway's sweep, another `sluice
+        # batch`): the lines are rendered with the batch's own.
+        plain = Batches(c)
+        await plain.submit(record.id)
+        assert (await plain.refresh(record.id)).counts.invalid == 1
         subject = names.request_subject("batch", "sim", "default")
         msg = await js.get_last_msg(names.request_stream("batch"), subject)
         assert decode(msg.data, SubmitRequest).prompt_text == sent.prompt_text

@@ -10,6 +10,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from sluice.common.chat import ChatError, render_chat
+from sluice.common.chattemplate import chat_prompt
 from sluice.common.settings import ConfigError
 from sluice.common.tokenizer import PromptTokenizer
 from sluice.gateway.chat import chat_job, completion_job, session_of
@@ -130,7 +131,7 @@ def test_a_conversation_keeps_its_prefix_turn_after_turn(tmp_path: Path) -> None
     assert ids.encode(first) == a and b[: len(a)] == a and len(b) > len(a)
     # The gateway's prompt is the template's; sluice engine renders with the same function.
     assert chat_job({"model": "m", "messages": turns[1]}, 16).prompt == second
-    assert engineserver.render_chat is render_chat
+    assert engineserver.chat_prompt is chat_prompt
 
 
 @pytest.mark.parametrize(
