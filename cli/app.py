@@ -37,7 +37,7 @@ from sluice.cli.params import (
 )
 from sluice.common.errors import ConfigError
 from sluice.dispatcher.defaults import MAX_PROMPT_TOKENS
-from sluice.schemas.models import MAX_OUTPUT_TOKENS
+from sluice.schemas.models import MAX_OUTPUT_TOKENS, Sampling
 
 if TYPE_CHECKING:
     from sluice.common.probes import Probe, ProbeServer
@@ -1287,6 +1287,11 @@ def submit(
     timeout_s: Annotated[float, typer.Option(help="Wait this long for the result.")] = 300.0,
     stream: Annotated[bool, typer.Option(help="Print tokens as they arrive.")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+    temperature: Annotated[float | None, typer.Option(help="Sampling temperature.")] = None,
+    seed: Annotated[int | None, typer.Option(help="Sampling seed.")] = None,
+    stop: Annotated[
+        list[str] | None, typer.Option(help="Stop string (repeatable): the output ends before it.")
+    ] = None,
     config: ConfigOpt = None,
 ) -> None:
     """Submit one request and print its tokens and result."""
@@ -1307,10 +1312,18 @@ def submit(
             body = [int(t) for t in (tokens or "").split(",") if t.strip()]
         except ValueError as exc:
             raise fail("--tokens takes comma-separated integers") from exc
+    from sluice.client import InvalidRequest
+    from sluice.client.sampling import sampling_of
+
+    given_sampling = {"temperature": temperature, "seed": seed, "stop": stop or None}
+    try:  # checked before the broker is asked anything
+        sampling = sampling_of({k: v for k, v in given_sampling.items() if v is not None})
+    except InvalidRequest as exc:
+        raise fail(str(exc)) from exc
     code = run(
         _submit(
             make_client(config), model, body, max_tokens, band, tenant, request_id, deadline_s,
-            timeout_s, stream and not as_json, as_json,
+            timeout_s, stream and not as_json, as_json, sampling,
         )
     )  # fmt: skip
     if code:
@@ -1329,6 +1342,7 @@ async def _submit(
     timeout_s: float,
     stream: bool,
     as_json: bool,
+    sampling: Sampling | None = None,
 ) -> int:
     from sluice.client import QueueFull, Rejected, SluiceError
 
@@ -1342,6 +1356,7 @@ async def _submit(
                 tenant=tenant,
                 request_id=request_id,
                 deadline_s=deadline_s,
+                sampling=sampling,
             )
             if stream:
                 async for chunk in handle:

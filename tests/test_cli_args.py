@@ -96,6 +96,15 @@ def test_loads_are_finite_and_positive(args: list[str], said: str, trace: Path) 
     assert code == 2 and said in out, out
 
 
+def test_sampling_out_of_range_is_refused_before_the_broker_is_asked() -> None:
+    # (No broker on this URL: the refusal must come before any connect, at once.)
+    code, out = _run(
+        "submit", "--model", "m", "--prompt", "hi", "--temperature", "-1",
+        "--config", "/dev/null",
+    )  # fmt: skip
+    assert code == 2 and "temperature" in out and "greater than or equal to 0" in out, out
+
+
 def test_outputs_that_cannot_be_written_are_refused_before_the_work(
     trace: Path, tmp_path: Path
 ) -> None:
