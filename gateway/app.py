@@ -33,7 +33,14 @@ from sluice.common.errors import internal_error
 from sluice.common.tokenizer import PromptTokenizer
 from sluice.gateway import metrics
 from sluice.gateway.catalog import Catalog
-from sluice.gateway.chat import SESSION_HEADER, chat_job, completion_job, parse_json, session_of
+from sluice.gateway.chat import (
+    SESSION_HEADER,
+    chat_job,
+    choice_sampling,
+    completion_job,
+    parse_json,
+    session_of,
+)
 from sluice.gateway.errors import (
     ApiError,
     BodyTimeout,
@@ -217,29 +224,36 @@ class _Completions:
         principal = gw.authenticate(request)
         body = parse_json(await read_body(request, s.max_body_bytes))
         if kind == "chat":
-            job = chat_job(body, s.default_max_tokens, gw.client.chat_prompt)
+            job = chat_job(body, s.default_max_tokens, gw.client.chat_prompt, s.max_choices)
         else:
-            job = completion_job(body, s.default_max_tokens)
+            job = completion_job(body, s.default_max_tokens, s.max_choices)
         asked = request.headers.get(PRIORITY_HEADER)
         band = principal.band(asked)
         if asked is not None:
             await gw.catalog.require_band(band)
         await gw.catalog.require_model(job.model)
         session = session_of(request.headers.get(SESSION_HEADER), job)
+        handles: list[RequestHandle] = []
         try:
-            handle = await gw.client.submit(
-                job.model,
-                job.prompt,
-                max_tokens=job.max_tokens,
-                band=band,
-                tenant=principal.tenant,
-                session_id=session,
-                sampling=job.sampling,
-            )
+            for choice in range(job.n):
+                handles.append(
+                    await gw.client.submit(
+                        job.model,
+                        job.prompt,
+                        max_tokens=job.max_tokens,
+                        band=band,
+                        tenant=principal.tenant,
+                        session_id=session,
+                        sampling=choice_sampling(job.sampling, choice),
+                    )
+                )
         except SluiceError as exc:
+            for handle in handles:  # the choices queued already: nobody will read them
+                metrics.CANCELLED.labels("refused").inc()
+                gw.cancel_later(handle, "refused")
             raise from_client_error(exc, job.model) from exc
         relay = Relay(
-            handle,
+            handles,
             job,
             route=request.url.path,
             arrived=arrived,
@@ -247,16 +261,16 @@ class _Completions:
             created=int(time.time()),
             cancel=gw.cancel_later,
         )
-        headers = {REQUEST_ID_HEADER: handle.request_id}
+        headers = {REQUEST_ID_HEADER: ",".join(h.request_id for h in handles)}
         try:
-            first = await relay.first(request.receive)
+            firsts = await relay.first(request.receive)
             if job.stream:
-                return stream_response(relay, first, headers)
-            result = await relay.result(request.receive)
+                return stream_response(relay, firsts, headers)
+            results = await relay.result(request.receive)
         except ApiError as exc:  # it was submitted: the answer names it
             exc.headers.update(headers)
             raise
-        return JSONResponse(completion(job, result, relay.created), headers=headers)
+        return JSONResponse(completion(job, results, relay.created), headers=headers)
 
 
 def _model_card(gw: Gateway, model: str) -> dict[str, Any]:

@@ -9,11 +9,12 @@ a list of token ids.
 
 Sluice relays a prompt, an output bound and the sampling fields
 (:func:`sluice.client.sampling.openai_sampling`: ``temperature``, ``top_p``, ``seed``, the
-penalties, ``stop``, ...) to the engine. Fields that would change what the engine returns in
-ways the caller relies on and that Sluice does not relay (``n`` > 1, ``tools``, ``logprobs``, a
-``response_format`` other than text, ``echo``, ``suffix``, ``best_of`` > 1, ``logit_bias``,
-guided decoding) are refused with a 400 rather than ignored; fields the gateway does not know
-(``store``, ``metadata``, ...) are accepted and have no effect.
+penalties, ``stop``, ...) to the engine; ``n`` choices run as ``n`` requests. Fields that would
+change what the engine returns in ways the caller relies on and that Sluice does not relay
+(``tools``, ``logprobs``, a ``response_format`` other than text, ``echo``, ``suffix``,
+``best_of`` > 1, ``logit_bias``, guided decoding) are refused with a 400 rather than ignored;
+fields the gateway does not know (``store``, ``metadata``, ...) are accepted and have no
+effect.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from sluice.schemas.models import MAX_OUTPUT_TOKENS, Sampling
 SESSION_HEADER = "x-session-id"
 """The request header naming a session (a conversation): its requests stick to the workers
 that hold its history. Without it, the body's ``user`` field is the session."""
+MAX_CHOICES = 16
+"""The most choices (``n``) a request may ask for, unless the gateway's ``max_choices`` says."""
 SESSION_MAX_CHARS = 128
 """The longest session id (the wire's limit on names)."""
 
@@ -50,6 +53,9 @@ class Job:
     include_usage: bool
     user: str | None
     sampling: Sampling | None = None
+    n: int = 1
+    """Choices asked for: each runs as a request of its own (a seed, if given, advanced by
+    one for each, so that sampled choices differ)."""
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -81,12 +87,19 @@ def _flag(body: Mapping[str, Any], key: str) -> bool:
     return value
 
 
+def _choices(body: Mapping[str, Any], max_choices: int) -> int:
+    """``n``: how many choices (each its own request); 1 if not given."""
+    n = body.get("n")
+    if n is None:
+        return 1
+    # (isinstance: True == 1 in Python, and JSON's true is no count.)
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= max_choices:
+        raise BadRequest(f"n must be an integer from 1 to {max_choices}", param="n")
+    return n
+
+
 def _unsupported(body: Mapping[str, Any], kind: Kind) -> None:
     """Refuse what Sluice cannot honour (see the module docstring)."""
-    n = body.get("n")
-    # (isinstance: True == 1 in Python, and JSON's true is no count.)
-    if n is not None and (n != 1 or isinstance(n, bool)):
-        raise BadRequest("n must be 1: the gateway returns one choice", param="n")
     best_of = body.get("best_of")
     if best_of is not None and (best_of != 1 or isinstance(best_of, bool)):
         raise BadRequest("best_of is not supported", param="best_of")
@@ -95,11 +108,14 @@ def _unsupported(body: Mapping[str, Any], kind: Kind) -> None:
         raise BadRequest("only the text response_format is supported", param="response_format")
 
 
-def _common(body: Mapping[str, Any], kind: Kind, default_max_tokens: int) -> dict[str, Any]:
+def _common(
+    body: Mapping[str, Any], kind: Kind, default_max_tokens: int, max_choices: int
+) -> dict[str, Any]:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("model must be a non-empty string", param="model")
     _unsupported(body, kind)
+    n = _choices(body, max_choices)
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
@@ -119,16 +135,31 @@ def _common(body: Mapping[str, Any], kind: Kind, default_max_tokens: int) -> dic
         "include_usage": _flag(options or {}, "include_usage"),
         "user": user or None,
         "sampling": sampling,
+        "n": n,
     }
 
 
+def choice_sampling(sampling: Sampling | None, choice: int) -> Sampling | None:
+    """The sampling of choice ``choice`` of an answer: a seed advanced by ``choice`` (so that
+    the choices of a seeded request differ, and repeat with it), else as asked."""
+    if choice == 0 or sampling is None or sampling.seed is None:
+        return sampling
+    seed = sampling.seed + choice
+    if seed >= 2**63:  # (the wire's int64)
+        seed -= 2**64
+    return sampling.model_copy(update={"seed": seed})
+
+
 def chat_job(
-    body: Mapping[str, Any], default_max_tokens: int, render: ChatRender = chat_prompt
+    body: Mapping[str, Any],
+    default_max_tokens: int,
+    render: ChatRender = chat_prompt,
+    max_choices: int = MAX_CHOICES,
 ) -> Job:
     """The job of a ``/v1/chat/completions`` body, its messages (and ``add_generation_prompt``,
     ``continue_final_message``, ``chat_template_kwargs``) rendered by ``render``: the model's
     chat template, or Sluice's neutral one."""
-    fields = _common(body, "chat", default_max_tokens)
+    fields = _common(body, "chat", default_max_tokens, max_choices)
     try:
         prompt = render(body.get("messages"), ChatOptions.from_body(body))
     except ChatError as exc:
@@ -136,10 +167,12 @@ def chat_job(
     return Job(prompt=prompt, **fields)
 
 
-def completion_job(body: Mapping[str, Any], default_max_tokens: int) -> Job:
+def completion_job(
+    body: Mapping[str, Any], default_max_tokens: int, max_choices: int = MAX_CHOICES
+) -> Job:
     """The job of a ``/v1/completions`` body: ``prompt`` is a string or token ids (a list of
     one of either is taken as that one)."""
-    fields = _common(body, "completion", default_max_tokens)
+    fields = _common(body, "completion", default_max_tokens, max_choices)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]

@@ -27,6 +27,7 @@ IN_FLIGHT = Gauge(
 CANCELLED = Counter(
     "sluice_gateway_cancelled_total",
     "Requests the gateway cancelled: their client left (disconnect), their time ran out "
-    "(timeout), or the gateway stopped while it answered them (shutdown)",
+    "(timeout), the gateway stopped while it answered them (shutdown), or another choice "
+    "of their answer was refused (refused) or failed (failed)",
     ["reason"],
 )

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from starlette.responses import Response
@@ -71,15 +71,29 @@ async def race(aw: Awaitable[T], receive: Receive, deadline: float) -> T:
     raise ClientGone
 
 
-class Relay:
-    """The relay of one submitted request: its first event, then its stream or its result.
+async def _each(aws: Sequence[Awaitable[T]]) -> list[T]:
+    """Every one's value, in order; if one raises, the others are cancelled (and awaited)
+    before its error goes on (``asyncio.gather`` leaves them running)."""
+    tasks = [asyncio.ensure_future(aw) for aw in aws]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
-    ``cancel(handle, reason)`` is called (once) when the request must stop because its
-    client left or its time ran out; the gateway runs it in the background."""
+
+class Relay:
+    """The relay of one answer's submitted requests (one per choice: ``n``): their first
+    events, then their streams or their results.
+
+    ``cancel(handle, reason)`` is called (once for each request) when the answer must stop
+    because its client left or its time ran out; the gateway runs it in the background."""
 
     def __init__(
         self,
-        handle: RequestHandle,
+        handles: Sequence[RequestHandle],
         job: Job,
         *,
         route: str,
@@ -88,7 +102,9 @@ class Relay:
         created: int,
         cancel: Callable[[RequestHandle, str], None],
     ) -> None:
-        self.handle = handle
+        self.handles = list(handles)
+        self.handle = self.handles[0]
+        """The first choice's request: its id is the answer's."""
         self.job = job
         self.route = route
         self.arrived = arrived
@@ -98,17 +114,19 @@ class Relay:
         self.created = created
         self._cancel = cancel
         self._stopped = False
-        self._chunks = aiter(handle)
+        self._chunks = [aiter(h) for h in self.handles]
 
     def abort(self, reason: str) -> None:
-        """Stop the request in Sluice (its client left, its time ran out, or the server is
-        stopping), once, unless it ended; ``reason`` labels the count of cancels."""
+        """Stop the requests in Sluice (the client left, its time ran out, the server is
+        stopping, or another choice failed), once, each unless it ended; ``reason`` labels
+        the count of cancels."""
         if self._stopped:
             return
         self._stopped = True
-        if not self.handle.done:
-            metrics.CANCELLED.labels(reason).inc()
-            self._cancel(self.handle, reason)
+        for handle in self.handles:
+            if not handle.done:
+                metrics.CANCELLED.labels(reason).inc()
+                self._cancel(handle, reason)
 
     async def _guarded(self, aw: Awaitable[T], receive: Receive) -> T:
         try:
@@ -123,34 +141,58 @@ class Relay:
             self.abort("shutdown")
             raise
         except SluiceError as exc:
+            self.abort("refused")  # (the other choices: nobody will read them)
             raise from_client_error(exc, self.job.model) from exc
 
-    async def first(self, receive: Receive) -> TokenChunk | None:
-        """The first chunk of tokens (None: the request ended without output); raises the
+    async def first(self, receive: Receive) -> list[TokenChunk | None]:
+        """Each choice's first chunk of tokens (None: it ended without output); raises the
         ``ApiError`` of a request that was refused."""
-        chunk = await self._guarded(anext(self._chunks, None), receive)
-        if chunk is not None:
+        chunks = await self._guarded(_each([anext(c, None) for c in self._chunks]), receive)
+        if any(chunk is not None for chunk in chunks):
             metrics.TTFT.labels(self.route).observe(time.perf_counter() - self.arrived)
-        return chunk
+        return chunks
 
-    async def result(self, receive: Receive) -> Result:
-        """The final result (for an answer that does not stream)."""
-        return await self._guarded(self.handle.result(), receive)
+    async def result(self, receive: Receive) -> list[Result]:
+        """Each choice's final result (for an answer that does not stream)."""
+        return await self._guarded(_each([h.result() for h in self.handles]), receive)
 
-    async def events(self, first: TokenChunk | None) -> AsyncIterator[bytes]:
-        """The server-sent events of the answer, from its first chunk to ``[DONE]``; an error
-        after the stream started is an error event (``data: {"error": ...}``) that ends it."""
+    async def events(self, firsts: Sequence[TokenChunk | None]) -> AsyncIterator[bytes]:
+        """The server-sent events of the answer, from its first chunks to ``[DONE]``, the
+        choices' chunks as they come; an error after the stream started is an error event
+        (``data: {"error": ...}``) that ends it (and stops the other choices)."""
         chunks = Chunks(self.job, self.handle.request_id, self.created)
-        try:
+        for i, first in enumerate(firsts):
             if first is not None:
-                yield chunks.text(first.text)
-            async for chunk in self._chunks:
-                yield chunks.text(chunk.text)
-            result = await self.handle.result()
-        except SluiceError as exc:
-            yield sse(from_client_error(exc, self.job.model).body())
-            return
-        yield chunks.end(result)
+                yield chunks.text(first.text, i)
+        came: asyncio.Queue[tuple[int, TokenChunk | Result | SluiceError]] = asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            try:
+                async for chunk in self._chunks[i]:
+                    came.put_nowait((i, chunk))
+                came.put_nowait((i, await self.handles[i].result()))
+            except SluiceError as exc:
+                came.put_nowait((i, exc))
+
+        pumps = [asyncio.ensure_future(pump(i)) for i in range(len(self.handles))]
+        try:
+            results: dict[int, Result] = {}
+            while len(results) < len(self.handles):
+                i, item = await came.get()
+                if isinstance(item, SluiceError):
+                    self.abort("failed")
+                    yield sse(from_client_error(item, self.job.model).body())
+                    return
+                if isinstance(item, Result):
+                    results[i] = item
+                    yield chunks.finish(item, i)
+                else:
+                    yield chunks.text(item.text, i)
+            yield chunks.close([results[i] for i in range(len(self.handles))])
+        finally:
+            for p in pumps:
+                p.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
 
 
 class EventStream(Response):
@@ -210,9 +252,9 @@ class EventStream(Response):
 
 
 def stream_response(
-    relay: Relay, first: TokenChunk | None, headers: Mapping[str, str]
+    relay: Relay, firsts: Sequence[TokenChunk | None], headers: Mapping[str, str]
 ) -> EventStream:
     """The streamed answer of ``relay``."""
     return EventStream(
-        relay.events(first), deadline=relay.deadline, on_abort=relay.abort, headers=headers
+        relay.events(firsts), deadline=relay.deadline, on_abort=relay.abort, headers=headers
     )

@@ -25,6 +25,7 @@ from pydantic_settings import SettingsConfigDict
 
 from sluice.client.batches import MAX_FILE_BYTES
 from sluice.common.settings import BrokerSettings
+from sluice.gateway.chat import MAX_CHOICES
 from sluice.schemas.models import MAX_OUTPUT_TOKENS
 
 DEFAULT_BAND = "interactive"
@@ -108,6 +109,12 @@ class GatewaySettings(BrokerSettings):
         default=None,
         description="The model's chat template: its tokenizer_config.json, or a .jinja file "
         "(none: Sluice's neutral template).",
+    )
+    max_choices: int = Field(
+        default=MAX_CHOICES,
+        ge=1,
+        le=128,
+        description="The most choices (n) a request may ask for; each runs as a request.",
     )
     default_max_tokens: int = Field(
         default=DEFAULT_MAX_TOKENS,

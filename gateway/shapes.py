@@ -11,6 +11,7 @@ engine ended it sooner (a Sluice result carries no finish reason of its own).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from sluice.client import Result, oaiformat
@@ -41,44 +42,63 @@ def finish_reason(job: Job, result: Result) -> str:
     return oaiformat.finish_reason(result, job.max_tokens)
 
 
-def completion(job: Job, result: Result, created: int) -> dict[str, Any]:
-    """The whole answer of a request that did not stream."""
-    body = oaiformat.completion_body(
-        job.kind, result, model=job.model, created=created, max_tokens=job.max_tokens
-    )
-    return {**body, "system_fingerprint": None}
+def usage(results: Sequence[Result]) -> dict[str, Any]:
+    """The usage of an answer's choices: its prompt once (as OpenAI counts it), the output
+    tokens of every choice."""
+    out = oaiformat.usage(results[0])
+    if len(results) > 1:
+        out["completion_tokens"] = sum(len(r.output_tokens) for r in results)
+        out["total_tokens"] = out["prompt_tokens"] + out["completion_tokens"]
+    return out
+
+
+def completion(job: Job, results: Sequence[Result], created: int) -> dict[str, Any]:
+    """The whole answer of a request that did not stream: a choice per result."""
+    bodies = [
+        oaiformat.completion_body(
+            job.kind, r, model=job.model, created=created, max_tokens=job.max_tokens
+        )
+        for r in results
+    ]
+    choices = [{**b["choices"][0], "index": i} for i, b in enumerate(bodies)]
+    return {**bodies[0], "choices": choices, "usage": usage(results), "system_fingerprint": None}
 
 
 class Chunks:
-    """The chunks of one streamed answer, in order: text chunks, the finish, the usage."""
+    """The chunks of one streamed answer, in order: each choice's text chunks and then its
+    finish (the choices interleaved as they come), then the usage and ``[DONE]``."""
 
     def __init__(self, job: Job, request_id: str, created: int) -> None:
         self.job = job
         self.head = head(job, request_id, created, chunk=True)
         if job.include_usage:  # every chunk but the last carries "usage": null
             self.head["usage"] = None
-        self._first = True
+        self._first = [True] * job.n
 
-    def text(self, text: str) -> bytes:
+    def text(self, text: str, index: int = 0) -> bytes:
         if self.job.kind == "chat":
             delta: dict[str, Any] = {"content": text}
-            if self._first:
+            if self._first[index]:
                 delta = {"role": "assistant", "content": text}
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": None}
+            choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": None}
         else:
-            choice = {"index": 0, "text": text, "finish_reason": None, "logprobs": None}
-        self._first = False
+            choice = {"index": index, "text": text, "finish_reason": None, "logprobs": None}
+        self._first[index] = False
         return sse({**self.head, "choices": [choice]})
 
-    def end(self, result: Result) -> bytes:
-        """The finish chunk, the usage chunk if asked for, and ``[DONE]``."""
-        done: dict[str, Any] = {"index": 0, "finish_reason": finish_reason(self.job, result)}
+    def finish(self, result: Result, index: int = 0) -> bytes:
+        """The finish chunk of choice ``index``."""
+        done: dict[str, Any] = {"index": index, "finish_reason": finish_reason(self.job, result)}
         if self.job.kind == "chat":
-            done["delta"] = {"role": "assistant"} if self._first else {}
+            done["delta"] = {"role": "assistant"} if self._first[index] else {}
         else:
             done["text"] = ""
             done["logprobs"] = None
-        out = sse({**self.head, "choices": [done]})
+        return sse({**self.head, "choices": [done]})
+
+    def close(self, results: Sequence[Result]) -> bytes:
+        """The usage chunk if asked for, and ``[DONE]``."""
+        out = b""
         if self.job.include_usage:
-            out += sse({**self.head, "choices": [], "usage": oaiformat.usage(result)})
+            out += sse({**self.head, "choices": [], "usage": usage(results)})
         return out + DONE

@@ -164,7 +164,7 @@ async def test_errors_are_openai_shaped_with_their_status(
             (b"{not json", None),
             (b"[1, 2]", None),
             (b'{"model": "sim"}', "messages"),
-            (b'{"model": "sim", "messages": [{"role": "user", "content": "x"}], "n": 3}', "n"),
+            (b'{"model": "sim", "messages": [{"role": "user", "content": "x"}], "n": 17}', "n"),
         ]:
             r = await http.post("/v1/chat/completions", content=body, headers=auth)
             answers.append(r.text)
@@ -366,35 +366,41 @@ async def _running(c: Client) -> int:
     return (await c.stats()).running
 
 
-async def test_a_client_that_leaves_mid_stream_cancels_its_request(nats_url: str) -> None:
+@pytest.mark.parametrize("n", [1, 2])
+async def test_a_client_that_leaves_mid_stream_cancels_its_request(nats_url: str, n: int) -> None:
     """A stream of 200,000 tokens (about a minute): the client reads its first chunk and
-    closes the connection; the request is cancelled (its stored result says so, with fewer
-    tokens) and nothing runs any more. Mutation: Relay.abort not cancelling."""
+    closes the connection; the request (every choice's, with ``n``) is cancelled (its stored
+    result says so, with fewer tokens) and nothing runs any more. Mutation: Relay.abort not
+    cancelling (or cancelling the first choice only)."""
     async with (
         LocalCluster(nats_url, **cluster_kwargs(workers=1)),
         Client(nats_url) as c,
         serving(nats_url) as (gw, _),
         httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
     ):
-        body = {"model": "sim", "prompt": "a long one", "max_tokens": 200_000, "stream": True}
+        body = {
+            "model": "sim", "prompt": "a long one", "max_tokens": 200_000, "stream": True, "n": n
+        }  # fmt: skip
         async with http.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
-            rid = r.headers["x-sluice-request-id"]
+            rids = r.headers["x-sluice-request-id"].split(",")
             async for line in r.aiter_lines():
                 if line.startswith("data: {"):
                     break
+        assert len(rids) == n
         # No check that it still runs here: the cancel may already have landed (a race the
         # test lost on a loaded machine). What ended it is in its result: cancelled, short.
 
         async def cancelled() -> bool:
-            result = await c.fetch_result(rid)
-            return result is not None and result.rejection is not None
+            results = [await c.fetch_result(rid) for rid in rids]
+            return all(r is not None and r.rejection is not None for r in results)
 
         await eventually(cancelled, timeout_s=10)
-        result = await c.fetch_result(rid)
-        assert result is not None and result.rejection is not None
-        assert result.rejection.reason is RejectReason.CANCELLED
-        assert len(result.output_tokens) < 200_000
+        for rid in rids:
+            result = await c.fetch_result(rid)
+            assert result is not None and result.rejection is not None
+            assert result.rejection.reason is RejectReason.CANCELLED
+            assert len(result.output_tokens) < 200_000
 
         async def idle() -> bool:
             return await _running(c) == 0
@@ -692,3 +698,74 @@ async def test_a_chat_is_rendered_with_the_models_template(nats_url: str, tmp_pa
         subject = names.request_subject("batch", "sim", "default")
         msg = await js.get_last_msg(names.request_stream("batch"), subject)
         assert decode(msg.data, SubmitRequest).prompt_text == sent.prompt_text
+
+
+async def test_n_choices_run_as_n_requests_whole_and_streamed(nats_url: str) -> None:
+    """``n``: each choice its own request (its id in ``x-sluice-request-id``), the answer's
+    choices by index, the prompt counted once in the usage and every choice's output; a
+    stream interleaves the choices' chunks, each with its finish, then one usage. Mutations:
+    one request for all choices; the usage of the first choice alone."""
+    async with (
+        LocalCluster(nats_url, **cluster_kwargs(workers=2)),
+        serving(nats_url) as (_, oa),
+    ):
+        raw = await oa.completions.with_raw_response.create(
+            model="sim", prompt="count with me", max_tokens=5, n=3
+        )
+        ids = raw.headers["x-sluice-request-id"].split(",")
+        answer = raw.parse()
+        assert len(set(ids)) == 3 and answer.id == f"cmpl-{ids[0]}"
+        assert [c.index for c in answer.choices] == [0, 1, 2]
+        assert all(c.text and c.finish_reason == "length" for c in answer.choices)
+        assert answer.usage is not None and answer.usage.completion_tokens == 15
+        assert answer.usage.total_tokens == answer.usage.prompt_tokens + 15
+        stream = await oa.chat.completions.create(
+            model="sim",
+            messages=[{"role": "user", "content": "count with me"}],
+            max_tokens=4,
+            n=2,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = [c async for c in stream]
+    texts = {0: "", 1: ""}
+    finishes: dict[int, str | None] = {}
+    roles = []
+    for c in chunks[:-1]:
+        for choice in c.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.delta.role:
+                roles.append(choice.index)
+            if choice.finish_reason is not None:
+                finishes[choice.index] = choice.finish_reason
+    assert all(texts.values()) and finishes == {0: "length", 1: "length"}
+    assert sorted(roles) == [0, 1]  # each choice's first delta names the role
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 8
+
+
+async def test_a_choice_refused_refuses_the_answer_and_cancels_the_others(nats_url: str) -> None:
+    """The band's queue takes two more requests (a bound of 3 with one queued): of n=4
+    choices the third is refused, the answer is a 429, and the two queued are cancelled, not
+    left to run for nobody. Mutation: the queued choices not cancelled."""
+    kw = cluster_kwargs(
+        workers=0, dispatcher={"queue_max_msgs": 3, "global_limit": 1, "band_queue_max_msgs": {}}
+    )
+    async with LocalCluster(nats_url, **kw), Client(nats_url) as c:
+        await c.submit("sim", "fill", band="batch", request_id="fill-0")
+        async with serving(nats_url) as (_, oa):
+            with pytest.raises(openai.RateLimitError):
+                await oa.completions.create(
+                    model="sim",
+                    prompt="four of these",
+                    max_tokens=2,
+                    n=4,
+                    extra_headers={"x-sluice-priority": "batch"},
+                )
+
+            async def cancelled() -> bool:
+                stats = await c.stats()
+                batch = next(b for b in stats.bands if b.band == "batch")
+                return batch.queued == 1  # the fill request alone
+
+            await eventually(cancelled)

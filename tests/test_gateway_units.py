@@ -305,3 +305,22 @@ def test_logprobs_zero_is_asked_for_and_false_or_empty_fields_are_not() -> None:
     )
     assert job.sampling is not None  # top_k 0 goes as -1, which SGLang takes too
     assert job.sampling.engine_fields() == {"top_k": -1, "min_tokens": 3, "ignore_eos": True}
+
+
+def test_each_choice_samples_with_its_own_seed() -> None:
+    from sluice.client import Sampling
+    from sluice.gateway.chat import choice_sampling
+
+    seeded = Sampling(seed=7, temperature=0.5)
+    assert choice_sampling(seeded, 0) is seeded
+    assert choice_sampling(seeded, 2) == Sampling(seed=9, temperature=0.5)
+    assert choice_sampling(Sampling(seed=2**63 - 1), 1) == Sampling(seed=-(2**63))  # int64
+    assert choice_sampling(None, 3) is None
+    unseeded = Sampling(temperature=0.5)
+    assert choice_sampling(unseeded, 3) is unseeded
+    job = completion_job({"model": "m", "prompt": "hi", "n": 4}, 16)
+    assert job.n == 4 and completion_job({"model": "m", "prompt": "hi"}, 16).n == 1
+    for bad in (0, 17, True, 2.0, "2"):
+        with pytest.raises(BadRequest):
+            completion_job({"model": "m", "prompt": "hi", "n": bad}, 16)
+    assert completion_job({"model": "m", "prompt": "hi", "n": 20}, 16, max_choices=32).n == 20

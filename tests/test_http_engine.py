@@ -68,7 +68,10 @@ async def fleet(nats_url: str, tmp_path: Path) -> AsyncIterator[dict[str, Any]]:
         ) as c:
             _wait_healthy(c, procs["uds"])
         # No cold-start exploration: a repeated prompt must go where its prefix is cached.
-        kw = cluster_kwargs(workers=0, dispatcher={"routing_explore_share": 0.0})
+        # (A lease long enough for a test process that shares two cores with CI.)
+        kw = cluster_kwargs(
+            workers=0, dispatcher={"routing_explore_share": 0.0, "leader_lease_s": 3.0}
+        )
         async with LocalCluster(nats_url, **kw) as cluster:
             for name in ("tcp", "uds"):
                 agents.append(_agent(nats_url, f"http-{name}", urls[name]))
@@ -128,6 +131,19 @@ async def test_sampling_fields_reach_the_engine_through_the_gateway(
             assert reason == "length" and (await text(temperature=0))[0] == greedy
             assert (await text(seed=3)) == (await text(seed=3)) != (await text(seed=4))
             assert (await text())[0] != (await text())[0]  # the engine's default: sampled
+
+            # n choices: a seeded answer's differ (the seed advanced for each) and repeat
+            # with it; greedy ones are all the same.
+            async def choices(**fields: Any) -> list[str]:
+                r = await oa.completions.create(
+                    model="sim", prompt="once upon a time", max_tokens=8, n=3, **fields
+                )
+                return [c.text for c in r.choices]
+
+            seeded = await choices(seed=11)
+            assert len(set(seeded)) == 3 and await choices(seed=11) == seeded
+            assert (await choices(seed=12))[:2] == seeded[1:]  # choice i is seed + i
+            assert len(set(await choices(temperature=0))) == 1
             stop_whole = " " + greedy.split(" ")[4]
             want_whole = greedy[: greedy.find(stop_whole)]
             assert await text(temperature=0, stop=stop_whole) == (want_whole, "stop")
