@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from starlette.responses import Response
@@ -74,6 +74,8 @@ async def race(aw: Awaitable[T], receive: Receive, deadline: float) -> T:
 async def _each(aws: Sequence[Awaitable[T]]) -> list[T]:
     """Every one's value, in order; if one raises, the others are cancelled (and awaited)
     before its error goes on (``asyncio.gather`` leaves them running)."""
+    if len(aws) == 1:  # (one choice, the common case: no task of its own)
+        return [await aws[0]]
     tasks = [asyncio.ensure_future(aw) for aw in aws]
     try:
         return list(await asyncio.gather(*tasks))
@@ -164,6 +166,25 @@ class Relay:
         for i, first in enumerate(firsts):
             if first is not None:
                 yield chunks.text(first.text, i)
+        rest = self._one(chunks) if len(self.handles) == 1 else self._many(chunks)
+        try:
+            async for event in rest:
+                yield event
+        finally:  # (closed early, by a client that left: its choices' pumps stop now)
+            await rest.aclose()
+
+    async def _one(self, chunks: Chunks) -> AsyncGenerator[bytes, None]:
+        # One choice, the common case: read in place, no task of its own.
+        try:
+            async for chunk in self._chunks[0]:
+                yield chunks.text(chunk.text)
+            result = await self.handle.result()
+        except SluiceError as exc:
+            yield sse(from_client_error(exc, self.job.model).body())
+            return
+        yield chunks.finish(result) + chunks.close([result])
+
+    async def _many(self, chunks: Chunks) -> AsyncGenerator[bytes, None]:
         came: asyncio.Queue[tuple[int, TokenChunk | Result | SluiceError]] = asyncio.Queue()
 
         async def pump(i: int) -> None:
