@@ -44,14 +44,10 @@ class Finished:
 @dataclass(frozen=True)
 class Failed:
     """The engine could not finish a request (it died, hung or answered garbage): the agent
-    reports a failure and the dispatcher runs it elsewhere as its next attempt. ``refused``:
-    the engine refused the request itself (an HTTP 400: its parameters, its length), which
-    another engine of the model would refuse too: it is answered with the engine's reason
-    instead of run again."""
+    reports a failure and the dispatcher runs it elsewhere as its next attempt."""
 
     request_id: str
     error: str
-    refused: bool = False
 
 
 @dataclass(frozen=True)

@@ -123,13 +123,9 @@ def completion(
     )
 
 
-def failure(
-    worker_id: str, request_id: str, attempt: int, error: str, *, refused: bool = False
-) -> Completion:
-    """The completion of a request the worker could not finish (the dispatcher retries it,
-    unless its engine ``refused`` it)."""
+def failure(worker_id: str, request_id: str, attempt: int, error: str) -> Completion:
+    """The completion of a request the worker could not finish (the dispatcher retries it)."""
     return Completion(
-        refused=refused,
         request_id=request_id,
         worker_id=worker_id,
         attempt=attempt,

@@ -103,7 +103,7 @@ def apply_completion(scheduler: Scheduler, c: Completion, now_s: float) -> Compl
     """Feed a completion to the scheduler and its policy."""
     if not c.ok:
         return CompletionEffects(
-            retry=scheduler.fail(c.request_id, c.worker_id, c.attempt, c.error, refused=c.refused)
+            retry=scheduler.fail(c.request_id, c.worker_id, c.attempt, c.error)
         )
     booking = scheduler.booking(c.request_id)
     request = scheduler.complete(c.request_id)

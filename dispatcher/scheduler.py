@@ -53,10 +53,6 @@ __all__ = [
 ]
 
 
-_ERROR_CHARS = 300
-"""How much of a worker's error a rejection quotes (an engine's answer may be long)."""
-
-
 class Scheduler:
     """Global admission and worker selection over plain data; time is always passed in.
 
@@ -372,7 +368,7 @@ class Scheduler:
 
     def _retry(self, request: Request, error: str = "") -> Request | Ended:
         if request.attempt >= self.config.max_attempts:
-            last = f" (the last: {error[:_ERROR_CHARS]})" if error else ""
+            last = f" (the last: {error[:300]})" if error else ""
             return Ended(
                 request,
                 Rejection(
@@ -528,25 +524,15 @@ class Scheduler:
         return self.book(Dispatch(request, worker_id), now_s)
 
     def fail(
-        self,
-        request_id: str,
-        worker_id: str,
-        attempt: int,
-        error: str = "",
-        *,
-        refused: bool = False,
+        self, request_id: str, worker_id: str, attempt: int, error: str = ""
     ) -> Request | Ended | None:
         """A worker reports it could not finish a request (``error``: why): release and retry
-        it elsewhere; if its engine ``refused`` it (its parameters, its length), end it with
-        ``malformed`` and the engine's words instead, as every engine would refuse it."""
+        it elsewhere."""
         booking = self._books.get(request_id)
         if booking is None or booking.worker_id != worker_id or booking.request.attempt != attempt:
             return None
         self._release(request_id)
         self._failed_on[request_id] = worker_id
-        if refused:
-            message = f"the engine refused it: {error[:_ERROR_CHARS]}"
-            return Ended(booking.request, Rejection(reason=RejectReason.MALFORMED, message=message))
         return self._retry(booking.request, error)
 
     def cancel(self, request_id: str) -> Request | None:

@@ -310,10 +310,6 @@ class Completion(_Wire):
     prefill_s: float = Field(ge=0)
     decode_s: float = Field(ge=0)
     error: str = ""
-    refused: bool = Field(default=False, exclude_if=lambda v: not v)
-    """(With ``ok`` false) the engine refused the request itself (an HTTP 400 for its
-    parameters or length): the dispatcher answers it with ``error`` instead of running it
-    again. Not sent when false, so that an older dispatcher reads every other completion."""
 
 
 class WorkerLoad(_Wire):

@@ -23,7 +23,7 @@ import pytest
 from sluice.agent.engine import Failed, TokensOut
 from sluice.agent.runtime import Agent, AgentSettings
 from sluice.agent.runtime.httpengine import HttpEngine, HttpEngineConfig
-from sluice.client import Batches, Client, Rejected, RejectReason
+from sluice.client import Batches, Client
 from sluice.testing.cluster import LocalCluster
 from sluice.testing.engines import build_engine
 
@@ -197,22 +197,6 @@ async def test_sampling_fields_reach_the_engine_through_the_gateway(
         out = json.loads(await b.content(record.output_file_id))
     choice = out["response"]["body"]["choices"][0]
     assert (choice["text"], choice["finish_reason"]) == (want_whole, "stop")
-
-
-async def test_a_request_the_engine_refuses_is_answered_with_its_reason_not_run_again(
-    fleet: dict[str, Any], nats_url: str
-) -> None:
-    """An engine's 400 (here: more output than its KV cache holds) refuses the request
-    itself, which every engine of the model would: the producer gets ``malformed`` with the
-    engine's words after one attempt, not ``max_attempts`` after one on every worker."""
-    async with Client(nats_url) as c:
-        h = await c.submit("sim", PROMPT, max_tokens=600_000)
-        with pytest.raises(Rejected) as info:
-            await h.result(timeout_s=30)
-    rejection = info.value.rejection
-    assert rejection.reason == RejectReason.MALFORMED, rejection
-    assert "the engine refused it" in rejection.message and "KV" in rejection.message
-    assert sum(a.engine.failures for a in fleet["agents"]) == 1  # one attempt
 
 
 async def test_an_engine_killed_mid_generation_costs_an_attempt_not_the_request(

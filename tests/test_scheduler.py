@@ -544,21 +544,3 @@ def test_a_priced_or_retried_request_keeps_every_other_field() -> None:
     priced, again = r.priced(99), r.next_attempt()
     assert dataclasses.asdict(priced) == {**values, "engine_ms": 99}
     assert dataclasses.asdict(again) == {**values, "attempt": 3}
-
-
-def test_a_request_its_engine_refused_ends_malformed_and_an_engine_failure_runs_again() -> None:
-    from sluice.dispatcher.scheduler import Ended
-
-    s = _sched()
-    s.update_worker(_worker("w1"))
-    s.update_worker(_worker("w2"))
-    for rid in ("lost", "refused"):
-        s.enqueue(_req(rid), 0.0)
-    assert sorted(_run_all(s, 0.0)) == ["lost", "refused"]
-    on = {rid: s.booking(rid).worker_id for rid in ("lost", "refused")}  # type: ignore[union-attr]
-    again = s.fail("lost", on["lost"], 1, "the engine died")
-    assert not isinstance(again, Ended) and again is not None and again.attempt == 2
-    ended = s.fail("refused", on["refused"], 1, "the engine answered 400: too long", refused=True)
-    assert isinstance(ended, Ended) and ended.rejection.reason == RejectReason.MALFORMED
-    assert "too long" in ended.rejection.message
-    assert _run_all(s, 1.0) == ["lost"]  # only the lost one runs again

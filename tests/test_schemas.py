@@ -285,14 +285,3 @@ def test_sampling_travels_only_when_set_so_an_older_reader_takes_the_request() -
         with pytest.raises(DecodeError):
             decode(msgpack.packb({**msgpack.unpackb(encode(plain)), "sampling": bad}),
                    SubmitRequest)  # fmt: skip
-
-
-def test_a_completion_says_refused_only_when_it_was() -> None:
-    from sluice.schemas.models import Completion
-
-    fields = {"request_id": "r", "worker_id": "w", "attempt": 1, "ok": False,
-              "prompt_tokens": 0, "cached_tokens": 0, "output_tokens": 0, "prefill_s": 0.0,
-              "decode_s": 0.0, "error": "died"}  # fmt: skip
-    assert "refused" not in msgpack.unpackb(encode(Completion(**fields)))  # older dispatchers
-    refused = Completion(**fields, refused=True)
-    assert decode(encode(refused), Completion).refused

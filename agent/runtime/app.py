@@ -636,15 +636,14 @@ class Agent:
         if run is None:
             return
         log.warning("engine failed %s on %s: %s", ev.request_id, self.worker_id, ev.error)
-        self._finish_failed(run, ev.error, refused=ev.refused)
+        self._finish_failed(run, ev.error)
         self._changed()
 
-    def _finish_failed(self, run: _Running, error: str, *, refused: bool = False) -> None:
+    def _finish_failed(self, run: _Running, error: str) -> None:
         metrics.REQUESTS.labels(self.worker_id, "failed").inc()
-        failed = reports.failure(
-            self.worker_id, run.request_id, run.attempt, error, refused=refused
+        self._report(
+            Report(None, reports.failure(self.worker_id, run.request_id, run.attempt, error))
         )
-        self._report(Report(None, failed))
 
     # ------------------------------------------------------------------ reporting
 

@@ -70,15 +70,6 @@ BUSY_S = (1.0, 30.0)
 """How long an engine that answered 429 or 503 takes no new work: its ``Retry-After``, at least
 the first and at most the second (1 s without one)."""
 _GONE = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError)
-_REFUSED = frozenset({400, 413, 422})
-"""Answers that refuse the request itself (its parameters, its length; 422: a FastAPI
-server's validation error): another engine of the model would refuse it too."""
-
-
-class _Refused(EngineError):
-    """The engine refused the request (:data:`_REFUSED`)."""
-
-
 """Errors that say the engine is gone or hangs (not that it answered badly)."""
 
 
@@ -606,7 +597,12 @@ class HttpEngine:
                     async with self._http.post(
                         f"{self._base}/v1/completions", json=body, timeout=self._stream_timeout
                     ) as r:
-                        await self._answered(r)
+                        if r.status in (429, 503):  # busy: no new work here for a while
+                            self._back_off(r.headers.get("Retry-After"))
+                        if r.status != 200:
+                            # A bounded read: an error body may be huge, or never end.
+                            detail = (await r.content.read(_ERROR_BYTES)).decode(errors="replace")
+                            raise EngineError(f"the engine answered {r.status}: {detail}")
                         usage: dict[str, Any] | None = None
                         async for chunk in self._chunks(r):
                             if chunk.get("usage") is not None:
@@ -626,28 +622,13 @@ class HttpEngine:
         except TimeoutError as exc:
             why = watch.why() if watch is not None and watch.fired else ""
             self._fail(rid, exc, gone=True, why=why)
-        except _Refused as exc:
-            self._fail(rid, exc, gone=False, refused=True)
         except (aiohttp.ClientError, EngineError, ValueError) as exc:
             self._fail(rid, exc, gone=isinstance(exc, _GONE))
         except Exception as exc:  # an answer nothing above expects: the request fails, typed
             self._unexpected("agent.engine-stream", "engine at %s answered %s", c.url, rid)
             self._fail(rid, exc, gone=False)
 
-    async def _answered(self, r: aiohttp.ClientResponse) -> None:
-        """Raise unless the engine took the request (200): :class:`_Refused` for an answer
-        that refuses the request itself, :class:`EngineError` for any other."""
-        if r.status in (429, 503):  # busy: no new work here for a while
-            self._back_off(r.headers.get("Retry-After"))
-        if r.status != 200:
-            # A bounded read: an error body may be huge, or never end.
-            detail = (await r.content.read(_ERROR_BYTES)).decode(errors="replace")
-            why = f"the engine answered {r.status}: {detail}"
-            raise _Refused(why) if r.status in _REFUSED else EngineError(why)
-
-    def _fail(
-        self, rid: str, exc: BaseException, *, gone: bool, why: str = "", refused: bool = False
-    ) -> None:
+    def _fail(self, rid: str, exc: BaseException, *, gone: bool, why: str = "") -> None:
         self.failures += 1
         if gone:
             # The engine is gone or hangs: take no more work until a health check passes
@@ -657,9 +638,7 @@ class HttpEngine:
         if run is not None and not run.failed:
             run.failed = True
             what = f"{exc!r} ({why})" if why else repr(exc)
-            if refused:  # the engine's own words: they are the answer
-                what = str(exc)
-            self._emit(Failed(rid, f"engine {self.config.url}: {what}", refused))
+            self._emit(Failed(rid, f"engine {self.config.url}: {what}"))
 
     async def _chunks(self, r: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
         """The stream's JSON events; raises ``EngineError`` on a malformed line or a stream
