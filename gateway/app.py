@@ -247,11 +247,25 @@ class _Completions:
                         sampling=choice_sampling(job.sampling, choice),
                     )
                 )
-        except SluiceError as exc:
-            for handle in handles:  # the choices queued already: nobody will read them
-                metrics.CANCELLED.labels("refused").inc()
-                gw.cancel_later(handle, "refused")
-            raise from_client_error(exc, job.model) from exc
+        except BaseException as exc:
+            # The choices queued already: nobody will read them (a refusal, the server
+            # stopping, a failure of the gateway's own).
+            reason = (
+                "refused"
+                if isinstance(exc, SluiceError)
+                else "shutdown"
+                if isinstance(exc, asyncio.CancelledError)
+                else "failed"
+            )
+            for handle in handles:
+                metrics.CANCELLED.labels(reason).inc()
+                gw.cancel_later(handle, reason)
+            if not isinstance(exc, SluiceError):
+                raise
+            error = from_client_error(exc, job.model)
+            if handles:  # (they were queued, and are cancelled: the answer names them)
+                error.headers[REQUEST_ID_HEADER] = ",".join(h.request_id for h in handles)
+            raise error from exc
         relay = Relay(
             handles,
             job,
@@ -263,9 +277,9 @@ class _Completions:
         )
         headers = {REQUEST_ID_HEADER: ",".join(h.request_id for h in handles)}
         try:
-            firsts = await relay.first(request.receive)
+            first = await relay.first(request.receive)
             if job.stream:
-                return stream_response(relay, firsts, headers)
+                return stream_response(relay, first, headers)
             results = await relay.result(request.receive)
         except ApiError as exc:  # it was submitted: the answer names it
             exc.headers.update(headers)

@@ -130,7 +130,9 @@ class Relay:
                 metrics.CANCELLED.labels(reason).inc()
                 self._cancel(handle, reason)
 
-    async def _guarded(self, aw: Awaitable[T], receive: Receive) -> T:
+    async def _guarded(self, aw: Awaitable[T], receive: Receive, failing: str) -> T:
+        """``aw``'s value; the choices are stopped when the client leaves, the time runs out,
+        the server stops, or a choice fails (``failing``: the label of its cancels)."""
         try:
             return await race(aw, receive, self.deadline)
         except ClientGone:
@@ -143,29 +145,31 @@ class Relay:
             self.abort("shutdown")
             raise
         except SluiceError as exc:
-            self.abort("refused")  # (the other choices: nobody will read them)
+            self.abort(failing)  # (the other choices: nobody will read them)
             raise from_client_error(exc, self.job.model) from exc
 
-    async def first(self, receive: Receive) -> list[TokenChunk | None]:
-        """Each choice's first chunk of tokens (None: it ended without output); raises the
-        ``ApiError`` of a request that was refused."""
-        chunks = await self._guarded(_each([anext(c, None) for c in self._chunks]), receive)
-        if any(chunk is not None for chunk in chunks):
+    async def first(self, receive: Receive) -> TokenChunk | None:
+        """The first choice's first chunk of tokens (None: it ended without output); raises
+        the ``ApiError`` of a request that was refused. (The other choices are not waited
+        for: a refusal of a prompt or a model refuses them all alike, and they stream as
+        they come.)"""
+        chunk = await self._guarded(anext(self._chunks[0], None), receive, "refused")
+        if chunk is not None:
             metrics.TTFT.labels(self.route).observe(time.perf_counter() - self.arrived)
-        return chunks
+        return chunk
 
     async def result(self, receive: Receive) -> list[Result]:
         """Each choice's final result (for an answer that does not stream)."""
-        return await self._guarded(_each([h.result() for h in self.handles]), receive)
+        results = _each([h.result() for h in self.handles])
+        return await self._guarded(results, receive, "failed")
 
-    async def events(self, firsts: Sequence[TokenChunk | None]) -> AsyncIterator[bytes]:
-        """The server-sent events of the answer, from its first chunks to ``[DONE]``, the
-        choices' chunks as they come; an error after the stream started is an error event
-        (``data: {"error": ...}``) that ends it (and stops the other choices)."""
+    async def events(self, first: TokenChunk | None) -> AsyncIterator[bytes]:
+        """The server-sent events of the answer, from the first choice's first chunk to
+        ``[DONE]``, the choices' chunks as they come; an error after the stream started is an
+        error event (``data: {"error": ...}``) that ends it (and stops the other choices)."""
         chunks = Chunks(self.job, self.handle.request_id, self.created)
-        for i, first in enumerate(firsts):
-            if first is not None:
-                yield chunks.text(first.text, i)
+        if first is not None:
+            yield chunks.text(first.text)
         rest = self._one(chunks) if len(self.handles) == 1 else self._many(chunks)
         try:
             async for event in rest:
@@ -185,14 +189,14 @@ class Relay:
         yield chunks.finish(result) + chunks.close([result])
 
     async def _many(self, chunks: Chunks) -> AsyncGenerator[bytes, None]:
-        came: asyncio.Queue[tuple[int, TokenChunk | Result | SluiceError]] = asyncio.Queue()
+        came: asyncio.Queue[tuple[int, TokenChunk | Result | Exception]] = asyncio.Queue()
 
         async def pump(i: int) -> None:
             try:
                 async for chunk in self._chunks[i]:
                     came.put_nowait((i, chunk))
                 came.put_nowait((i, await self.handles[i].result()))
-            except SluiceError as exc:
+            except Exception as exc:  # (any: the stream must not wait on a pump that died)
                 came.put_nowait((i, exc))
 
         pumps = [asyncio.ensure_future(pump(i)) for i in range(len(self.handles))]
@@ -200,8 +204,10 @@ class Relay:
             results: dict[int, Result] = {}
             while len(results) < len(self.handles):
                 i, item = await came.get()
-                if isinstance(item, SluiceError):
+                if isinstance(item, Exception):
                     self.abort("failed")
+                    if not isinstance(item, SluiceError):
+                        raise item  # (as with one choice: the stream fails, logged)
                     yield sse(from_client_error(item, self.job.model).body())
                     return
                 if isinstance(item, Result):
@@ -273,9 +279,9 @@ class EventStream(Response):
 
 
 def stream_response(
-    relay: Relay, firsts: Sequence[TokenChunk | None], headers: Mapping[str, str]
+    relay: Relay, first: TokenChunk | None, headers: Mapping[str, str]
 ) -> EventStream:
     """The streamed answer of ``relay``."""
     return EventStream(
-        relay.events(firsts), deadline=relay.deadline, on_abort=relay.abort, headers=headers
+        relay.events(first), deadline=relay.deadline, on_abort=relay.abort, headers=headers
     )

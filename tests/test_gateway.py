@@ -745,16 +745,16 @@ async def test_n_choices_run_as_n_requests_whole_and_streamed(nats_url: str) -> 
 
 
 async def test_a_choice_refused_refuses_the_answer_and_cancels_the_others(nats_url: str) -> None:
-    """The band's queue takes two more requests (a bound of 3 with one queued): of n=4
-    choices the third is refused, the answer is a 429, and the two queued are cancelled, not
-    left to run for nobody. Mutation: the queued choices not cancelled."""
+    """The band's queue is bounded (3, one queued): of n=4 choices a later one is refused,
+    the answer is a 429 that names the choices queued before it, and those are cancelled,
+    not left to run for nobody. Mutation: the queued choices not cancelled."""
     kw = cluster_kwargs(
         workers=0, dispatcher={"queue_max_msgs": 3, "global_limit": 1, "band_queue_max_msgs": {}}
     )
     async with LocalCluster(nats_url, **kw), Client(nats_url) as c:
         await c.submit("sim", "fill", band="batch", request_id="fill-0")
         async with serving(nats_url) as (_, oa):
-            with pytest.raises(openai.RateLimitError):
+            with pytest.raises(openai.RateLimitError) as info:
                 await oa.completions.create(
                     model="sim",
                     prompt="four of these",
@@ -762,6 +762,9 @@ async def test_a_choice_refused_refuses_the_answer_and_cancels_the_others(nats_u
                     n=4,
                     extra_headers={"x-sluice-priority": "batch"},
                 )
+            # The answer names the choices that were queued (and are cancelled): not all four.
+            named = info.value.response.headers["x-sluice-request-id"].split(",")
+            assert 1 <= len(named) < 4, named
 
             async def cancelled() -> bool:
                 stats = await c.stats()
@@ -769,3 +772,58 @@ async def test_a_choice_refused_refuses_the_answer_and_cancels_the_others(nats_u
                 return batch.queued == 1  # the fill request alone
 
             await eventually(cancelled)
+
+
+async def test_choices_stream_as_they_come_and_one_that_fails_stops_the_others(
+    nats_url: str,
+) -> None:
+    """One request runs at a time (global_limit 1): the first choice streams to its finish
+    before the second starts, and the stream did not wait for the second's first token to
+    begin. Then a choice cancelled by someone else mid-stream ends the stream with its error
+    event and stops the other, in a stream and in a whole answer. Mutations: first() waiting
+    for every choice's first chunk; the other choices not stopped on a failure."""
+    kw = cluster_kwargs(workers=1, dispatcher={"global_limit": 1, "leader_lease_s": 3.0})
+    async with (
+        LocalCluster(nats_url, **kw) as cluster,
+        Client(nats_url) as c,
+        serving(nats_url) as (gw, _),
+        httpx.AsyncClient(base_url=gw.url, timeout=30) as http,
+    ):
+        body = {"model": "sim", "prompt": "in turn", "max_tokens": 40, "stream": True, "n": 2}
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            events = [json.loads(line[6:]) for line in [x async for x in r.aiter_lines()]
+                      if line.startswith("data: {")]  # fmt: skip
+        order = [(ch["index"], ch["finish_reason"]) for e in events for ch in e["choices"]]
+        finished_0 = order.index((0, "length"))
+        assert all(i == 0 for i, _ in order[:finished_0]) and (1, "length") in order
+        assert order.index((0, "length")) < min(k for k, (i, _) in enumerate(order) if i == 1)
+
+        long = {"model": "sim", "prompt": "long", "max_tokens": 200_000, "n": 2}
+        async with http.stream("POST", "/v1/completions", json={**long, "stream": True}) as r:
+            rids = r.headers["x-sluice-request-id"].split(",")
+            lines = r.aiter_lines()
+            async for line in lines:
+                if line.startswith("data: {"):
+                    break
+            await c.cancel(rids[0])  # the first choice, by someone else
+            rest = [line async for line in lines if line.startswith("data: ")]
+        assert '"error"' in rest[-1], rest[-3:]
+        await eventually(lambda: _ended(c, rids), timeout_s=15)
+        # A whole answer: its ids are known only from the worker that runs the first.
+        answer = asyncio.create_task(http.post("/v1/completions", json=long))
+        agent = cluster.agents[0]
+
+        async def running() -> bool:
+            return bool(agent._running)
+
+        await eventually(running)
+        await c.cancel(next(iter(agent._running)))
+        response = await answer
+        assert response.status_code >= 400, response.text
+        rids = response.headers["x-sluice-request-id"].split(",")
+        await eventually(lambda: _ended(c, rids), timeout_s=15)
+
+
+async def _ended(c: Client, rids: list[str]) -> bool:
+    results = [await c.fetch_result(rid) for rid in rids]
+    return all(x is not None and x.rejection is not None for x in results)

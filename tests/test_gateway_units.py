@@ -150,7 +150,7 @@ _CHAT = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
     ("body", "param"),
     [
         ({"messages": [{"role": "user", "content": "x"}]}, "model"),
-        ({**_CHAT, "n": 2}, "n"),
+        ({**_CHAT, "n": 17}, "n"),
         ({**_CHAT, "n": True}, "n"),
         ({**_CHAT, "best_of": True}, None),
         ({**_CHAT, "stop": [""]}, "stop"),
