@@ -50,14 +50,21 @@ def message_text(i: int, content: Any) -> str:
     raise ChatError(f"messages[{i}].content must be a string or a list of text parts")
 
 
-def render_chat(messages: Any) -> str:
-    """The prompt of a chat: one deterministic template (see the module docstring), so a
-    conversation keeps its prefix. Raises :class:`ChatError` for messages it cannot render."""
+def chat_messages(messages: Any) -> list[dict[str, Any]]:
+    """``messages`` if they are a chat: a non-empty list of objects, each with a role;
+    :class:`ChatError` otherwise."""
     if not isinstance(messages, list) or not messages:
         raise ChatError("messages must be a non-empty list")
-    parts = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"]:
             raise ChatError(f"messages[{i}] needs a role")
+    return messages
+
+
+def render_chat(messages: Any) -> str:
+    """The prompt of a chat: one deterministic template (see the module docstring), so a
+    conversation keeps its prefix. Raises :class:`ChatError` for messages it cannot render."""
+    parts = []
+    for i, m in enumerate(chat_messages(messages)):
         parts.append(f"<|{m['role']}|>\n{message_text(i, m.get('content'))}\n")
     return "".join(parts) + ASSISTANT_CUE

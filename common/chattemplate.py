@@ -33,7 +33,7 @@ import jinja2.ext
 from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from sluice.common.chat import ChatError, message_text, render_chat
+from sluice.common.chat import ChatError, chat_messages, message_text, render_chat
 from sluice.common.errors import ConfigError
 from sluice.common.tokenizer import PromptTokenizer
 
@@ -306,12 +306,8 @@ class ChatTemplate:
         return text
 
     def _messages(self, messages: Any) -> list[dict[str, Any]]:
-        if not isinstance(messages, list) or not messages:
-            raise ChatError("messages must be a non-empty list")
         chat = []
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"]:
-                raise ChatError(f"messages[{i}] needs a role")
+        for i, m in enumerate(chat_messages(messages)):
             content = m.get("content")
             if content is not None:  # (none: an assistant's tool calls, as transformers has it)
                 text = message_text(i, content)  # (checks the parts: text only)
