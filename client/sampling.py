@@ -5,8 +5,8 @@ body (the gateway's and a batch file's).
 An OpenAI body's ``temperature``, ``top_p``, ``seed``, ``frequency_penalty``,
 ``presence_penalty`` and ``stop`` (a string or a list of them), and vLLM's and SGLang's
 ``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``, ``min_tokens`` and
-``ignore_eos``, reach the engine. What
-Sluice cannot honour is refused, never ignored (:data:`UNSUPPORTED`).
+``ignore_eos``, reach the engine. What Sluice cannot honour is refused, never ignored
+(:data:`UNSUPPORTED`).
 """
 
 from __future__ import annotations
