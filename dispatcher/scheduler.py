@@ -527,13 +527,18 @@ class Scheduler:
         self, request_id: str, worker_id: str, attempt: int, error: str = ""
     ) -> Request | Ended | None:
         """A worker reports it could not finish a request (``error``: why): release and retry
-        it elsewhere."""
+        it elsewhere. A report of an older attempt than the one booked there is stale; one of
+        a later attempt is of the run there (a new leader adopts a request the worker runs as
+        the attempt its message came back as: the old leader's retries are not in it)."""
         booking = self._books.get(request_id)
-        if booking is None or booking.worker_id != worker_id or booking.request.attempt != attempt:
+        if booking is None or booking.worker_id != worker_id or booking.request.attempt > attempt:
             return None
         self._release(request_id)
         self._failed_on[request_id] = worker_id
-        return self._retry(booking.request, error)
+        request = booking.request
+        if attempt > request.attempt:
+            request = request.as_attempt(attempt)
+        return self._retry(request, error)
 
     def cancel(self, request_id: str) -> Request | None:
         """Remove a queued request (cancelled, or its result already exists)."""

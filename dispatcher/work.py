@@ -42,6 +42,10 @@ class Request:
         """The same request, to run as its next attempt."""
         return self._copy(self.attempt + 1, self.engine_ms)
 
+    def as_attempt(self, attempt: int) -> Request:
+        """The same request, as attempt ``attempt``."""
+        return self._copy(attempt, self.engine_ms)
+
     def _copy(self, attempt: int, engine_ms: int) -> Request:
         # The constructor itself: dataclasses.replace() costs twice as much, once per request.
         return Request(

@@ -724,7 +724,8 @@ async def test_a_result_too_large_for_the_broker_fails_its_attempts_instead_of_w
     conf = tmp_path / "small.conf"
     conf.write_text("max_payload: 65536\n")
     with EmbeddedNats(config_file=conf) as server:
-        kw = cluster_kwargs(workers=1, agent={"speed": 1000.0})
+        # (A leader's lease long enough for a test process that shares two cores with CI.)
+        kw = cluster_kwargs(workers=1, dispatcher={"leader_lease_s": 3.0}, agent={"speed": 1000.0})
         async with LocalCluster(server.url, **kw), Client(server.url) as c:
             handle = await c.submit("sim", PROMPT, max_tokens=30_000)
             with pytest.raises(Rejected) as rejected:

@@ -544,3 +544,26 @@ def test_a_priced_or_retried_request_keeps_every_other_field() -> None:
     priced, again = r.priced(99), r.next_attempt()
     assert dataclasses.asdict(priced) == {**values, "engine_ms": 99}
     assert dataclasses.asdict(again) == {**values, "attempt": 3}
+
+
+def test_a_failure_of_an_attempt_a_new_term_did_not_dispatch_is_retried_not_ignored() -> None:
+    """After a failover the new leader's books hold a request the worker runs as attempt 2
+    (the old leader's retry) as an adopted attempt 1: its message came back as any other.
+    The worker's failure report of attempt 2 is of that very run: it is retried (as attempt
+    3), not ignored as stale, which left the request booked on a worker that no longer ran
+    it until the next reconciliation (60 s; seen in CI after a leader lost its lease). A
+    report of an older attempt than the booking's is still stale."""
+    s = _sched()
+    s.update_worker(_worker("w1"))
+    s.enqueue(_req("r"), 0.0)  # (the redelivered message: attempt 1 for this term)
+    assert s.adopt("r", "w1", 0.0)  # the worker's heartbeat lists it
+    again = s.fail("r", "w1", 2, "its result cannot be stored")
+    assert again is not None and again.attempt == 3, again
+    s.enqueue(_req("q"), 0.0)
+    assert "q" in _run_all(s, 1.0)
+    assert s.fail("q", "w1", 1) is not None  # its own failure: queued as attempt 2
+    assert "q" in _run_all(s, 2.0)
+    booked = s.booking("q")
+    assert booked is not None and booked.request.attempt == 2
+    assert s.fail("q", "w1", 1) is None  # a late copy of attempt 1's report: stale
+    assert s.booking("q") == booked
