@@ -91,6 +91,10 @@ class Scheduler:
         # Request id -> the worker that reported failing it: a heartbeat it sent before the
         # failure still lists it, and must not book the retry back onto that worker.
         self._failed_on: dict[str, str] = {}
+        # Requests booked where a worker reported running them, not dispatched by this
+        # scheduler: the attempt the worker runs is not known here (a new leader's books start
+        # from the attempt a message comes back as, without the old leader's retries).
+        self._adopted: set[str] = set()
         self.flaps = flaps or FlapMeter(key_blocks(DEFAULT_BLOCK_TOKENS))
         """Flaps of booked decisions (:mod:`sluice.dispatcher.flaps`)."""
         self.engine_time = EngineTime(engine_time)
@@ -521,17 +525,24 @@ class Scheduler:
             return False
         if self._failed_on.get(request_id) == worker_id:
             return False  # a heartbeat from before its failure report
-        return self.book(Dispatch(request, worker_id), now_s)
+        booked = self.book(Dispatch(request, worker_id), now_s)
+        if booked:
+            self._adopted.add(request_id)
+        return booked
 
     def fail(
         self, request_id: str, worker_id: str, attempt: int, error: str = ""
     ) -> Request | Ended | None:
         """A worker reports it could not finish a request (``error``: why): release and retry
-        it elsewhere. A report of an older attempt than the one booked there is stale; one of
-        a later attempt is of the run there (a new leader adopts a request the worker runs as
-        the attempt its message came back as: the old leader's retries are not in it)."""
+        it elsewhere. A report of another attempt than the one booked there is stale, unless
+        the booking was adopted (:meth:`adopt`) and the report's attempt is later: then it is
+        of the run adopted there, whose attempt was not known here (a new leader adopts a
+        request as the attempt its message came back as, without the old leader's retries)."""
         booking = self._books.get(request_id)
-        if booking is None or booking.worker_id != worker_id or booking.request.attempt > attempt:
+        if booking is None or booking.worker_id != worker_id:
+            return None
+        booked = booking.request.attempt
+        if attempt != booked and not (request_id in self._adopted and attempt > booked):
             return None
         self._release(request_id)
         self._failed_on[request_id] = worker_id
@@ -558,6 +569,7 @@ class Scheduler:
         booking = self._books.get(request_id)
         assert booking is not None
         self._reserved.pop(request_id, None)
+        self._adopted.discard(request_id)
         levels, amount = self.quota_levels(booking.request)
         released = self._books.release(request_id, levels, amount)
         self._refresh(released.worker_id)
@@ -594,7 +606,8 @@ class Scheduler:
         for rid, worker_id in drift.moved:
             request = self._release(rid).request
             self._insert(request)
-            self.book(Dispatch(request, worker_id), now_s)
+            if self.book(Dispatch(request, worker_id), now_s):
+                self._adopted.add(rid)  # (the run there: its attempt is that worker's)
         for rid, worker_id in drift.adopted:
             self.adopt(rid, worker_id, now_s)
         return out

@@ -552,7 +552,8 @@ def test_a_failure_of_an_attempt_a_new_term_did_not_dispatch_is_retried_not_igno
     The worker's failure report of attempt 2 is of that very run: it is retried (as attempt
     3), not ignored as stale, which left the request booked on a worker that no longer ran
     it until the next reconciliation (60 s; seen in CI after a leader lost its lease). A
-    report of an older attempt than the booking's is still stale."""
+    report of an older attempt than the booking's is still stale, and so is one of another
+    attempt than a booking this scheduler dispatched itself (test_core_parts.py)."""
     s = _sched()
     s.update_worker(_worker("w1"))
     s.enqueue(_req("r"), 0.0)  # (the redelivered message: attempt 1 for this term)

@@ -101,14 +101,13 @@ class WorkerTraffic:
             if effects.request is not None:
                 self._count_hits(c, effects.booking)
             other = effects.booking
-            if other is not None and (
-                other.worker_id != c.worker_id or other.request.attempt > c.attempt
+            if other is not None and (other.worker_id, other.request.attempt) != (
+                c.worker_id,
+                c.attempt,
             ):
                 # A worker that stalled past its lease finished first: its result stands
                 # (stored before this report; the other copy's is deduplicated), and the copy
-                # running elsewhere is stopped. (The same worker's report of a later attempt
-                # than booked is of the run booked there: a new leader adopted it as the
-                # attempt its message came back as.)
+                # running elsewhere is stopped.
                 self._stop_copy(other.worker_id, c.request_id, other.request.attempt)
             held = st.release_held(c.request_id)
             if held is not None:
