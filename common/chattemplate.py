@@ -22,6 +22,7 @@ the tokenizer adds, as Llama's, Mistral's and Gemma's do).
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -56,6 +57,17 @@ _SPECIAL_TOKENS = (
 _RESERVED = frozenset({"messages", "add_generation_prompt", *_SPECIAL_TOKENS})
 """Variables a request's ``chat_template_kwargs`` may not set: the chat itself, and the
 tokenizer's special tokens (a request must not make the template write another BOS)."""
+_TEMPLATE_BUGS = (
+    ArithmeticError,
+    LookupError,
+    TypeError,
+    ValueError,
+    AttributeError,
+    RecursionError,
+)
+"""What a template's own mistakes raise while it compiles or renders (a filter on a wrong
+type, a division by zero, a macro that recurses for ever)."""
+log = logging.getLogger("sluice.chat")
 _SIDE_TEMPLATE = "chat_template.jinja"
 """Where newer Hugging Face repositories keep the template, beside ``tokenizer_config.json``
 (transformers 4.47 on): it wins over one inside the config."""
@@ -194,9 +206,11 @@ class ChatTemplate:
         env.globals["strftime_now"] = _strftime_now
         where = f" ({origin})" if origin else ""
         try:
-            self._template = env.from_string(source)
-            self.content_parts = _content_parts(env.parse(source))
-        except Exception as exc:  # a syntax error, or a constant jinja2 folds and fails on
+            parsed = env.parse(source)  # (once: compiled and read for its content loops)
+            self._template = env.from_string(parsed)
+            self.content_parts = _content_parts(parsed)
+        except (jinja2.TemplateError, *_TEMPLATE_BUGS) as exc:
+            # A syntax error, or a constant jinja2 folds and fails on ({{ 10 ** 100000 }}).
             raise ConfigError(f"the chat template{where} does not compile: {exc}") from exc
         given = dict(special_tokens or {})
         self.special_tokens: dict[str, Any] = {n: given.get(n, "") for n in _SPECIAL_TOKENS}
@@ -273,9 +287,12 @@ class ChatTemplate:
             text = "".join(_bounded(self._template.generate(**variables)))
         except jinja2.TemplateError as exc:
             raise ChatError(f"the model's chat template refused the messages: {exc}") from exc
-        except ChatError:
+        except ChatError:  # (the rendering's bound: a ValueError too, but no bug)
             raise
-        except Exception as exc:  # the template's own bug, or content it did not expect
+        except _TEMPLATE_BUGS as exc:
+            # The template's own bug, or content it did not expect: the request is answered
+            # with it, and the operator told (a template that fails on every chat is theirs).
+            log.warning("the chat template %s failed: %r", self.origin or "(inline)", exc)
             raise ChatError(f"the model's chat template failed: {exc!r}") from exc
         if opts.continue_final_message:
             text = _cut_after_final(text, chat[-1].get("content"))
