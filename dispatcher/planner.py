@@ -22,7 +22,14 @@ from sluice.dispatcher.enginetime import EngineTime
 from sluice.dispatcher.pool import FreeWorkers
 from sluice.dispatcher.queues import Queues
 from sluice.dispatcher.quotas import Level, Quotas
-from sluice.dispatcher.routing import Candidate, CandidatePool, Choice, LoadKey, RoutingPolicy
+from sluice.dispatcher.routing import (
+    Candidate,
+    CandidatePool,
+    Choice,
+    ExcludingPool,
+    LoadKey,
+    RoutingPolicy,
+)
 from sluice.dispatcher.scoring import LEAST_MAX, group_keys, least_keys
 from sluice.dispatcher.shares import BandMeter, ShareKind
 from sluice.dispatcher.work import Dispatch, Request, WorkerInfo
@@ -125,9 +132,15 @@ def plan(state: PlanInput, now_s: float, max_decisions: int | None = None) -> li
         if state.free.count(model) <= scratch.filled.get(model, 0):
             continue  # every worker of this model is full: drop its queues from this plan
         if request.deadline_s is None or request.deadline_s > now_s:  # never run an expired one
-            d = _decide(state, request, _Pool(state, scratch, model, now_s), now_s, kind)
-            decisions.append(d)
-            _take(state, scratch, d, levels, amount)
+            pool: CandidatePool = _Pool(state, scratch, model, now_s)
+            off = kept_off(state, request) if request.failed_on else None
+            if off:
+                pool = ExcludingPool(pool, off)
+            # Kept off every worker with room: it waits for another, and those behind it go.
+            if not off or len(pool):
+                d = _decide(state, request, pool, now_s, kind)
+                decisions.append(d)
+                _take(state, scratch, d, levels, amount)
         _push_next(heads, q, band, model, idx)
     return decisions
 
@@ -150,6 +163,19 @@ def share_kind(
     if not pressed and meter.idle_credit(band, now_s) - taken.get((band, "idle"), 0.0) >= 0:
         return "idle"
     return None
+
+
+def kept_off(state: PlanInput, request: Request) -> frozenset[str]:
+    """The workers a plan keeps ``request`` off: those an earlier attempt failed on, unless
+    every live worker of its model is among them (then any may run it again: one engine
+    that failed once may well serve the next attempt, and there is no other)."""
+    model, workers = request.model, state.workers
+    live = 0
+    for w in request.failed_on:
+        info = workers.get(w)
+        if info is not None and not info.draining and model in info.models:
+            live += 1
+    return request.failed_on if live < state.served.get(model, 0) else frozenset()
 
 
 def _scratch(state: PlanInput) -> _Scratch:
@@ -446,8 +472,8 @@ def hold_reason(
 ) -> str:
     """The layer that holds ``request`` in the queue now (one of :data:`HOLD_REASONS`): a
     limit, an engine-time budget or a quota without room for it, no live worker of its model
-    with room, or else the requests ahead of it. ``pressed``: the bands held to their shares,
-    if already known. Pure, like :func:`plan`."""
+    with room (but those it is kept off, :func:`kept_off`), or else the requests ahead of it.
+    ``pressed``: the bands held to their shares, if already known. Pure, like :func:`plan`."""
     cfg, books = state.config, state.books
     band = request.band
     if len(books) >= cfg.global_limit:
@@ -464,11 +490,13 @@ def hold_reason(
     blocked = books.usage.blocked_by(cfg.quotas, request.model, band, request.tenant, amount, None)
     if blocked is not None:
         return f"quota:{blocked[0]}"
+    off = kept_off(state, request) if request.failed_on else frozenset()
     for wid, info in state.workers.items():
         if (
             request.model in info.models
             and not info.draining
             and wid not in state.refused
+            and wid not in off
             and info.capacity > len(books.on(wid))
         ):
             return "queue"

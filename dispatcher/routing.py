@@ -196,6 +196,85 @@ class ListPool(CandidatePool):
         return self._list
 
 
+class ExcludingPool(CandidatePool):
+    """``inner`` without the workers in ``off`` (the planner's pool for a retried request,
+    kept off the workers it failed on)."""
+
+    __slots__ = ("_inner", "_list", "_off", "_skip")
+
+    def __init__(self, inner: CandidatePool, off: frozenset[str]) -> None:
+        self._inner, self._off = inner, off
+        self._skip = _Either(off)
+        self._list: list[Candidate] | None = None
+
+    def __len__(self) -> int:
+        inner = self._inner
+        return len(inner) - sum(1 for w in self._off if inner.load_key(w) is not None)
+
+    def get(self, worker_id: str) -> Candidate | None:
+        return None if worker_id in self._off else self._inner.get(worker_id)
+
+    def load_key(self, worker_id: str) -> float | None:
+        return None if worker_id in self._off else self._inner.load_key(worker_id)
+
+    def keyed_groups(
+        self,
+        worker_ids: Iterable[str],
+        blocks_of: Mapping[str, int],
+        skip: Container[str] | None = None,
+    ) -> dict[int, list[tuple[float, str]]]:
+        return self._inner.keyed_groups(worker_ids, blocks_of, self._skip.with_(skip))
+
+    def least_groups(
+        self,
+        worker_ids: Iterable[str],
+        blocks_of: Mapping[str, int],
+        skip: Container[str] | None,
+        m: int,
+    ) -> dict[int, tuple[list[tuple[float, str]], int]]:
+        return self._inner.least_groups(worker_ids, blocks_of, self._skip.with_(skip), m)
+
+    def ids_by_load(self) -> Iterator[tuple[float, str]]:
+        off = self._off
+        return ((k, w) for k, w in self._inner.ids_by_load() if w not in off)
+
+    def by_load(self) -> Iterator[tuple[float, Candidate]]:
+        off = self._off
+        return ((k, c) for k, c in self._inner.by_load() if c.worker_id not in off)
+
+    def joined_after(self, t_s: float) -> list[Candidate]:
+        return [c for c in self._inner.joined_after(t_s) if c.worker_id not in self._off]
+
+    def under(
+        self, share: float, key: float, queue: float = math.inf, drain: float = 0.0
+    ) -> tuple[int, Iterator[str]] | None:
+        under = self._inner.under(share, key, queue, drain)
+        if under is None:
+            return None
+        kept = [w for w in under[1] if w not in self._off]
+        return len(kept), iter(kept)
+
+    def _all(self) -> Sequence[Candidate]:
+        if self._list is None:
+            self._list = [c for c in self._inner if c.worker_id not in self._off]
+        return self._list
+
+
+class _Either:
+    """``off``, or ``off`` and a policy's own ``skip``: one container for the native loops."""
+
+    __slots__ = ("_off", "_skip")
+
+    def __init__(self, off: Container[str], skip: Container[str] | None = None) -> None:
+        self._off, self._skip = off, skip
+
+    def __contains__(self, worker_id: object) -> bool:
+        return worker_id in self._off or (self._skip is not None and worker_id in self._skip)
+
+    def with_(self, skip: Container[str] | None) -> _Either:
+        return self if skip is None else _Either(self._off, skip)
+
+
 class LoadKey(Protocol):
     """A worker's place in the "least loaded" order, from what changes only when it is
     booked or released (never with the clock): its requests booked here, its capacity and

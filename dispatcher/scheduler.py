@@ -323,7 +323,7 @@ class Scheduler:
         requeued: list[Request] = []
         ended: list[Ended] = []
         for rid in self._books.forget_worker(worker_id):
-            retry = self._retry(self._release(rid).request)
+            retry = self._retry(self._release(rid).request, worker_id)
             if isinstance(retry, Ended):
                 ended.append(retry)
             else:
@@ -370,17 +370,20 @@ class Scheduler:
         for rid in now - before:
             self._reported_on[rid] = worker_id
 
-    def _retry(self, request: Request, error: str = "") -> Request | Ended:
+    def _retry(self, request: Request, worker_id: str, error: str = "") -> Request | Ended:
+        """Queue ``request`` again as its next attempt, kept off ``worker_id`` (the worker its
+        last attempt failed on) while its model has another, or end it out of attempts."""
         if request.attempt >= self.config.max_attempts:
             last = f" (the last: {error[:300]})" if error else ""
+            on = ", ".join(sorted(request.failed_on | {worker_id}))
             return Ended(
                 request,
                 Rejection(
                     reason=RejectReason.MAX_ATTEMPTS,
-                    message=f"{request.attempt} attempts failed; giving up{last}",
+                    message=f"{request.attempt} attempts failed (on {on}); giving up{last}",
                 ),
             )
-        again = request.next_attempt()
+        again = request.next_attempt(worker_id)
         self._insert(again)
         return again
 
@@ -549,7 +552,7 @@ class Scheduler:
         request = booking.request
         if attempt > request.attempt:
             request = request.as_attempt(attempt)
-        return self._retry(request, error)
+        return self._retry(request, worker_id, error)
 
     def cancel(self, request_id: str) -> Request | None:
         """Remove a queued request (cancelled, or its result already exists)."""
@@ -598,7 +601,7 @@ class Scheduler:
         for rid in drift.orphaned:
             booking = self._release(rid)
             self._failed_on[rid] = booking.worker_id  # a stale report must not re-adopt it
-            retry = self._retry(booking.request)
+            retry = self._retry(booking.request, booking.worker_id)
             if isinstance(retry, Ended):
                 out.ended.append(retry)
             else:

@@ -33,20 +33,25 @@ class Request:
     (priced by the scheduler when it is queued; what ``engine_ms`` quotas count)."""
     affinity_key: int | None = None
     """Its session's key, when the producer named a session."""
+    failed_on: frozenset[str] = frozenset()
+    """Workers an earlier attempt failed on (or was lost with): a plan offers it to them
+    again only once every live worker of its model is among them."""
 
     def priced(self, engine_ms: int) -> Request:
         """The same request with its estimated engine time set."""
-        return self._copy(self.attempt, engine_ms)
+        return self._copy(self.attempt, engine_ms, self.failed_on)
 
-    def next_attempt(self) -> Request:
-        """The same request, to run as its next attempt."""
-        return self._copy(self.attempt + 1, self.engine_ms)
+    def next_attempt(self, failed_on: str | None = None) -> Request:
+        """The same request, to run as its next attempt; ``failed_on``: the worker the last
+        attempt failed on."""
+        on = self.failed_on if failed_on is None else self.failed_on | {failed_on}
+        return self._copy(self.attempt + 1, self.engine_ms, on)
 
     def as_attempt(self, attempt: int) -> Request:
         """The same request, as attempt ``attempt``."""
-        return self._copy(attempt, self.engine_ms)
+        return self._copy(attempt, self.engine_ms, self.failed_on)
 
-    def _copy(self, attempt: int, engine_ms: int) -> Request:
+    def _copy(self, attempt: int, engine_ms: int, failed_on: frozenset[str]) -> Request:
         # The constructor itself: dataclasses.replace() costs twice as much, once per request.
         return Request(
             self.request_id,
@@ -61,6 +66,7 @@ class Request:
             attempt,
             engine_ms,
             self.affinity_key,
+            failed_on,
         )
 
     @property

@@ -732,3 +732,20 @@ async def test_a_result_too_large_for_the_broker_fails_its_attempts_instead_of_w
                 await handle.result(timeout_s=60)
     assert rejected.value.reason == RejectReason.MAX_ATTEMPTS
     assert "cannot be stored" in str(rejected.value), rejected.value
+
+
+async def test_a_request_failing_on_a_worker_is_retried_on_another(tmp_path: Path) -> None:
+    """The result too large for the broker of the test above, on a fleet of two: the retry
+    of an attempt that failed on one worker runs on the other (it went back to the same
+    worker, whose cache held its prompt), and the rejection names both."""
+    conf = tmp_path / "small.conf"
+    conf.write_text("max_payload: 65536\n")
+    with EmbeddedNats(config_file=conf) as server:
+        kw = cluster_kwargs(workers=2, dispatcher={"leader_lease_s": 3.0}, agent={"speed": 1000.0})
+        async with LocalCluster(server.url, **kw) as cluster, Client(server.url) as c:
+            handle = await c.submit("sim", PROMPT * 20, max_tokens=30_000)
+            with pytest.raises(Rejected) as rejected:
+                await handle.result(timeout_s=60)
+            workers = sorted(a.worker_id for a in cluster.agents)
+    assert rejected.value.reason == RejectReason.MAX_ATTEMPTS
+    assert f"(on {', '.join(workers)})" in str(rejected.value), rejected.value

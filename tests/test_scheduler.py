@@ -534,7 +534,7 @@ def test_a_priced_or_retried_request_keeps_every_other_field() -> None:
     much per request): a field added to ``Request`` and forgotten there would be lost."""
     import dataclasses
 
-    r = Request("r", "batch", "m2", "t2", 7, 3, 1.5, 9.0, (4, 5), 2, 11, 42)
+    r = Request("r", "batch", "m2", "t2", 7, 3, 1.5, 9.0, (4, 5), 2, 11, 42, frozenset({"w0"}))
     values = {f.name: getattr(r, f.name) for f in dataclasses.fields(Request)}
     assert len(set(map(repr, values.values()))) == len(values)  # every field tells apart
     # A field added later (with a default) fails here until this test sets it, and so checks
@@ -544,6 +544,9 @@ def test_a_priced_or_retried_request_keeps_every_other_field() -> None:
     priced, again = r.priced(99), r.next_attempt()
     assert dataclasses.asdict(priced) == {**values, "engine_ms": 99}
     assert dataclasses.asdict(again) == {**values, "attempt": 3}
+    assert dataclasses.asdict(r.as_attempt(5)) == {**values, "attempt": 5}
+    failed = dataclasses.asdict(r.next_attempt("w9"))
+    assert failed == {**values, "attempt": 3, "failed_on": frozenset({"w0", "w9"})}
 
 
 def test_a_failure_of_an_attempt_a_new_term_did_not_dispatch_is_retried_not_ignored() -> None:
