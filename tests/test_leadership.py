@@ -39,6 +39,11 @@ PROMPT = list(range(7000, 7128))
 TAKEOVER_TARGET_S = 5.0
 
 
+LEASE_S = 9.0
+"""The leadership lease of the hand-over test: renewed every third (3 s), so a standby that
+waits it out takes over 6 to 9 s after the leader's last act."""
+
+
 def dispatcher_env(nats_url: str, dispatcher_id: str, **extra: object) -> dict[str, str]:
     """Fast test settings for a dispatcher process (the leadership lease keeps its default
     unless ``extra`` says otherwise)."""
@@ -312,11 +317,14 @@ async def test_three_dispatchers_keep_the_global_limit(
     """(c) Three dispatchers at once, a global limit of 8 and 32 slots at the agents: the
     agents never hold more than 8, also while the leader stops cleanly and hands over (at
     once: a standby dispatches before the leader's lease would have run out)."""
-    env = dispatcher_env(nats_url, "d-0", global_limit=8)
-    d0 = dispatchers.start("d-0", env)
+    # A long lease: the hand-over must beat its wait by more than a loaded machine's delays
+    # (3.85 s was seen in a full local run under load, against the default 3 s lease, which
+    # a standby waiting it out meets 2 to 3 s after the stop: the guard could not tell).
+    lease = {"global_limit": 8, "leader_lease_s": LEASE_S}
+    d0 = dispatchers.start("d-0", dispatcher_env(nats_url, "d-0", **lease))
     await _leads(fleet.tap, "d-0")
     for name in ("d-1", "d-2"):
-        dispatchers.start(name, dispatcher_env(nats_url, name, global_limit=8))
+        dispatchers.start(name, dispatcher_env(nats_url, name, **lease))
     await asyncio.sleep(1.0)
     async with Client(nats_url) as c:
         handles = await _submit(c, 60, max_tokens=1500, prefix="c")
@@ -339,8 +347,8 @@ async def test_three_dispatchers_keep_the_global_limit(
     handover_s = min(firsts) - stopped_at
     print(f"clean hand-over: SIGTERM to the next leader's first dispatch in {handover_s:.2f} s")
     # Handed over, not waited out: without the clean hand-over a standby takes over only when
-    # the leader's lease (3 s, the default here) runs out. The time itself is a benchmark's.
-    assert handover_s < 3.0
+    # the leader's lease runs out, two thirds of it at the soonest. The time is a benchmark's.
+    assert handover_s < LEASE_S * 2 / 3
     assert all(r.ok for r in results)
     assert fleet.runs == 60, f"{fleet.runs} runs for 60 requests: something ran twice"
     assert fleet.max_in_flight <= 8, f"the agents held {fleet.max_in_flight} at once (limit 8)"
