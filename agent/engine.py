@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from sluice.agent.errors import EngineError
-from sluice.schemas.models import Sampling
+from sluice.schemas.models import Sampling, TokenLogprob
 
 __all__ = ["Engine", "EngineError", "EngineLoad", "Finished", "Step", "TokensOut"]
 
@@ -147,6 +147,14 @@ class Engine(Protocol):
 
     def output_tokens(self, request_id: str, start: int, count: int) -> list[int]:
         """The ids of tokens ``start`` .. ``start + count - 1`` of a request's output."""
+        ...
+
+    def output_logprobs(
+        self, request_id: str, start: int, count: int, top: int
+    ) -> list[TokenLogprob]:
+        """The log probabilities of tokens ``start`` .. ``start + count - 1`` of a request's
+        output and of the ``top`` most likely tokens at each position (asked for with
+        ``Sampling.logprobs`` at :meth:`add`): one per token."""
         ...
 
     def detokenize(self, tokens: Sequence[int]) -> str: ...

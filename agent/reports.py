@@ -15,6 +15,7 @@ from sluice.schemas.models import (
     Result,
     SubmitRequest,
     Timings,
+    TokenLogprob,
     WorkerLoad,
     WorkerState,
 )
@@ -140,7 +141,13 @@ def failure(worker_id: str, request_id: str, attempt: int, error: str) -> Comple
 
 
 def cancelled(
-    req: SubmitRequest, worker_id: str, attempt: int, *, tokens: list[int], text: str
+    req: SubmitRequest,
+    worker_id: str,
+    attempt: int,
+    *,
+    tokens: list[int],
+    text: str,
+    logprobs: list[TokenLogprob] | None = None,
 ) -> Result:
     """The result of a request cancelled while it ran: not ok, ``cancelled``, with the tokens
     produced until the stop."""
@@ -154,6 +161,7 @@ def cancelled(
         attempt=attempt,
         output_tokens=tokens,
         text=text,
+        logprobs=logprobs,
         rejection=Rejection(
             reason=RejectReason.CANCELLED,
             message=f"cancelled while running, after {len(tokens)} tokens",
@@ -167,6 +175,7 @@ def result(
     *,
     tokens: list[int],
     text: str,
+    logprobs: list[TokenLogprob] | None = None,
     accepted_unix_s: float,
     first_token_unix_s: float | None,
     finished_unix_s: float,
@@ -184,6 +193,7 @@ def result(
         attempt=done.attempt,
         output_tokens=tokens,
         text=text,
+        logprobs=logprobs,
         prompt_tokens=done.prompt_tokens,
         cached_tokens=done.cached_tokens,
         timings=Timings(

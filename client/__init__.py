@@ -36,6 +36,8 @@ from sluice.schemas.models import (
     Sampling,
     Timings,
     TokenChunk,
+    TokenLogprob,
+    TopLogprob,
 )
 
 __all__ = [
@@ -66,5 +68,7 @@ __all__ = [
     "SluiceError",
     "Timings",
     "TokenChunk",
+    "TokenLogprob",
+    "TopLogprob",
     "UnknownWorker",
 ]

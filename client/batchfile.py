@@ -140,7 +140,8 @@ def _line(n: int, cid: str, obj: Mapping[str, Any], batch_id: str, render: ChatR
             raise _Bad("body must be an object")
         if body.get("n", 1) != 1:
             raise _Bad("only n = 1 is supported")
-        sampling = _sampling(lambda: openai_sampling(body))
+        endpoint: Kind = kind  # (narrowed for the closure)
+        sampling = _sampling(lambda: openai_sampling(body, endpoint))
         if kind == "chat":
             try:
                 options = ChatOptions.from_body(body)

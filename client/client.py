@@ -249,18 +249,21 @@ class RequestHandle:
                     index=self._delivered,
                     tokens=tokens,
                     text=_text_of(chunk, skip),
+                    logprobs=None if chunk.logprobs is None else chunk.logprobs[skip:],
                 )
             self._delivered += len(chunk.tokens)
             yield chunk
         result = await self.result()  # raises Rejected for a request that did not run
         if len(result.output_tokens) > self._delivered:
             rest = result.output_tokens[self._delivered :]
+            lps = result.logprobs
             tail = TokenChunk(
                 request_id=self.request_id,
                 attempt=result.attempt or 1,
                 index=self._delivered,
                 tokens=rest,
                 text=_tail_text(result, self._delivered),
+                logprobs=None if lps is None else lps[self._delivered :],
             )
             self._delivered = len(result.output_tokens)
             yield tail

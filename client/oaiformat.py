@@ -4,9 +4,10 @@ and for the lines of a batch's output and error files."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
-from sluice.schemas.models import Rejection, RejectReason, Result
+from sluice.schemas.models import Rejection, RejectReason, Result, TokenLogprob
 
 Kind = Literal["chat", "completion"]
 
@@ -80,12 +81,13 @@ def completion_body(
         choice: dict[str, Any] = {
             "index": 0,
             "message": {"role": "assistant", "content": result.text},
-            "logprobs": None,
+            "logprobs": choice_logprobs(kind, result.logprobs),
             "finish_reason": reason,
         }
         prefix, obj = "chatcmpl", "chat.completion"
     else:
-        choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": reason}
+        logprobs = choice_logprobs(kind, result.logprobs)
+        choice = {"index": 0, "text": result.text, "logprobs": logprobs, "finish_reason": reason}
         prefix, obj = "cmpl", "text_completion"
     return {
         "id": f"{prefix}-{result.request_id}",
@@ -95,3 +97,44 @@ def completion_body(
         "choices": [choice],
         "usage": usage(result),
     }
+
+
+def completion_logprobs(entries: Sequence[TokenLogprob], offset: int = 0) -> dict[str, Any]:
+    """A completion choice's ``logprobs`` (OpenAI's legacy shape: ``tokens``,
+    ``token_logprobs``, ``top_logprobs`` as ``{token: logprob}``, ``text_offset``) for tokens
+    whose text starts at character ``offset`` of the output."""
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e.text)
+    return {
+        "tokens": [e.text for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{t.text: t.logprob for t in e.top} for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+    """A chat choice's ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+    return {
+        "content": [
+            {
+                "token": e.text,
+                "logprob": e.logprob,
+                "bytes": list(e.text.encode()),
+                "top_logprobs": [
+                    {"token": t.text, "logprob": t.logprob, "bytes": list(t.text.encode())}
+                    for t in e.top
+                ],
+            }
+            for e in entries
+        ]
+    }
+
+
+def choice_logprobs(kind: Kind, entries: Sequence[TokenLogprob] | None) -> dict[str, Any] | None:
+    """A choice's ``logprobs`` for ``entries`` in ``kind``'s shape (None: not asked for)."""
+    if entries is None:
+        return None
+    return chat_logprobs(entries) if kind == "chat" else completion_logprobs(entries)

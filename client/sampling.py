@@ -5,29 +5,29 @@ body (the gateway's and a batch file's).
 An OpenAI body's ``temperature``, ``top_p``, ``seed``, ``frequency_penalty``,
 ``presence_penalty`` and ``stop`` (a string or a list of them), and vLLM's and SGLang's
 ``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``, ``min_tokens`` and
-``ignore_eos``, reach the engine. What Sluice cannot honour is refused, never ignored
-(:data:`UNSUPPORTED`).
+``ignore_eos``, reach the engine, and so do log probabilities: a completion's ``logprobs``
+(how many alternatives per token), a chat's ``logprobs: true`` with ``top_logprobs``. What
+Sluice cannot honour is refused, never ignored (:data:`UNSUPPORTED`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import ValidationError
 
 from sluice.client.errors import InvalidRequest
-from sluice.schemas.models import Sampling
+from sluice.schemas.models import MAX_LOGPROBS, Sampling
 
 __all__ = ["SAMPLING_FIELDS", "UNSUPPORTED", "Sampling", "openai_sampling", "sampling_of"]
 
-SAMPLING_FIELDS: tuple[str, ...] = tuple(Sampling.model_fields)
-"""The body keys that become :class:`Sampling` (the same names in OpenAI, vLLM and SGLang)."""
+SAMPLING_FIELDS: tuple[str, ...] = tuple(k for k in Sampling.model_fields if k != "logprobs")
+"""The body keys that become :class:`Sampling` as they are (the same names in OpenAI, vLLM
+and SGLang); ``logprobs`` is read by the endpoint's meaning (:func:`openai_sampling`)."""
 UNSUPPORTED: tuple[str, ...] = (
     "tools",
     "functions",
-    "logprobs",
-    "top_logprobs",
     "prompt_logprobs",
     "suffix",
     "echo",
@@ -46,14 +46,11 @@ UNSUPPORTED: tuple[str, ...] = (
     "documents",
 )
 """Body keys that change what the engine returns in ways a caller relies on, which Sluice
-does not relay: refused with a 400 when set (null, false or empty is no request; for
-``logprobs``, 0 is one: a completion's chosen tokens' own)."""
+does not relay: refused with a 400 when set (null, false or empty is no request)."""
 
 
-def _asked(key: str, value: Any) -> bool:
-    if value is None or value is False:
-        return False
-    return key == "logprobs" or value not in ("", 0, [], {})
+def _asked(value: Any) -> bool:
+    return value is not None and value is not False and value not in ("", 0, [], {})
 
 
 def sampling_of(value: Sampling | Mapping[str, Any] | None) -> Sampling | None:
@@ -74,11 +71,36 @@ def sampling_of(value: Sampling | Mapping[str, Any] | None) -> Sampling | None:
     return value or None
 
 
-def openai_sampling(body: Mapping[str, Any]) -> Sampling | None:
-    """The sampling fields of an OpenAI completions or chat body (others are not read), and
-    :class:`InvalidRequest` (with ``param``) for a refused or invalid one. ``stop`` may be one
-    string or a list, as in OpenAI's API; ``null`` means unset."""
+def openai_sampling(
+    body: Mapping[str, Any], kind: Literal["chat", "completion"]
+) -> Sampling | None:
+    """The sampling fields of an OpenAI completions or chat body (``kind``; others are not
+    read), and :class:`InvalidRequest` (with ``param``) for a refused or invalid one. ``stop``
+    may be one string or a list, as in OpenAI's API; ``null`` means unset."""
     for key in UNSUPPORTED:
-        if key in body and _asked(key, body[key]):
+        if key in body and _asked(body[key]):
             raise InvalidRequest(f"{key} is not supported by Sluice", param=key)
-    return sampling_of({k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None})
+    fields = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
+    top = _chat_logprobs(body) if kind == "chat" else body.get("logprobs")
+    if top is not None:
+        fields["logprobs"] = top
+    return sampling_of(fields)
+
+
+def _chat_logprobs(body: Mapping[str, Any]) -> Any:
+    """A chat's ``logprobs`` (a flag) and ``top_logprobs`` (a count) as the one count
+    :attr:`Sampling.logprobs` is, or None; OpenAI's rules: a count needs the flag."""
+    flag, top = body.get("logprobs"), body.get("top_logprobs")
+    if flag is not None and not isinstance(flag, bool):
+        raise InvalidRequest("logprobs must be a boolean", param="logprobs")
+    if not flag:
+        if top is not None:
+            raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+        return None
+    if top is None:
+        return 0
+    if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_LOGPROBS:
+        raise InvalidRequest(
+            f"top_logprobs must be an integer from 0 to {MAX_LOGPROBS}", param="top_logprobs"
+        )
+    return top

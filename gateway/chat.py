@@ -9,9 +9,9 @@ a list of token ids.
 
 Sluice relays a prompt, an output bound and the sampling fields
 (:func:`sluice.client.sampling.openai_sampling`: ``temperature``, ``top_p``, ``seed``, the
-penalties, ``stop``, ...) to the engine; ``n`` choices run as ``n`` requests. Fields that would
-change what the engine returns in ways the caller relies on and that Sluice does not relay
-(``tools``, ``logprobs``, a ``response_format`` other than text, ``echo``, ``suffix``,
+penalties, ``stop``, ``logprobs``, ...) to the engine; ``n`` choices run as ``n`` requests.
+Fields that would change what the engine returns in ways the caller relies on and that Sluice
+does not relay (``tools``, a ``response_format`` other than text, ``echo``, ``suffix``,
 ``best_of`` > 1, ``logit_bias``, guided decoding) are refused with a 400 rather than ignored;
 fields the gateway does not know (``store``, ``metadata``, ...) are accepted and have no
 effect.
@@ -124,7 +124,7 @@ def _common(
     if user is not None and not isinstance(user, str):
         raise BadRequest("user must be a string", param="user")
     try:
-        sampling = openai_sampling(body)
+        sampling = openai_sampling(body, kind)
     except InvalidRequest as exc:
         raise BadRequest(str(exc), param=exc.param) from exc
     return {

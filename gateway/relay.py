@@ -169,7 +169,7 @@ class Relay:
         error event (``data: {"error": ...}``) that ends it (and stops the other choices)."""
         chunks = Chunks(self.job, self.handle.request_id, self.created)
         if first is not None:
-            yield chunks.text(first.text)
+            yield chunks.text(first.text, 0, first.logprobs)
         rest = self._one(chunks) if len(self.handles) == 1 else self._many(chunks)
         try:
             async for event in rest:
@@ -181,7 +181,7 @@ class Relay:
         # One choice, the common case: read in place, no task of its own.
         try:
             async for chunk in self._chunks[0]:
-                yield chunks.text(chunk.text)
+                yield chunks.text(chunk.text, 0, chunk.logprobs)
             result = await self.handle.result()
         except SluiceError as exc:
             yield sse(from_client_error(exc, self.job.model).body())
@@ -214,7 +214,7 @@ class Relay:
                     results[i] = item
                     yield chunks.finish(item, i)
                 else:
-                    yield chunks.text(item.text, i)
+                    yield chunks.text(item.text, i, item.logprobs)
             yield chunks.close([results[i] for i in range(len(self.handles))])
         finally:
             for p in pumps:

@@ -14,7 +14,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from sluice.client import Result, oaiformat
+from sluice.client import Result, TokenLogprob, oaiformat
 from sluice.gateway.chat import Job
 
 DONE = b"data: [DONE]\n\n"
@@ -74,16 +74,26 @@ class Chunks:
         if job.include_usage:  # every chunk but the last carries "usage": null
             self.head["usage"] = None
         self._first = [True] * job.n
+        self._offset = [0] * job.n  # characters of each choice's text sent
 
-    def text(self, text: str, index: int = 0) -> bytes:
+    def text(
+        self, text: str, index: int = 0, logprobs: Sequence[TokenLogprob] | None = None
+    ) -> bytes:
+        """A chunk of choice ``index``'s text (and its tokens' ``logprobs``, if asked for)."""
         if self.job.kind == "chat":
             delta: dict[str, Any] = {"content": text}
             if self._first[index]:
                 delta = {"role": "assistant", "content": text}
             choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": None}
+            if logprobs is not None:
+                choice["logprobs"] = oaiformat.chat_logprobs(logprobs)
         else:
-            choice = {"index": index, "text": text, "finish_reason": None, "logprobs": None}
+            lps = None
+            if logprobs is not None:
+                lps = oaiformat.completion_logprobs(logprobs, self._offset[index])
+            choice = {"index": index, "text": text, "finish_reason": None, "logprobs": lps}
         self._first[index] = False
+        self._offset[index] += len(text)
         return sse({**self.head, "choices": [choice]})
 
     def finish(self, result: Result, index: int = 0) -> bytes:

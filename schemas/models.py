@@ -93,6 +93,14 @@ MAX_STOP_CHARS: Final = 256
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
+MAX_LOGPROBS: Final = 20
+"""The most alternatives per token a request may ask log probabilities of (vLLM's default
+``max_logprobs``; OpenAI's chat API takes as many)."""
+LOGPROB_FLOOR: Final = -9999.0
+"""The log probability sent for an impossible token (log 0): JSON has no infinity, and vLLM
+sends this value instead."""
+
+
 Number = Annotated[float, Strict()]
 """A number as JSON gives it (an int or a float; not a bool, not a string of digits)."""
 WholeNumber = Annotated[int, Strict()]
@@ -128,6 +136,10 @@ class Sampling(BaseModel):
     """Stop strings, stop tokens and end-of-sequence are not taken before this many tokens."""
     ignore_eos: Annotated[bool, Strict()] | None = None
     """Go on past the end-of-sequence token, to ``max_tokens`` (what load tests ask for)."""
+    logprobs: WholeNumber | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    """Return each output token's log probability and those of this many most likely
+    alternatives (0: the token's own only), as the engines' completions endpoints take it
+    (OpenAI's chat API says ``logprobs: true, top_logprobs: n``)."""
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -234,6 +246,43 @@ class TokenChunk(_Wire):
     index: int = Field(ge=0)
     tokens: list[int]
     text: str
+    logprobs: Logprobs = None
+    """One per token of ``tokens``."""
+
+    @model_validator(mode="after")
+    def _one_per_token(self) -> TokenChunk:
+        _aligned(len(self.tokens), self.logprobs)
+        return self
+
+
+class TopLogprob(BaseModel):
+    """One of the most likely tokens at an output position, and its log probability."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    text: str
+    logprob: Number = Field(ge=LOGPROB_FLOOR, le=0)
+
+
+class TokenLogprob(BaseModel):
+    """An output token's text and log probability, and the most likely tokens at its
+    position (as many as ``Sampling.logprobs`` asked for, most likely first)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    text: str
+    logprob: Number = Field(ge=LOGPROB_FLOOR, le=0)
+    top: list[TopLogprob] = Field(default_factory=list, max_length=MAX_LOGPROBS)
+
+
+Logprobs = Annotated[list[TokenLogprob] | None, Field(default=None, exclude_if=lambda v: v is None)]
+"""Per output token, when the request asked for them (``Sampling.logprobs``); not sent
+otherwise, so that a release that predates it reads the message."""
+
+
+def _aligned(tokens: int, logprobs: list[TokenLogprob] | None) -> None:
+    if logprobs is not None and len(logprobs) != tokens:
+        raise ValueError(f"{len(logprobs)} logprobs for {tokens} tokens")
 
 
 class QueuedNotice(_Wire):
@@ -295,6 +344,13 @@ class Result(_Wire):
     cached_tokens: int = 0
     timings: Timings | None = None
     rejection: Rejection | None = None
+    logprobs: Logprobs = None
+    """One per output token, when the request asked for them."""
+
+    @model_validator(mode="after")
+    def _one_per_token(self) -> Result:
+        _aligned(len(self.output_tokens), self.logprobs)
+        return self
 
 
 class Completion(_Wire):

@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sluice.agent.engine import EngineError, EngineLoad, Failed, Finished, Step, TokensOut
-from sluice.schemas.models import Sampling
+from sluice.schemas.models import Sampling, TokenLogprob
 from sluice.sim.kvcache import KVCache, KVListener
 from sluice.sim.profiles import EngineProfile
-from sluice.sim.tokens import detokenize, output_token
+from sluice.sim.tokens import detokenize, logprobs, output_token
 
 __all__ = ["EngineError", "Finished", "SimEngine", "Step", "TokensOut"]
 
@@ -146,6 +146,12 @@ class SimEngine:
         """Pseudo tokens: the same request always yields the same ones (a retried attempt
         streams what the first one did)."""
         return [output_token(request_id, start + i) for i in range(count)]
+
+    def output_logprobs(
+        self, request_id: str, start: int, count: int, top: int
+    ) -> list[TokenLogprob]:
+        """Pseudo log probabilities of its pseudo tokens (:func:`sluice.sim.tokens.logprobs`)."""
+        return logprobs(self.output_tokens(request_id, start, count), top)
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         return detokenize(tokens)

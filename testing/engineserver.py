@@ -50,8 +50,8 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import msgpack
 import xxhash
@@ -66,13 +66,16 @@ from starlette.routing import Route
 from sluice.agent.engine import EngineError, Failed, Finished, TokensOut
 from sluice.agent.errors import KVEventError
 from sluice.agent.kvevents import REPLAY_END, decode_seq, encode_seq, replay_endpoint
+from sluice.client.oaiformat import chat_logprobs, completion_logprobs
 from sluice.common.chat import ChatError
 from sluice.common.chattemplate import ChatOptions, ChatTemplate, chat_prompt
 from sluice.common.errors import ConfigError, internal_error
 from sluice.common.tokenizer import PromptTokenizer
 from sluice.schemas.hashing import block_hashes, estimate_text_tokens, text_block_hashes
+from sluice.schemas.models import MAX_LOGPROBS
 from sluice.sim.engine import SimEngine
 from sluice.sim.profiles import EngineProfile
+from sluice.sim.tokens import logprobs
 from sluice.testing.processes import DIE_WITH_PARENT, SLUICE, stop_processes
 
 _MAX_LAG_S = 0.05
@@ -154,6 +157,8 @@ class Sample:
     """Stops are not looked for before this many tokens (vLLM's ``min_tokens``)."""
     include_stop: bool = False
     """The stop string stays in the text (vLLM's ``include_stop_str_in_output``)."""
+    top: int = -1
+    """Logprobs asked for, with this many alternatives per token (-1: none)."""
 
 
 @dataclass
@@ -172,6 +177,8 @@ class _Stream:
     """The stop string or token id that ended it."""
     stopped_at: int = 0
     """Its tokens at the stop: what its finish counts, though the engine ran on meanwhile."""
+    tokens: list[int] = field(default_factory=list)
+    """Its output tokens so far, kept only when it asked for logprobs."""
     submitted_s: float = 0.0
     """``time.monotonic()`` when the request reached the engine."""
     ttft_s: float | None = None
@@ -477,6 +484,8 @@ class SimServer:
                     stream.produced += ev.count
                     self.generation_tokens_total += ev.count
                     if not (stream.sample.stop or stream.sample.stop_ids):
+                        if stream.sample.top >= 0:
+                            stream.tokens.extend(tokens)
                         yield self.engine.detokenize(tokens), None
                         continue
                     piece, fin = self._until_stop(rid, stream, tokens)
@@ -765,13 +774,41 @@ def _sampling(body: Mapping[str, Any]) -> None:
             raise BadRequest(f"{key} must be at least {least}, not {count}", key)
 
 
-_NOT_SIMULATED = ("logprobs", "top_logprobs", "echo", "prompt_logprobs")
-"""Fields whose answer the simulated engine cannot give (its tokens have no probabilities,
-and it does not echo prompts): a 400 rather than an answer without them."""
+_NOT_SIMULATED = ("echo", "prompt_logprobs")
+"""Fields whose answer the simulated engine cannot give (it does not echo prompts, nor score
+them): a 400 rather than an answer without them."""
+Face = Literal["completion", "chat", "generate"]
+
+
+def _top_logprobs(body: Mapping[str, Any], face: Face) -> int:
+    """The alternatives per token a request asks logprobs of (-1: none), as vLLM reads its
+    completions' ``logprobs`` (a count) and its chat's ``logprobs`` (a flag) with
+    ``top_logprobs``; SGLang's native ``return_logprob`` is not simulated."""
+    if face == "generate":
+        for name in ("logprobs", "top_logprobs", "return_logprob"):
+            if body.get(name):
+                raise BadRequest(f"{name}: the simulated engine does not produce it", name)
+        return -1
+    key = "logprobs" if face == "completion" else "top_logprobs"
+    try:
+        count = _INT.validate_python(body.get(key))
+    except ValidationError:
+        raise BadRequest(f"{key} must be an integer", key) from None
+    if count is not None and not 0 <= count <= MAX_LOGPROBS:
+        raise BadRequest(f"{key} must be from 0 to {MAX_LOGPROBS}, not {count}", key)
+    if face == "completion":
+        return -1 if count is None else count
+    if not _flag(body, "logprobs"):
+        if count is not None:
+            raise BadRequest("when using top_logprobs, logprobs must be set to true", key)
+        return -1
+    return count or 0
+
+
 _INTS: TypeAdapter[list[int] | None] = TypeAdapter(list[int] | None)
 
 
-def _sample(body: Mapping[str, Any], prompt: Prompt) -> Sample:
+def _sample(body: Mapping[str, Any], prompt: Prompt, face: Face) -> Sample:
     """The sampling fields the simulated engine honours (:class:`Sample`), read from an
     OpenAI body or SGLang's ``sampling_params``, checked as vLLM checks them; the others
     (``top_p``, penalties, ...) are checked by :func:`_sampling` and change nothing in its
@@ -799,7 +836,10 @@ def _sample(body: Mapping[str, Any], prompt: Prompt) -> Sample:
     least = _INT.validate_python(body.get("min_tokens")) or 0  # (checked by _sampling)
     include = _flag(body, "include_stop_str_in_output")
     _flag(body, "ignore_eos")  # (its pseudo output has no end-of-sequence token)
-    return Sample(key, tuple(stops or ()), frozenset(stop_ids or ()), least, include)
+    top = _top_logprobs(body, face)
+    if top >= 0 and (stops or stop_ids):
+        raise BadRequest("the simulated engine does not combine logprobs with stops", "stop")
+    return Sample(key, tuple(stops or ()), frozenset(stop_ids or ()), least, include, top)
 
 
 def sample_key(token_ids: Sequence[int], temperature: float | None, seed: int | None) -> str | None:
@@ -885,7 +925,8 @@ class _OpenAI:
             raise BadRequest("stream_options is only for stream=true", "stream_options")
         _one_choice(body)
         _sampling(body)
-        rid, stream = s.submit(prompt, max_tokens, _sample(body, prompt))
+        face: Face = "chat" if chat else "completion"
+        rid, stream = s.submit(prompt, max_tokens, _sample(body, prompt, face))
         head = {
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}",
             "object": "chat.completion.chunk" if chat else "text_completion",
@@ -900,7 +941,8 @@ class _OpenAI:
             return Response(status_code=499)
         text, fin = got
         reason = "stop" if stream.stopped else "length"
-        choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
+        lps = _logprobs_of(face, stream, 0, 0)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": lps}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
             head["object"] = "chat.completion"
@@ -912,6 +954,8 @@ class _OpenAI:
         self, rid: str, stream: _Stream, head: dict[str, Any], chat: bool, include_usage: bool
     ) -> AsyncIterator[bytes]:
         first = True
+        face: Face = "chat" if chat else "completion"
+        sent = offset = 0  # tokens whose logprobs went out, characters before them
         async for piece, fin in _until_shutdown(self.server.events(rid, stream)):
             if fin is not None:
                 reason = "stop" if stream.stopped else "length"
@@ -925,15 +969,31 @@ class _OpenAI:
                     yield _sse({**head, "choices": [], "usage": _usage(fin)})
                 yield _sse("[DONE]")
                 return
+            lps = _logprobs_of(face, stream, sent, offset)
+            sent, offset = len(stream.tokens), offset + len(piece)
             if chat:
                 delta: dict[str, Any] = {"content": piece}
                 if first:
                     delta["role"] = "assistant"
                 choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": None}
+                if lps is not None:
+                    choice["logprobs"] = lps
             else:
-                choice = {"index": 0, "text": piece, "finish_reason": None, "logprobs": None}
+                choice = {"index": 0, "text": piece, "finish_reason": None, "logprobs": lps}
             first = False
             yield _sse({**head, "choices": [choice]})
+
+
+def _logprobs_of(face: Face, stream: _Stream, sent: int, offset: int) -> dict[str, Any] | None:
+    """The ``logprobs`` of a choice's tokens from ``sent`` on, whose text starts at character
+    ``offset`` of the output, in ``face``'s shape (None: not asked for)."""
+    top = stream.sample.top
+    if top < 0:
+        return None
+    entries = logprobs(stream.tokens[sent:], top)
+    if face == "chat":
+        return chat_logprobs(entries)
+    return completion_logprobs(entries, offset)
 
 
 class _SGLang:
@@ -957,7 +1017,8 @@ class _SGLang:
         max_new = _positive_int(params, "max_new_tokens", 128)
         streaming = _flag(body, "stream")
         _sampling(params)
-        rid, stream = s.submit(prompt, max_new, _sample(params, prompt))
+        _top_logprobs(body, "generate")  # (a 400 if asked for)
+        rid, stream = s.submit(prompt, max_new, _sample(params, prompt, "generate"))
         if streaming:
             return StreamingResponse(self._stream(rid, stream), media_type="text/event-stream")
         got = await _whole(request, s, rid, stream)

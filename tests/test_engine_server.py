@@ -867,8 +867,9 @@ def test_a_stop_token_ends_the_output_at_it(engine: httpx.Client) -> None:
 
 
 def test_what_the_simulated_engine_cannot_produce_is_a_400(engine: httpx.Client) -> None:
-    for field, value in (("logprobs", 2), ("echo", True), ("stop", [""]), ("stop", 5),
-                         ("stop_token_ids", ["a"]), ("seed", "x")):  # fmt: skip
+    for field, value in (("prompt_logprobs", 2), ("echo", True), ("stop", [""]), ("stop", 5),
+                         ("stop_token_ids", ["a"]), ("seed", "x"), ("logprobs", 21),
+                         ("logprobs", "x")):  # fmt: skip
         response = engine.post(
             "/v1/completions", json={"model": "sim-8b", "prompt": "x", field: value}
         )
@@ -939,14 +940,56 @@ async def test_a_stop_read_late_still_counts_the_tokens_to_the_stop() -> None:
     await s.start()
     try:
         p = s.prompt("tell me a story", "prompt")
-        rid, stream = s.submit(p, 16, _sample({"temperature": 0}, p))
+        rid, stream = s.submit(p, 16, _sample({"temperature": 0}, p, "completion"))
         full, _ = await s.collect(rid, stream)
         stop = " " + full.split(" ")[3]  # the third token's word
         for late in (False, True):
-            rid, stream = s.submit(p, 16, _sample({"temperature": 0, "stop": stop}, p))
+            rid, stream = s.submit(
+                p, 16, _sample({"temperature": 0, "stop": stop}, p, "completion")
+            )
             if late:
                 await asyncio.sleep(1.0)  # 16 tokens at x50 take well under a second
             text, fin = await s.collect(rid, stream)
             assert (text, fin.output_tokens) == (full[: full.find(stop)], 3), late
     finally:
         await s.stop()
+
+
+def test_logprobs_come_as_vllm_shapes_them_and_what_it_refuses_is_a_400(
+    engine: httpx.Client,
+) -> None:
+    """A completion's ``logprobs`` (a count) in the legacy shape, a chat's ``logprobs`` with
+    ``top_logprobs`` in the chat shape: one entry per output token, their texts the output's,
+    the same for the same greedy request; ``top_logprobs`` without ``logprobs``, logprobs with
+    stops (not simulated) and SGLang's ``return_logprob`` are a 400."""
+    body = {"model": "sim-8b", "prompt": "x y z", "max_tokens": 6, "temperature": 0}
+    whole = engine.post("/v1/completions", json={**body, "logprobs": 2}).json()
+    lp = whole["choices"][0]["logprobs"]
+    assert "".join(lp["tokens"]) == whole["choices"][0]["text"] and len(lp["tokens"]) == 6
+    assert lp["text_offset"] == [sum(map(len, lp["tokens"][:i])) for i in range(6)]
+    assert all(len(t) == 2 for t in lp["top_logprobs"]) and max(lp["token_logprobs"]) <= 0
+    again = engine.post("/v1/completions", json={**body, "logprobs": 2}).json()
+    assert again["choices"][0]["logprobs"] == lp
+    messages = [{"role": "user", "content": "x y z"}]
+    chat = {"model": "sim-8b", "messages": messages, "max_tokens": 6, "temperature": 0}
+    answer = engine.post(
+        "/v1/chat/completions", json={**chat, "logprobs": True, "top_logprobs": 3}
+    ).json()
+    content = answer["choices"][0]["logprobs"]["content"]
+    assert "".join(t["token"] for t in content) == answer["choices"][0]["message"]["content"]
+    assert all(len(t["top_logprobs"]) == 3 and t["bytes"] == list(t["token"].encode())
+               for t in content)  # fmt: skip
+    plain = engine.post("/v1/chat/completions", json=chat).json()
+    assert plain["choices"][0]["logprobs"] is None
+    for path, extra, param in (
+        ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+        ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ("/v1/completions", {"logprobs": 1, "stop": "z"}, "stop"),
+        ("/generate", {"return_logprob": True}, "return_logprob"),
+    ):
+        base = chat if "chat" in path else body
+        if path == "/generate":
+            base = {"text": "x y z", "sampling_params": {"max_new_tokens": 4}}
+        response = engine.post(path, json={**base, **extra})
+        assert response.status_code == 400, (path, extra)
+        assert response.json()["error"]["param"] == param

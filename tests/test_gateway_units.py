@@ -155,7 +155,10 @@ _CHAT = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
         ({**_CHAT, "best_of": True}, None),
         ({**_CHAT, "stop": [""]}, "stop"),
         ({**_CHAT, "stop": 3}, "stop"),
-        ({**_CHAT, "logprobs": True}, None),
+        ({**_CHAT, "top_logprobs": 2}, "top_logprobs"),  # (needs logprobs: true)
+        ({**_CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({**_CHAT, "logprobs": 1}, "logprobs"),
+        ({**_CHAT, "echo": True}, "echo"),
         (
             {**_CHAT, "logit_bias": {"1": 2}},
             None,
@@ -294,11 +297,22 @@ def test_the_client_takes_sampling_as_a_mapping_and_names_a_bad_field() -> None:
         c._build("m", "hi", 8, None, None, None, None, None, ["temperature"])  # type: ignore[arg-type]
 
 
-def test_logprobs_zero_is_asked_for_and_false_or_empty_fields_are_not() -> None:
-    with pytest.raises(BadRequest) as info:  # a completion's chosen tokens' own logprobs
-        completion_job({"model": "m", "prompt": "hi", "logprobs": 0}, 16)
+def test_logprobs_are_read_by_the_endpoints_meaning_and_false_or_empty_fields_are_not() -> None:
+    """A completion's ``logprobs`` is a count (0: the chosen tokens' own); a chat's is a flag,
+    with ``top_logprobs`` as the count."""
+    asked = completion_job({"model": "m", "prompt": "hi", "logprobs": 0}, 16).sampling
+    assert asked is not None and asked.engine_fields() == {"logprobs": 0}
+    asked = completion_job({"model": "m", "prompt": "hi", "logprobs": 5}, 16).sampling
+    assert asked is not None and asked.engine_fields() == {"logprobs": 5}
+    with pytest.raises(BadRequest) as info:
+        completion_job({"model": "m", "prompt": "hi", "logprobs": 21}, 16)
     assert info.value.param == "logprobs"
-    quiet = {"logprobs": False, "echo": False, "tools": [], "logit_bias": {}, "suffix": ""}
+    asked = chat_job({**_CHAT, "logprobs": True}, 16).sampling
+    assert asked is not None and asked.engine_fields() == {"logprobs": 0}
+    asked = chat_job({**_CHAT, "logprobs": True, "top_logprobs": 3}, 16).sampling
+    assert asked is not None and asked.engine_fields() == {"logprobs": 3}
+    assert chat_job({**_CHAT, "logprobs": False, "top_logprobs": None}, 16).sampling is None
+    quiet = {"logprobs": None, "echo": False, "tools": [], "logit_bias": {}, "suffix": ""}
     assert completion_job({"model": "m", "prompt": "hi", **quiet}, 16).sampling is None
     job = completion_job(
         {"model": "m", "prompt": "hi", "top_k": 0, "min_tokens": 3, "ignore_eos": True}, 16

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from sluice.agent.engine import Failed, TokensOut
+from sluice.agent.engine import Failed, Finished, TokensOut
 from sluice.agent.runtime import Agent, AgentSettings
 from sluice.agent.runtime.httpengine import HttpEngine, HttpEngineConfig
 from sluice.client import Batches, Client
@@ -76,7 +76,7 @@ async def fleet(nats_url: str, tmp_path: Path) -> AsyncIterator[dict[str, Any]]:
             for name in ("tcp", "uds"):
                 agents.append(_agent(nats_url, f"http-{name}", urls[name]))
                 await agents[-1].start()
-            yield {"cluster": cluster, "procs": procs, "agents": agents}
+            yield {"cluster": cluster, "procs": procs, "agents": agents, "urls": urls}
             for a in agents:
                 await a.stop(drain=False)
     finally:
@@ -188,15 +188,90 @@ async def test_sampling_fields_reach_the_engine_through_the_gateway(
         "body": {"model": "sim", "prompt": "once upon a time", "max_tokens": 16,
                  "temperature": 0, "stop": stop_whole},
     }  # fmt: skip
+    scored = {"custom_id": "b", "url": "/v1/completions",
+              "body": {"model": "sim", "prompt": "once upon a time", "max_tokens": 4,
+                       "logprobs": 1}}  # fmt: skip
+    data = b"\n".join(json.dumps(x).encode() for x in (line, scored))
     async with Client(nats_url) as c:
         b = Batches(c)
-        record = await b.create((await b.upload(json.dumps(line).encode(), "in.jsonl")).id)
+        record = await b.create((await b.upload(data, "in.jsonl")).id)
         await b.submit(record.id)
         record = await b.wait(record.id, every_s=0.2, timeout_s=60)
         assert record.status == "completed" and record.output_file_id, record
-        out = json.loads(await b.content(record.output_file_id))
-    choice = out["response"]["body"]["choices"][0]
-    assert (choice["text"], choice["finish_reason"]) == (want_whole, "stop")
+        outs = [json.loads(x) for x in (await b.content(record.output_file_id)).splitlines()]
+    out = {o["custom_id"]: o["response"]["body"]["choices"][0] for o in outs}
+    assert (out["a"]["text"], out["a"]["finish_reason"]) == (want_whole, "stop")
+    assert out["a"]["logprobs"] is None
+    lp = out["b"]["logprobs"]  # (a line's logprobs, in OpenAI's completions shape)
+    assert len(lp["tokens"]) == 4 and "".join(lp["tokens"]) == out["b"]["text"]
+
+
+async def test_logprobs_come_from_the_engine_through_the_gateway(
+    fleet: dict[str, Any], nats_url: str
+) -> None:
+    """The openai package asks the gateway for logprobs, a completion's and a chat's, whole
+    and streamed, with ``n`` choices: each answer has one entry per output token (their texts
+    make its text) with the alternatives asked for, the very values the engine process gives
+    the same greedy request directly."""
+    from openai import AsyncOpenAI
+
+    from sluice.gateway import GatewayServer, GatewaySettings
+
+    body = {"model": "sim", "prompt": "once upon a time", "max_tokens": 12, "temperature": 0}
+    async with httpx.AsyncClient(base_url=fleet["urls"]["tcp"], timeout=30) as direct:
+        want = (await direct.post("/v1/completions", json={**body, "logprobs": 3})).json()
+    want_lp = want["choices"][0]["logprobs"]
+    gs = GatewaySettings(nats_url=nats_url, host="127.0.0.1", port=0)
+    async with GatewayServer(gs) as gw:
+        oa = AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="k", max_retries=0, timeout=30)
+        try:
+            whole = await oa.completions.create(**body, logprobs=3)
+            lp = whole.choices[0].logprobs
+            assert lp is not None and whole.choices[0].text == want["choices"][0]["text"]
+            assert lp.model_dump() == want_lp
+            assert "".join(lp.tokens or []) == whole.choices[0].text
+            assert whole.usage is not None and len(lp.tokens or []) == 12
+            assert all(len(t) == 3 for t in lp.top_logprobs or [])
+            tokens: list[str] = []
+            offsets: list[int] = []
+            async for c in await oa.completions.create(**body, logprobs=3, stream=True):
+                if c.choices and c.choices[0].logprobs is not None:
+                    tokens += c.choices[0].logprobs.tokens or []
+                    offsets += c.choices[0].logprobs.text_offset or []
+            assert tokens == want_lp["tokens"] and offsets == want_lp["text_offset"]
+
+            messages = [{"role": "user", "content": "once upon a time"}]
+            chat = {"model": "sim", "messages": messages, "max_tokens": 12, "temperature": 0}
+            answer = await oa.chat.completions.create(
+                **chat,
+                logprobs=True,
+                top_logprobs=2,
+                n=2,  # type: ignore[arg-type]
+            )
+            for choice in answer.choices:
+                content = choice.logprobs.content if choice.logprobs else None
+                assert content is not None and len(content) == 12
+                assert "".join(t.token for t in content) == choice.message.content
+                assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+                assert bytes(content[0].bytes or []).decode() == content[0].token
+            streamed = []
+            async for c in await oa.chat.completions.create(
+                **chat,
+                logprobs=True,
+                stream=True,  # type: ignore[arg-type]
+            ):
+                if c.choices and c.choices[0].logprobs and c.choices[0].logprobs.content:
+                    streamed += c.choices[0].logprobs.content
+            got = answer.choices[0].logprobs
+            assert got is not None and got.content is not None
+            assert [(t.token, t.logprob) for t in streamed] == [
+                (t.token, t.logprob) for t in got.content
+            ]
+            assert all(t.top_logprobs == [] for t in streamed)  # top_logprobs unset: none
+            plain = await oa.completions.create(**body)
+            assert plain.choices[0].logprobs is None
+        finally:
+            await oa.close()
 
 
 async def test_an_engine_killed_mid_generation_costs_an_attempt_not_the_request(
@@ -788,7 +863,62 @@ _BAD_ANSWERS = {
         _TOKEN, b'data: {"object": "error", "message": "out of memory", "code": 500}\n\n',
         b"data: [DONE]\n\n",
     ],
+    # Logprobs asked for (below), and text that comes without them.
+    "no-logprobs": [_TOKEN, b"data: [DONE]\n\n"],
+    # Logprobs as a real tokenizer makes them: a character split over two tokens, whose
+    # texts do not add up to the chunk's; the engine counts a token more than it streamed.
+    "split-character": [
+        'data: {"choices": [{"index": 0, "text": "\u00e9", "logprobs": {"tokens": '
+        '["token_id:195", "token_id:169"], "token_logprobs": [-0.1, -0.2], "top_logprobs": '
+        '[{"token_id:195": -0.1}, {"token_id:169": -0.2}], "text_offset": [0, 0]}}]}\n\n'.encode(),
+        b'data: {"choices": [{"index": 0, "text": "!", "logprobs": {"tokens": ["!"], '
+        b'"token_logprobs": [-0.3], "top_logprobs": [{"!": -0.3}], "text_offset": [1]}}]}\n\n',
+        b'data: {"choices": [{"index": 0, "text": "", "finish_reason": "stop", '
+        b'"logprobs": null}]}\n\n',
+        b'data: {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4}}\n\n',
+        b"data: [DONE]\n\n",
+    ],
 }  # fmt: skip
+
+
+async def test_logprobs_make_one_piece_per_token_with_the_chunks_text() -> None:
+    """With logprobs, each streamed token is a piece of its own, with its logprob: the
+    chunk's text goes with its first token (the tokens' texts need not add up to it), and the
+    output counts the tokens streamed with logprobs, never more; text without them fails."""
+    from sluice.schemas.models import Sampling
+
+    async with _misbehaving("split-character") as url:
+        engine = HttpEngine(HttpEngineConfig(url=url, model="sim", metrics_path=None))
+        await engine.open()
+        try:
+            engine.add("r1", 3, 5, [], 0.0, "hello", Sampling(logprobs=1))
+            events: list[Any] = []
+            deadline = time.monotonic() + 5
+            while not any(isinstance(e, Finished) for e in events):
+                assert time.monotonic() < deadline, events
+                events += engine.step().events
+                await asyncio.sleep(0.01)
+            (fin,) = [e for e in events if isinstance(e, Finished)]
+            assert (
+                fin.output_tokens == 3 == sum(e.count for e in events if isinstance(e, TokensOut))
+            )
+            assert engine.detokenize(engine.output_tokens("r1", 0, 3)) == "\u00e9!"
+            lps = engine.output_logprobs("r1", 0, 3, 1)
+            assert [(e.text, e.logprob) for e in lps] == [
+                ("token_id:195", -0.1), ("token_id:169", -0.2), ("!", -0.3)
+            ]  # fmt: skip
+            assert [len(e.top) for e in lps] == [1, 1, 1]
+        finally:
+            await engine.close()
+    async with _misbehaving("no-logprobs") as url:
+        engine = HttpEngine(HttpEngineConfig(url=url, model="sim", metrics_path=None))
+        await engine.open()
+        try:
+            engine.add("r1", 3, 5, [], 0.0, "hello", Sampling(logprobs=0))
+            failed = [e for e in await _until_failed(engine) if isinstance(e, Failed)]
+            assert len(failed) == 1 and "text without the logprobs" in failed[0].error
+        finally:
+            await engine.close()
 
 
 async def _bad_answer(mode: str) -> Any:

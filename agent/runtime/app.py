@@ -80,6 +80,16 @@ class _Running:
     accepted_unix_s: float
     out: TokenBuffer = field(default_factory=TokenBuffer)
 
+    def __post_init__(self) -> None:
+        if self.top_logprobs >= 0:
+            self.out.logprobs = []
+
+    @property
+    def top_logprobs(self) -> int:
+        """The alternatives per token its logprobs name (-1: it asked for none)."""
+        sampling = self.assignment.request.sampling
+        return -1 if sampling is None or sampling.logprobs is None else sampling.logprobs
+
     @property
     def request_id(self) -> str:
         return self.assignment.request.request_id
@@ -415,6 +425,7 @@ class Agent:
             run.attempt,
             tokens=run.out.tokens,
             text=self.engine.detokenize(run.out.tokens),
+            logprobs=run.out.logprobs,
         )
         metrics.REQUESTS.labels(self.worker_id, "cancelled").inc()
         failed = reports.failure(self.worker_id, req.request_id, run.attempt, "cancelled")
@@ -565,8 +576,13 @@ class Agent:
         run = self._running.get(ev.request_id)
         if run is None:
             return
-        ids = self.engine.output_tokens(ev.request_id, len(run.out.tokens), ev.count)
-        run.out.add(ids, now, first=ev.first)
+        start = len(run.out.tokens)
+        ids = self.engine.output_tokens(ev.request_id, start, ev.count)
+        lps = None
+        if run.out.logprobs is not None:
+            top = run.top_logprobs
+            lps = self.engine.output_logprobs(ev.request_id, start, ev.count, top)
+        run.out.add(ids, now, first=ev.first, logprobs=lps)
         if ev.first:
             submitted = run.assignment.request.submitted_unix_ms / 1000
             metrics.TTFT.labels(self.worker_id).observe(max(0.0, now - submitted))
@@ -594,6 +610,7 @@ class Agent:
             index=index,
             tokens=chunk,
             text=self.engine.detokenize(chunk),
+            logprobs=run.out.logprobs_of(index, len(chunk)),
         )
         try:
             await self.nc.publish(
@@ -617,6 +634,7 @@ class Agent:
             done,
             tokens=run.out.tokens,
             text=self.engine.detokenize(run.out.tokens),
+            logprobs=run.out.logprobs,
             accepted_unix_s=run.accepted_unix_s,
             first_token_unix_s=run.out.first_token_s,
             finished_unix_s=now,

@@ -59,7 +59,7 @@ from sluice.agent.kvevents import (
 )
 from sluice.agent.runtime.scrape import EngineMetricsError, ScrapedLoad, parse_load
 from sluice.common.errors import INTERNAL_ERRORS, internal_error
-from sluice.schemas.models import Sampling
+from sluice.schemas.models import LOGPROB_FLOOR, Sampling, TokenLogprob, TopLogprob
 from sluice.schemas.tokens import token_list
 
 log = logging.getLogger(__name__)
@@ -126,6 +126,10 @@ class _Run:
     pieces: list[int] = field(default_factory=list)
     task: asyncio.Task[None] | None = None
     failed: bool = False
+    top: int = -1
+    """The alternatives per token its logprobs name (-1: it asked for none)."""
+    logprobs: list[TokenLogprob] | None = None
+    """One per piece, for a request that asked for them: each piece is then one token."""
 
 
 class HttpEngine:
@@ -481,6 +485,8 @@ class HttpEngine:
             if request_id in self._ended:  # (the next step must not drop the new run)
                 self._ended.remove(request_id)
         run = self._runs[request_id] = _Run(prompt_tokens, max(output_tokens, 1))
+        if sampling is not None and sampling.logprobs is not None:
+            run.top, run.logprobs = sampling.logprobs, []
         body: dict[str, Any] = {
             "model": self.config.model,
             "prompt": prompt if isinstance(prompt, str) else token_list(prompt),
@@ -575,6 +581,15 @@ class HttpEngine:
         run = self._runs.get(request_id)
         return [] if run is None else run.pieces[start : start + count]
 
+    def output_logprobs(
+        self, request_id: str, start: int, count: int, top: int
+    ) -> list[TokenLogprob]:
+        """The logprobs the engine streamed (``top`` was asked of it at :meth:`add`)."""
+        run = self._runs.get(request_id)
+        if run is None or run.logprobs is None:
+            return []
+        return run.logprobs[start : start + count]
+
     def detokenize(self, tokens: Sequence[int]) -> str:
         return "".join(self._text.get(t, "") for t in tokens)
 
@@ -607,11 +622,10 @@ class HttpEngine:
                         async for chunk in self._chunks(r):
                             if chunk.get("usage") is not None:
                                 usage = chunk["usage"]
-                            for text in _texts(chunk):
+                            if self._take(rid, chunk):
                                 watch.token(loop.time())
                                 if t_first is None:
                                     t_first = time.monotonic()
-                                self._piece(rid, text, first=not self._has(rid))
                 finally:
                     watch.stop()
             if usage is None:
@@ -676,7 +690,28 @@ class HttpEngine:
         if not isinstance(event, TokensOut) or event.first:
             self.delivered.set()
 
-    def _piece(self, rid: str, text: str, *, first: bool) -> None:
+    def _take(self, rid: str, chunk: dict[str, Any]) -> bool:
+        """Make pieces of a chunk's text (one per token, with its logprobs, for a request
+        that asked for them); whether it had any."""
+        run = self._runs.get(rid)
+        if run is None or run.logprobs is None:
+            texts = _texts(chunk)
+            for text in texts:
+                self._piece(rid, text, first=not self._has(rid))
+            return bool(texts)
+        text = "".join(_texts(chunk))
+        entries = _logprobs(chunk, run.top)
+        if text and not entries:
+            raise EngineError("the engine streamed text without the logprobs asked for")
+        for i, e in enumerate(entries):
+            # The chunk's text on its first token: the tokens' own texts need not add up to
+            # it (a character split over two tokens decodes to nothing whole on either).
+            self._piece(rid, text if i == 0 else "", first=not self._has(rid), logprob=e)
+        return bool(entries)
+
+    def _piece(
+        self, rid: str, text: str, *, first: bool, logprob: TokenLogprob | None = None
+    ) -> None:
         run = self._runs.get(rid)
         if run is None:
             return
@@ -685,6 +720,8 @@ class HttpEngine:
         i = next(self._ids)
         self._text[i] = text
         run.pieces.append(i)
+        if run.logprobs is not None and logprob is not None:
+            run.logprobs.append(logprob)
         self._emit(TokensOut(rid, 1, first))
 
     def _finished(self, rid: str, usage: dict[str, Any], t0: float, t_first: float | None) -> None:
@@ -699,6 +736,8 @@ class HttpEngine:
         output = _count(usage.get("completion_tokens"), "completion_tokens") or len(run.pieces)
         if output > run.max_pieces:
             raise EngineError(f"the engine counted {output} tokens, {run.max_pieces} asked for")
+        if run.logprobs is not None:
+            output = len(run.pieces)  # one per token streamed with its logprobs, no more
         if output > len(run.pieces):
             # Tokens whose text came in another token's piece (an engine streams several
             # tokens at once under load) or never came (held back for a stop string that then
@@ -789,6 +828,57 @@ def _texts(chunk: dict[str, Any]) -> list[str]:
         if text:
             out.append(text)
     return out
+
+
+def _logprobs(chunk: dict[str, Any], top: int) -> list[TokenLogprob]:
+    """The logprobs of a completion chunk's tokens (OpenAI's legacy completions shape, which
+    vLLM and SGLang send: ``tokens``, ``token_logprobs``, ``top_logprobs``), with the ``top``
+    most likely tokens at each position; their shape checked as :func:`_texts` checks text."""
+    out: list[TokenLogprob] = []
+    for choice in chunk.get("choices") or ():
+        lp = choice.get("logprobs") if isinstance(choice, dict) else None
+        if lp is None:
+            continue
+        if not isinstance(lp, dict):
+            raise EngineError(f"logprobs that are not an object: {str(lp)[:80]}")
+        tokens, values, tops = lp.get("tokens"), lp.get("token_logprobs"), lp.get("top_logprobs")
+        if tops is None and isinstance(tokens, list):
+            tops = [None] * len(tokens)
+        if not (
+            isinstance(tokens, list)
+            and isinstance(values, list)
+            and isinstance(tops, list)
+            and len(tokens) == len(values) == len(tops)
+        ):
+            raise EngineError(f"logprobs whose lists do not pair up: {str(lp)[:80]}")
+        for token, value, alternatives in zip(tokens, values, tops, strict=True):
+            if not isinstance(token, str):
+                raise EngineError(f"a logprob token that is not a string: {str(token)[:80]}")
+            out.append(
+                TokenLogprob(text=token, logprob=_logprob(value), top=_top(alternatives, top))
+            )
+    return out
+
+
+def _logprob(value: Any) -> float:
+    """A log probability as engines send it (null for none: vLLM's -inf), kept within the
+    wire's range."""
+    if value is None:
+        return LOGPROB_FLOOR
+    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
+        raise EngineError(f"a logprob that is not a number: {str(value)[:80]}")
+    return min(0.0, max(LOGPROB_FLOOR, float(value)))
+
+
+def _top(alternatives: Any, top: int) -> list[TopLogprob]:
+    """The ``top`` most likely of a position's ``{token: logprob}`` (vLLM adds the chosen
+    token to them, wherever it ranks)."""
+    if alternatives is None:
+        return []
+    if not isinstance(alternatives, dict):
+        raise EngineError(f"top logprobs that are not an object: {str(alternatives)[:80]}")
+    ranked = sorted(((_logprob(v), str(k)) for k, v in alternatives.items()), reverse=True)
+    return [TopLogprob(text=k, logprob=v) for v, k in ranked[:top]]
 
 
 def _count(value: Any, name: str) -> int:
