@@ -64,6 +64,8 @@ class _Scratch:
     moved_key: dict[str, float] = field(default_factory=dict)
     made: dict[str, Candidate | None] = field(default_factory=dict)
     """Candidates built so far in this plan (a worker's changes only when it is planned)."""
+    kept: dict[tuple[str, frozenset[str]], frozenset[str]] = field(default_factory=dict)
+    """(model, workers failed on) -> :func:`kept_off`'s answer, in this plan."""
 
 
 @dataclass(frozen=True)
@@ -132,15 +134,18 @@ def plan(state: PlanInput, now_s: float, max_decisions: int | None = None) -> li
         if state.free.count(model) <= scratch.filled.get(model, 0):
             continue  # every worker of this model is full: drop its queues from this plan
         if request.deadline_s is None or request.deadline_s > now_s:  # never run an expired one
-            pool: CandidatePool = _Pool(state, scratch, model, now_s)
-            off = kept_off(state, request) if request.failed_on else None
-            if off:
-                pool = ExcludingPool(pool, off)
-            # Kept off every worker with room: it waits for another, and those behind it go.
-            if not off or len(pool):
+            pool = _pool(state, scratch, request, now_s)
+            if pool is not None:
                 d = _decide(state, request, pool, now_s, kind)
                 decisions.append(d)
                 _take(state, scratch, d, levels, amount)
+            else:
+                # Kept off every worker with room: it waits for another, and those behind
+                # it go, as far as a quota's skip goes (a worker that fails every request
+                # fast, always with room, makes a queue of them).
+                skipped[(band, model)] += 1
+                if skipped[(band, model)] >= SCAN_LIMIT:
+                    continue
         _push_next(heads, q, band, model, idx)
     return decisions
 
@@ -165,17 +170,46 @@ def share_kind(
     return None
 
 
+def _pool(state: PlanInput, s: _Scratch, request: Request, now_s: float) -> CandidatePool | None:
+    """The candidates of ``request``'s decision, without the workers it is kept off; None if
+    that leaves none."""
+    pool = _Pool(state, s, request.model, now_s)
+    if not request.failed_on:
+        return pool
+    key = (request.model, request.failed_on)
+    off = s.kept.get(key)
+    if off is None:  # (once a plan: a worker that fails every request makes many alike)
+        off = s.kept[key] = kept_off(state, request)
+    if not off:
+        return pool
+    kept = ExcludingPool(pool, off)
+    return kept if len(kept) else None
+
+
 def kept_off(state: PlanInput, request: Request) -> frozenset[str]:
-    """The workers a plan keeps ``request`` off: those an earlier attempt failed on, unless
-    every live worker of its model is among them (then any may run it again: one engine
-    that failed once may well serve the next attempt, and there is no other)."""
+    """The workers of its model a plan keeps ``request`` off: those an earlier attempt failed
+    on, while the model has another worker that may take work (live, not draining, with a
+    capacity, not refused); else none: any may run it again (one engine that failed once may
+    well serve the next attempt, and there is no other)."""
     model, workers = request.model, state.workers
-    live = 0
-    for w in request.failed_on:
-        info = workers.get(w)
-        if info is not None and not info.draining and model in info.models:
-            live += 1
-    return request.failed_on if live < state.served.get(model, 0) else frozenset()
+    off = frozenset(
+        w
+        for w in request.failed_on
+        if (info := workers.get(w)) is not None and model in info.models
+    )
+    if not off:
+        return off
+    refused = state.refused
+    for w, info in workers.items():  # (most often the first few have one)
+        if (
+            w not in off
+            and model in info.models
+            and info.capacity > 0
+            and not info.draining
+            and w not in refused
+        ):
+            return off
+    return frozenset()
 
 
 def _scratch(state: PlanInput) -> _Scratch:

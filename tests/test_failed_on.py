@@ -147,10 +147,10 @@ def test_kept_off_every_worker_with_room_it_waits_and_those_behind_it_go() -> No
 
 
 @given(
-    st.lists(st.tuples(st.integers(0, 3), st.booleans(), st.booleans()), min_size=1, max_size=6),
-    st.sets(st.integers(0, 5)),
+    st.lists(st.tuples(st.integers(0, 3), st.booleans(), st.booleans()), min_size=1, max_size=40),
+    st.sets(st.integers(0, 39)),
     st.booleans(),
-    st.integers(0, 5),
+    st.integers(0, 39),
 )
 @settings(max_examples=300, deadline=None)
 def test_a_plan_keeps_a_retry_off_its_failed_workers_while_another_lives(
@@ -159,8 +159,9 @@ def test_a_plan_keeps_a_retry_off_its_failed_workers_while_another_lives(
     cache_aware: bool,
     cached: int,
 ) -> None:
-    """Random fleets (room 0-3, draining or not, caching the prefix or not), random workers
-    the request failed on, either policy: a plan places the request on a worker it failed on
+    """Random fleets (room 0-3, draining or not, caching the prefix or not; past 16 workers
+    the cache-aware policy shortlists through the pool's orders), random workers the request
+    failed on, either policy: a plan places the request on a worker it failed on
     only when every live worker is one, and places it whenever a worker it may use has
     room."""
     s = _sched(_cache_aware() if cache_aware else LeastLoaded(1), max_attempts=10)
@@ -232,3 +233,66 @@ def test_a_pool_without_some_workers_answers_as_a_pool_of_the_others(
     assert (mine[0], sorted(mine[1])) == (theirs[0], sorted(theirs[1]))
     if len(rest):
         assert pool[0] == rest[0] and pool[-1] == rest[-1]
+
+
+def test_a_worker_that_can_take_no_work_is_no_other_to_wait_for() -> None:
+    """Another worker of the model that announces no capacity (its engine is down, its
+    outbox full) or refused an offer is none to wait for: the retry goes back to the worker
+    that failed it (it waited, unplaced, behind a worker that could never take it)."""
+    for how in ("no-capacity", "refused"):
+        s = _sched()
+        s.update_worker(_worker("w1"))
+        s.enqueue(_req("r"), 0.0)
+        assert _place(s) == {"r": "w1"}
+        if how == "no-capacity":
+            s.update_worker(_worker("w2", capacity=0))
+        else:
+            s.update_worker(_worker("w2"))
+            s.enqueue(Request("x", "interactive", "m", "t", 10, 1, 0.0), 0.0)
+            (d,) = [d for d in s.plan(0.0) if d.worker_id == "w2"]
+            s.refused(d)  # (the offer was refused: kept out of plans until it heartbeats)
+            assert s.cancel("x") is not None
+        assert isinstance(s.fail("r", "w1", 1, "boom"), Request)
+        assert _place(s, 1.0) == {"r": "w1"}, how
+
+
+def test_a_worker_that_left_the_model_is_not_counted_against_the_retry() -> None:
+    """The worker a request failed on now serves another model only, and was booked by this
+    plan for it: the retry still goes to the model's other worker, before the request behind
+    it (the pool's size counted the other model's worker out of it)."""
+    s = Scheduler(AdmissionConfig(global_limit=100), LeastLoaded(1), models=["m", "x"])
+    s.update_worker(_worker("A"))
+    s.update_worker(_worker("B"))
+    s.enqueue(Request("r", "interactive", "m", "t", 10, 1, 0.0), 0.0)
+    (d,) = s.plan(0.0)
+    assert s.book(d, 0.0)
+    failed_on = d.worker_id
+    other = "B" if failed_on == "A" else "A"
+    assert isinstance(s.fail("r", failed_on, 1, "boom"), Request)
+    s.update_worker(WorkerInfo(failed_on, frozenset({"x"}), 4))
+    s.enqueue(Request("x1", "interactive", "x", "t", 10, 1, -1.0), 0.5)  # (ahead of r)
+    s.enqueue(Request("r2", "interactive", "m", "t", 10, 1, 0.6), 0.6)
+    placed = [(d.request.request_id, d.worker_id) for d in s.plan(1.0)]
+    assert ("r", other) in placed, placed
+    assert next(r for r, _ in placed if r in ("r", "r2")) == "r"
+
+
+def test_a_plan_looks_past_at_most_scan_limit_kept_off_requests() -> None:
+    """A worker that fails every request fast always has room, and its failures queue up kept
+    off it while the others are full: a plan looks past at most ``SCAN_LIMIT`` of them in a
+    queue (it walked them all: 50,000 took 0.2 s a plan), so one behind them waits."""
+    from sluice.dispatcher.planner import SCAN_LIMIT
+
+    s = _sched(LeastLoaded(1))
+    s.update_worker(_worker("bad", capacity=1))
+    s.update_worker(_worker("full", capacity=1))
+    blocker = Request("blocker", "interactive", "m", "t", 10, 1, 0.0)
+    s.enqueue(blocker, 0.0)
+    assert s.book(Dispatch(blocker, "full"), 0.0)
+    for i in range(SCAN_LIMIT):
+        r = Request(f"f{i}", "interactive", "m", "t", 10, 1, 0.0, failed_on=frozenset({"bad"}))
+        s.enqueue(r, 0.0)
+    s.enqueue(Request("fresh", "interactive", "m", "t", 10, 1, 1.0), 1.0)
+    assert s.plan(2.0) == []
+    s.cancel("f0")
+    assert [d.request.request_id for d in s.plan(2.0)] == ["fresh"]
