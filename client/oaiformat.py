@@ -101,8 +101,9 @@ def completion_body(
 
 def completion_logprobs(entries: Sequence[TokenLogprob], offset: int = 0) -> dict[str, Any]:
     """A completion choice's ``logprobs`` (OpenAI's legacy shape: ``tokens``,
-    ``token_logprobs``, ``top_logprobs`` as ``{token: logprob}``, ``text_offset``) for tokens
-    whose text starts at character ``offset`` of the output."""
+    ``token_logprobs``, ``top_logprobs`` as ``{token: logprob}`` with the token itself among
+    them, as OpenAI and vLLM give it, ``text_offset``) for tokens whose text starts at
+    character ``offset`` of the output."""
     offsets = []
     for e in entries:
         offsets.append(offset)
@@ -110,7 +111,9 @@ def completion_logprobs(entries: Sequence[TokenLogprob], offset: int = 0) -> dic
     return {
         "tokens": [e.text for e in entries],
         "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{t.text: t.logprob for t in e.top} for e in entries],
+        "top_logprobs": [
+            {**{t.text: t.logprob for t in e.top}, e.text: e.logprob} for e in entries
+        ],
         "text_offset": offsets,
     }
 

@@ -81,8 +81,16 @@ def openai_sampling(
         if key in body and _asked(body[key]):
             raise InvalidRequest(f"{key} is not supported by Sluice", param=key)
     fields = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
-    top = _chat_logprobs(body) if kind == "chat" else body.get("logprobs")
-    if top is not None:
+    if kind == "chat":
+        top = _chat_logprobs(body)
+    elif body.get("top_logprobs") is not None:
+        raise InvalidRequest(
+            "top_logprobs is a chat field: a completion's logprobs is the count",
+            param="top_logprobs",
+        )
+    else:
+        top = body.get("logprobs")
+    if top is not None and top is not False:  # (a completion's false: none asked for)
         fields["logprobs"] = top
     return sampling_of(fields)
 

@@ -103,6 +103,28 @@ def test_an_engines_legacy_logprobs_are_read_and_their_shape_checked() -> None:
         with pytest.raises(EngineError):
             _logprobs({"choices": [{"text": " a", "logprobs": bad}]}, 2)
     assert _logprobs({"choices": [{"text": " a", "logprobs": None}]}, 2) == []
+    # SGLang asked for none: an empty list of alternatives.
+    sglang = {"tokens": [" a"], "token_logprobs": [-0.5], "top_logprobs": []}
+    (only,) = _logprobs({"choices": [{"text": " a", "logprobs": sglang}]}, 0)
+    assert (only.text, only.logprob, only.top) == (" a", -0.5, [])
+    # llama.cpp's server streams the chat shape on its completions endpoint too.
+    content = [
+        {
+            "token": " a",
+            "logprob": -0.5,
+            "bytes": [32, 97],
+            "top_logprobs": [{"token": " b", "logprob": -0.2}, {"token": " a", "logprob": -0.5}],
+        }
+    ]
+    (llama,) = _logprobs({"choices": [{"text": " a", "logprobs": {"content": content}}]}, 1)
+    assert (llama.text, llama.logprob, [(t.text, t.logprob) for t in llama.top]) == (
+        " a", -0.5, [(" b", -0.2)]
+    )  # fmt: skip
+    for bad in ({"content": 5}, {"content": [{"logprob": -1.0}]},
+                {"content": [{"token": " a", "logprob": -1.0, "top_logprobs": [5]}]},
+                {"tokens": ["\ud83d"], "token_logprobs": [-1.0]}):  # fmt: skip
+        with pytest.raises(EngineError):
+            _logprobs({"choices": [{"text": " a", "logprobs": bad}]}, 2)
 
 
 def test_an_openai_body_asks_by_its_endpoints_meaning() -> None:
@@ -110,7 +132,9 @@ def test_an_openai_body_asks_by_its_endpoints_meaning() -> None:
     assert openai_sampling(chat, "chat") == Sampling(logprobs=4)
     assert openai_sampling({"logprobs": 4}, "completion") == Sampling(logprobs=4)
     assert openai_sampling({"logprobs": False}, "chat") is None
+    assert openai_sampling({"logprobs": False}, "completion") is None
     for body, kind, param in (
+        ({"logprobs": 2, "top_logprobs": 2}, "completion", "top_logprobs"),  # (a chat field)
         ({"top_logprobs": 1}, "chat", "top_logprobs"),
         ({"logprobs": "yes"}, "chat", "logprobs"),
         ({"logprobs": True, "top_logprobs": MAX_LOGPROBS + 1}, "chat", "top_logprobs"),
@@ -190,3 +214,26 @@ async def test_the_client_stitches_logprobs_with_their_tokens() -> None:
     assert [t for c in got for t in c.tokens] == tokens
     assert [e for c in got for e in c.logprobs or []] == lps
     assert "".join(c.text for c in got) == text
+
+
+@pytest.mark.e2e
+async def test_an_engine_that_breaks_one_logprob_per_token_fails_the_request_not_the_agent(
+    nats_url: str,
+) -> None:
+    """An engine whose logprobs do not pair with its tokens: that request fails (each
+    attempt, then its rejection says why) and the agent goes on serving (the mismatch was an
+    exception in its engine loop)."""
+    from sluice.client import Rejected
+
+    async with (
+        LocalCluster(nats_url, **cluster_kwargs(workers=1)) as cluster,
+        Client(nats_url) as c,
+    ):
+        engine = cluster.agents[0].engine
+        engine.output_logprobs = lambda *_: []  # type: ignore[method-assign]
+        handle = await c.submit("sim", PROMPT, max_tokens=8, sampling=Sampling(logprobs=1))
+        with pytest.raises(Rejected) as rejected:
+            await handle.result(timeout_s=30)
+        assert "the engine's logprobs: 0 logprobs for" in str(rejected.value)
+        plain = await (await c.submit("sim", PROMPT, max_tokens=8)).result(timeout_s=30)
+        assert plain.ok

@@ -582,7 +582,14 @@ class Agent:
         if run.out.logprobs is not None:
             top = run.top_logprobs
             lps = self.engine.output_logprobs(ev.request_id, start, ev.count, top)
-        run.out.add(ids, now, first=ev.first, logprobs=lps)
+        try:
+            run.out.add(ids, now, first=ev.first, logprobs=lps)
+        except ValueError as exc:  # an engine that broke its promise of one per token
+            del self._running[ev.request_id]
+            self.engine.cancel(ev.request_id)
+            self._finish_failed(run, f"the engine's logprobs: {exc}")
+            self._changed()
+            return
         if ev.first:
             submitted = run.assignment.request.submitted_unix_ms / 1000
             metrics.TTFT.labels(self.worker_id).observe(max(0.0, now - submitted))

@@ -130,6 +130,8 @@ class _Run:
     """The alternatives per token its logprobs name (-1: it asked for none)."""
     logprobs: list[TokenLogprob] | None = None
     """One per piece, for a request that asked for them: each piece is then one token."""
+    held: str = ""
+    """Text that came without logprobs: it goes with the next token's piece."""
 
 
 class HttpEngine:
@@ -699,10 +701,12 @@ class HttpEngine:
             for text in texts:
                 self._piece(rid, text, first=not self._has(rid))
             return bool(texts)
-        text = "".join(_texts(chunk))
+        text = run.held + "".join(_texts(chunk))
         entries = _logprobs(chunk, run.top)
-        if text and not entries:
-            raise EngineError("the engine streamed text without the logprobs asked for")
+        if not entries:  # (SGLang may send a chunk's text before its tokens' logprobs)
+            run.held = text
+            return False
+        run.held = ""
         for i, e in enumerate(entries):
             # The chunk's text on its first token: the tokens' own texts need not add up to
             # it (a character split over two tokens decodes to nothing whole on either).
@@ -738,6 +742,10 @@ class HttpEngine:
             raise EngineError(f"the engine counted {output} tokens, {run.max_pieces} asked for")
         if run.logprobs is not None:
             output = len(run.pieces)  # one per token streamed with its logprobs, no more
+            if run.held:  # text after the last token's logprobs: the last piece's
+                if not run.pieces:
+                    raise EngineError("the engine streamed text without the logprobs asked for")
+                self._text[run.pieces[-1]] += run.held
         if output > len(run.pieces):
             # Tokens whose text came in another token's piece (an engine streams several
             # tokens at once under load) or never came (held back for a stop string that then
@@ -825,15 +833,27 @@ def _texts(chunk: dict[str, Any]) -> list[str]:
             continue
         if not isinstance(text, str):
             raise EngineError(f"a choice's text that is not a string: {str(text)[:80]}")
+        _encodable(text)
         if text:
             out.append(text)
     return out
 
 
+def _encodable(text: str) -> str:
+    """``text``, if it can be sent (JSON's lone surrogates, ``"\\ud83d"``, cannot: the agent
+    failed to encode the chunk, its engine loop with it)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        raise EngineError(f"text that is not Unicode: {exc}") from None
+    return text
+
+
 def _logprobs(chunk: dict[str, Any], top: int) -> list[TokenLogprob]:
     """The logprobs of a completion chunk's tokens (OpenAI's legacy completions shape, which
-    vLLM and SGLang send: ``tokens``, ``token_logprobs``, ``top_logprobs``), with the ``top``
-    most likely tokens at each position; their shape checked as :func:`_texts` checks text."""
+    vLLM and SGLang send: ``tokens``, ``token_logprobs``, ``top_logprobs``; or the chat shape,
+    ``content``, which llama.cpp's server sends), with the ``top`` most likely tokens at each
+    position; their shape checked as :func:`_texts` checks text."""
     out: list[TokenLogprob] = []
     for choice in chunk.get("choices") or ():
         lp = choice.get("logprobs") if isinstance(choice, dict) else None
@@ -841,8 +861,11 @@ def _logprobs(chunk: dict[str, Any], top: int) -> list[TokenLogprob]:
             continue
         if not isinstance(lp, dict):
             raise EngineError(f"logprobs that are not an object: {str(lp)[:80]}")
+        if "content" in lp and "tokens" not in lp:
+            out += _chat_shaped(lp["content"], top)
+            continue
         tokens, values, tops = lp.get("tokens"), lp.get("token_logprobs"), lp.get("top_logprobs")
-        if tops is None and isinstance(tokens, list):
+        if not tops and isinstance(tokens, list):  # (SGLang sends [] when none were asked)
             tops = [None] * len(tokens)
         if not (
             isinstance(tokens, list)
@@ -854,9 +877,34 @@ def _logprobs(chunk: dict[str, Any], top: int) -> list[TokenLogprob]:
         for token, value, alternatives in zip(tokens, values, tops, strict=True):
             if not isinstance(token, str):
                 raise EngineError(f"a logprob token that is not a string: {str(token)[:80]}")
-            out.append(
-                TokenLogprob(text=token, logprob=_logprob(value), top=_top(alternatives, top))
+            entry = TokenLogprob(
+                text=_encodable(token), logprob=_logprob(value), top=_top(alternatives, top)
             )
+            out.append(entry)
+    return out
+
+
+def _chat_shaped(content: Any, top: int) -> list[TokenLogprob]:
+    """``content: [{token, logprob, top_logprobs: [{token, logprob}]}]`` as entries."""
+    if not isinstance(content, list):
+        raise EngineError(f"logprobs content that is not a list: {str(content)[:80]}")
+    out = []
+    for item in content:
+        if not isinstance(item, dict) or not isinstance(item.get("token"), str):
+            raise EngineError(f"a logprobs content entry without a token: {str(item)[:80]}")
+        alternatives = item.get("top_logprobs") or []
+        if not isinstance(alternatives, list) or not all(
+            isinstance(a, dict) and isinstance(a.get("token"), str) for a in alternatives
+        ):
+            raise EngineError(f"top logprobs that are not a list of tokens: {str(item)[:80]}")
+        ranked = {a["token"]: a.get("logprob") for a in alternatives}
+        out.append(
+            TokenLogprob(
+                text=_encodable(item["token"]),
+                logprob=_logprob(item.get("logprob")),
+                top=_top(ranked, top),
+            )
+        )
     return out
 
 
@@ -877,7 +925,9 @@ def _top(alternatives: Any, top: int) -> list[TopLogprob]:
         return []
     if not isinstance(alternatives, dict):
         raise EngineError(f"top logprobs that are not an object: {str(alternatives)[:80]}")
-    ranked = sorted(((_logprob(v), str(k)) for k, v in alternatives.items()), reverse=True)
+    ranked = sorted(
+        ((_logprob(v), _encodable(str(k))) for k, v in alternatives.items()), reverse=True
+    )
     return [TopLogprob(text=k, logprob=v) for v, k in ranked[:top]]
 
 
