@@ -51,6 +51,17 @@ def _place(s: Scheduler, now: float = 0.0) -> dict[str, str]:
     return out
 
 
+def _running_on_its_cache() -> Scheduler:
+    """Two workers; ``r`` runs on w1, which caches its prefix."""
+    s = _sched()
+    s.update_worker(_worker("w1"))
+    s.update_worker(_worker("w2"))
+    _cached_on(s, "w1")
+    s.enqueue(_req("r"), 0.0)
+    assert _place(s) == {"r": "w1"}
+    return s
+
+
 def _cached_on(s: Scheduler, worker_id: str) -> None:
     assert isinstance(s.policy, CacheAware)
     s.policy.heartbeat(worker_id, Digest(0, True, PREFIX), 0.0)
@@ -73,12 +84,7 @@ def test_a_request_that_failed_on_the_worker_caching_its_prefix_is_retried_elsew
 
 
 def test_a_request_lost_with_its_worker_is_kept_off_it_when_it_comes_back() -> None:
-    s = _sched()
-    s.update_worker(_worker("w1"))
-    s.update_worker(_worker("w2"))
-    _cached_on(s, "w1")
-    s.enqueue(_req("r"), 0.0)
-    assert _place(s) == {"r": "w1"}
+    s = _running_on_its_cache()
     requeued, ended = s.remove_worker("w1")
     assert [r.request_id for r in requeued] == ["r"] and not ended
     s.update_worker(_worker("w1"))  # the same agent, restarted
@@ -87,12 +93,7 @@ def test_a_request_lost_with_its_worker_is_kept_off_it_when_it_comes_back() -> N
 
 
 def test_a_request_orphaned_by_reconciliation_is_kept_off_its_worker() -> None:
-    s = _sched()
-    s.update_worker(_worker("w1"))
-    s.update_worker(_worker("w2"))
-    _cached_on(s, "w1")
-    s.enqueue(_req("r"), 0.0)
-    assert _place(s) == {"r": "w1"}
+    s = _running_on_its_cache()
     # w1 reports, long after the booking, that it runs nothing: "r" is an orphan.
     s.update_worker(WorkerInfo("w1", frozenset({"m"}), 4, reported_s=100.0))
     done = s.reconcile(100.0, grace_s=5.0)
@@ -118,12 +119,7 @@ def test_the_only_worker_runs_the_retry_and_the_end_names_every_worker_it_failed
 
 
 def test_a_draining_worker_does_not_count_as_another_to_retry_on() -> None:
-    s = _sched()
-    s.update_worker(_worker("w1"))
-    s.update_worker(_worker("w2"))
-    _cached_on(s, "w1")
-    s.enqueue(_req("r"), 0.0)
-    assert _place(s) == {"r": "w1"}
+    s = _running_on_its_cache()
     s.update_worker(_worker("w2", draining=True))
     assert isinstance(s.fail("r", "w1", 1, "boom"), Request)
     assert _place(s, 1.0) == {"r": "w1"}
