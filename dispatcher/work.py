@@ -35,7 +35,8 @@ class Request:
     """Its session's key, when the producer named a session."""
     failed_on: frozenset[str] = frozenset()
     """Workers an earlier attempt failed on (or was lost with): a plan offers it to them
-    again only once every live worker of its model is among them."""
+    again only once no other worker of its model may take work
+    (:func:`sluice.dispatcher.planner.kept_off`)."""
 
     def priced(self, engine_ms: int) -> Request:
         """The same request with its estimated engine time set."""
