@@ -37,7 +37,7 @@ from sluice.cli.params import (
 )
 from sluice.common.errors import ConfigError
 from sluice.dispatcher.defaults import MAX_PROMPT_TOKENS
-from sluice.schemas.models import MAX_OUTPUT_TOKENS, Sampling
+from sluice.schemas.models import MAX_LOGPROBS, MAX_OUTPUT_TOKENS, Sampling, TokenLogprob
 
 if TYPE_CHECKING:
     from sluice.common.probes import Probe, ProbeServer
@@ -1292,6 +1292,15 @@ def submit(
     stop: Annotated[
         list[str] | None, typer.Option(help="Stop string (repeatable): the output ends before it.")
     ] = None,
+    logprobs: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            max=MAX_LOGPROBS,
+            help="Print each output token's log probability and this many most likely "
+            "alternatives (in the result with --json).",
+        ),
+    ] = None,
     config: ConfigOpt = None,
 ) -> None:
     """Submit one request and print its tokens and result."""
@@ -1315,7 +1324,9 @@ def submit(
     from sluice.client import InvalidRequest
     from sluice.client.sampling import sampling_of
 
-    given_sampling = {"temperature": temperature, "seed": seed, "stop": stop or None}
+    given_sampling = {
+        "temperature": temperature, "seed": seed, "stop": stop or None, "logprobs": logprobs,
+    }  # fmt: skip
     try:  # checked before the broker is asked anything
         sampling = sampling_of({k: v for k, v in given_sampling.items() if v is not None})
     except InvalidRequest as exc:
@@ -1384,7 +1395,20 @@ async def _submit(
             f"total {t.e2e_s * 1000:.0f} ms, cached {result.cached_tokens}/"
             f"{result.prompt_tokens} prompt tokens[/dim]"
         )
+        if result.logprobs is not None:
+            _print_logprobs(result.logprobs)
     return 0
+
+
+def _print_logprobs(entries: list[TokenLogprob]) -> None:
+    """Each output token, its log probability and its position's most likely tokens."""
+    from rich.table import Table
+
+    table = Table("#", "token", "logprob", "most likely")
+    for i, e in enumerate(entries):
+        top = ", ".join(f"{t.text!r} {t.logprob:.3f}" for t in e.top)
+        table.add_row(str(i), escape(repr(e.text)), f"{e.logprob:.3f}", escape(top))
+    err.print(table)
 
 
 @app.command()

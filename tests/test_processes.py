@@ -63,6 +63,16 @@ def test_separate_processes_serve_a_cli_submission(nats_url: str, procs: Procs) 
     result = json.loads(out.stdout)
     assert result["ok"] and result["worker_id"] == "proc-worker"
     assert len(result["output_tokens"]) == 12
+    assert "logprobs" not in result  # (not asked for: not in the result)
+
+    # --logprobs: a table of each token's (the simulated engine's pseudo ones).
+    scored = subprocess.run(
+        [*SLUICE, "submit", "--model", "sim", "--prompt", "hello " * 40, "--max-tokens", "3",
+         "--logprobs", "2", "--timeout-s", "20"],
+        env={**os.environ, **env}, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert scored.returncode == 0, scored.stderr
+    assert "most likely" in scored.stderr and scored.stderr.count("-") >= 3, scored.stderr
 
     # Unknown model through the CLI: a typed rejection and a distinct exit code. The model's
     # name is printed as it is (read as markup, "[/x]" was a MarkupError traceback).
