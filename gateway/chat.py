@@ -9,12 +9,12 @@ a list of token ids.
 
 Sluice relays a prompt, an output bound and the sampling fields
 (:func:`sluice.client.sampling.openai_sampling`: ``temperature``, ``top_p``, ``seed``, the
-penalties, ``stop``, ``logprobs``, ...) to the engine; ``n`` choices run as ``n`` requests.
-Fields that would change what the engine returns in ways the caller relies on and that Sluice
-does not relay (``tools``, a ``response_format`` other than text, ``echo``, ``suffix``,
-``best_of`` > 1, ``logit_bias``, guided decoding) are refused with a 400 rather than ignored;
-fields the gateway does not know (``store``, ``metadata``, ...) are accepted and have no
-effect.
+penalties, ``stop``, ``logprobs``, ``response_format``, ...) to the engine; ``n`` choices run
+as ``n`` requests. Fields that would change what the engine returns in ways the caller relies
+on and that Sluice does not relay (``tools``, ``echo``, ``suffix``, ``best_of`` > 1,
+``logit_bias``, guided decoding by an engine's own fields) are refused with a 400 rather than
+ignored; fields the gateway does not know (``store``, ``metadata``, ...) are accepted and have
+no effect.
 """
 
 from __future__ import annotations
@@ -103,9 +103,6 @@ def _unsupported(body: Mapping[str, Any], kind: Kind) -> None:
     best_of = body.get("best_of")
     if best_of is not None and (best_of != 1 or isinstance(best_of, bool)):
         raise BadRequest("best_of is not supported", param="best_of")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise BadRequest("only the text response_format is supported", param="response_format")
 
 
 def _common(

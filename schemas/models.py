@@ -7,6 +7,8 @@ with a typed error instead of guessing. Times on the wire are Unix epoch millise
 
 from __future__ import annotations
 
+import json
+import re
 from enum import StrEnum
 from typing import Annotated, Any, Final, Literal
 
@@ -94,6 +96,55 @@ MAX_STOP_CHARS: Final = 256
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
+MAX_SCHEMA_CHARS: Final = 65_536
+"""The largest ``response_format`` a request may give, as JSON."""
+_SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def response_format(value: Any) -> dict[str, Any] | None:
+    """``value`` as :attr:`Sampling.response_format` (None for none, or for ``text``), or
+    :class:`ValueError` saying what is wrong with it."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError("response_format must be an object")
+    kind = value.get("type")
+    if kind == "text" and set(value) == {"type"}:
+        return None
+    if kind == "json_object":
+        if set(value) != {"type"}:
+            raise ValueError("a json_object response_format has no field but type")
+    elif kind == "json_schema":
+        _json_schema(value)
+    else:
+        raise ValueError("response_format's type must be text, json_object or json_schema")
+    try:
+        size = len(json.dumps(value))
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise ValueError(f"response_format is not JSON: {exc}") from None
+    if size > MAX_SCHEMA_CHARS:
+        raise ValueError(
+            f"response_format has {size} characters as JSON; at most {MAX_SCHEMA_CHARS}"
+        )
+    return value
+
+
+def _json_schema(value: dict[str, Any]) -> None:
+    spec = value.get("json_schema")
+    if set(value) != {"type", "json_schema"} or not isinstance(spec, dict):
+        raise ValueError("a json_schema response_format needs json_schema, an object")
+    if not set(spec) <= {"name", "schema", "strict", "description"}:
+        raise ValueError(f"json_schema takes name, schema, strict, description: {sorted(spec)}")
+    if not isinstance(spec.get("name"), str) or not _SCHEMA_NAME.match(spec["name"]):
+        raise ValueError("json_schema.name must be 1-64 letters, digits, _ or -")
+    if not isinstance(spec.get("schema"), dict):
+        raise ValueError("json_schema.schema must be an object (a JSON Schema)")
+    if not isinstance(spec.get("strict", False), bool):
+        raise ValueError("json_schema.strict must be a boolean")
+    if not isinstance(spec.get("description", ""), str):
+        raise ValueError("json_schema.description must be a string")
+
+
 MAX_LOGPROBS: Final = 20
 """The most alternatives per token a request may ask log probabilities of (vLLM's default
 ``max_logprobs``; OpenAI's chat API takes as many)."""
@@ -137,6 +188,13 @@ class Sampling(BaseModel):
     """Stop strings, stop tokens and end-of-sequence are not taken before this many tokens."""
     ignore_eos: Annotated[bool, Strict()] | None = None
     """Go on past the end-of-sequence token, to ``max_tokens`` (what load tests ask for)."""
+    response_format: dict[str, Any] | None = None
+    """Structured output, as OpenAI's API and both engines' completions take it:
+    ``{"type": "json_object"}`` (any JSON object) or ``{"type": "json_schema", "json_schema":
+    {"name", "schema", "strict"?, "description"?}}`` (JSON valid against ``schema``), which the
+    engine enforces while it samples. ``{"type": "text"}`` is no request. Checked here for its
+    shape and its size (at most :data:`MAX_SCHEMA_CHARS` as JSON), not for the schema's own
+    validity, which the engine judges."""
     logprobs: WholeNumber | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     """Return each output token's log probability and those of this many most likely
     alternatives (0: the token's own only), as the engines' completions endpoints take it
@@ -151,6 +209,11 @@ class Sampling(BaseModel):
     @classmethod
     def _every_token(cls, value: int | None) -> int | None:
         return -1 if value == 0 else value
+
+    @field_validator("response_format", mode="before")
+    @classmethod
+    def _format(cls, value: Any) -> dict[str, Any] | None:
+        return response_format(value)
 
     @model_serializer(mode="wrap")
     def _set_only(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

@@ -172,6 +172,11 @@ class SimEngine:
         model needs only them; ``prompt`` and ``sampling`` are ignored: its pseudo output is
         no sample, and ends at its length: ``sluice engine`` honours stop strings)."""
         bt = self.profile.block_tokens
+        if sampling is not None and sampling.response_format is not None:
+            raise EngineError(
+                "the in-process simulated engine makes no structured output (response_format); "
+                "sluice engine behind openai-http does"
+            )
         if prompt_tokens < 1 or output_tokens < 1:
             raise EngineError("a request needs at least one prompt and one output token")
         hashes = tuple(hashes[: prompt_tokens // bt])

@@ -72,10 +72,10 @@ from sluice.common.chattemplate import ChatOptions, ChatTemplate, chat_prompt
 from sluice.common.errors import ConfigError, internal_error
 from sluice.common.tokenizer import PromptTokenizer
 from sluice.schemas.hashing import block_hashes, estimate_text_tokens, text_block_hashes
-from sluice.schemas.models import MAX_LOGPROBS
+from sluice.schemas.models import MAX_LOGPROBS, response_format
 from sluice.sim.engine import SimEngine
 from sluice.sim.profiles import EngineProfile
-from sluice.sim.tokens import logprobs
+from sluice.sim.tokens import detokenize, logprobs, output_token
 from sluice.testing.processes import DIE_WITH_PARENT, SLUICE, stop_processes
 
 _MAX_LAG_S = 0.05
@@ -159,6 +159,9 @@ class Sample:
     """The stop string stays in the text (vLLM's ``include_stop_str_in_output``)."""
     top: int = -1
     """Logprobs asked for, with this many alternatives per token (-1: none)."""
+    script: tuple[str, ...] | None = None
+    """Structured output asked for (``response_format``): the pieces of the JSON to send, one
+    per token, the request finished after the last (None: free text)."""
 
 
 @dataclass
@@ -483,12 +486,7 @@ class SimServer:
                     tokens = self.engine.output_tokens(key, stream.produced, ev.count)
                     stream.produced += ev.count
                     self.generation_tokens_total += ev.count
-                    if not (stream.sample.stop or stream.sample.stop_ids):
-                        if stream.sample.top >= 0:
-                            stream.tokens.extend(tokens)
-                        yield self.engine.detokenize(tokens), None
-                        continue
-                    piece, fin = self._until_stop(rid, stream, tokens)
+                    piece, fin = self._next_piece(rid, stream, tokens)
                     if piece:
                         yield piece, None
                     if fin is not None:
@@ -505,6 +503,38 @@ class SimServer:
                     return
         finally:
             self.release(rid)
+
+    def _next_piece(
+        self, rid: str, stream: _Stream, tokens: list[int]
+    ) -> tuple[str, Finished | None]:
+        """The text of the request's new ``tokens`` that may go out now, and its finish if it
+        ended here (a structured output's last piece, a stop)."""
+        sample = stream.sample
+        if sample.script is not None:
+            return self._scripted(rid, stream)
+        if sample.stop or sample.stop_ids:
+            return self._until_stop(rid, stream, tokens)
+        if sample.top >= 0:
+            stream.tokens.extend(tokens)
+        return self.engine.detokenize(tokens), None
+
+    def _scripted(self, rid: str, stream: _Stream) -> tuple[str, Finished | None]:
+        """The pieces of a structured output up to the tokens made so far, and the finish
+        once the last is out (it ends there, as an engine ends a JSON its grammar closed)."""
+        script = stream.sample.script
+        assert script is not None
+        start = stream.sent
+        stream.sent = min(stream.produced, len(script))
+        piece = "".join(script[start : stream.sent])
+        if stream.sent < len(script):
+            return piece, None
+        stream.stopped, stream.stopped_at = True, len(script)
+        fin = self.engine.finish_early(rid)
+        if fin is None:  # it finished at this very step: its finish is queued
+            return piece, None
+        fin = dataclasses.replace(fin, output_tokens=len(script))
+        self._observe_finish(stream, fin)
+        return piece, fin
 
     def _until_stop(
         self, rid: str, stream: _Stream, tokens: list[int]
@@ -839,7 +869,83 @@ def _sample(body: Mapping[str, Any], prompt: Prompt, face: Face) -> Sample:
     top = _top_logprobs(body, face)
     if top >= 0 and (stops or stop_ids):
         raise BadRequest("the simulated engine does not combine logprobs with stops", "stop")
-    return Sample(key, tuple(stops or ()), frozenset(stop_ids or ()), least, include, top)
+    script = _script(body, key or f"free:{time.monotonic_ns()}")
+    if script is not None and (top >= 0 or stops or stop_ids):
+        raise BadRequest(
+            "the simulated engine does not combine response_format with stops or logprobs",
+            "response_format",
+        )
+    return Sample(key, tuple(stops or ()), frozenset(stop_ids or ()), least, include, top, script)
+
+
+def _script(body: Mapping[str, Any], key: str) -> tuple[str, ...] | None:
+    """The structured output a ``response_format`` asks for, in pieces of up to 4 characters
+    (one per token): a JSON instance of its schema, strings of pseudo words picked by ``key``
+    (the same for a greedy or seeded request's prompt), or for ``json_object`` an object with
+    one string. A format that is not valid, or a schema it cannot make an instance of, is a
+    400."""
+    try:
+        fmt = response_format(body.get("response_format"))
+    except ValueError as exc:
+        raise BadRequest(str(exc), "response_format") from None
+    if fmt is None:
+        return None
+    words = (detokenize([output_token(key, i)]) for i in itertools.count())
+    if fmt["type"] == "json_object":
+        value: Any = {"answer": "".join(itertools.islice(words, 8)).strip()}
+    else:
+        value = _instance(fmt["json_schema"]["schema"], words, 0)
+    text = json.dumps(value, ensure_ascii=False)
+    return tuple(text[i : i + 4] for i in range(0, len(text), 4))
+
+
+_MAX_DEPTH = 32
+
+
+def _instance(schema: Any, words: Iterator[str], depth: int) -> Any:
+    """An instance of a JSON Schema's common keywords (type, properties, items, enum, const,
+    anyOf/oneOf/allOf, minimum, minItems, minLength, maxLength): every property, each array
+    with its fewest items (at least one), strings of pseudo words."""
+    if not isinstance(schema, dict) or depth > _MAX_DEPTH:
+        raise BadRequest("a schema the simulated engine cannot follow", "response_format")
+    if "const" in schema:
+        return schema["const"]
+    if isinstance(schema.get("enum"), list) and schema["enum"]:
+        return schema["enum"][0]
+    for key in ("anyOf", "oneOf", "allOf"):
+        if isinstance(schema.get(key), list) and schema[key]:
+            return _instance(schema[key][0], words, depth + 1)
+    if "$ref" in schema:
+        raise BadRequest("$ref: the simulated engine does not follow references", "response_format")
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), "null")
+    if kind == "object" or (kind is None and "properties" in schema):
+        props = schema.get("properties") or {}
+        return {k: _instance(v, words, depth + 1) for k, v in props.items()}
+    if kind == "array":
+        count = min(max(int(schema.get("minItems", 1)), 1), 8)
+        return [_instance(schema.get("items", {}), words, depth + 1) for _ in range(count)]
+    return _scalar(kind, schema, words)
+
+
+def _scalar(kind: Any, schema: dict[str, Any], words: Iterator[str]) -> Any:
+    """An instance of a schema of one value (a string, a number, ...)."""
+    if kind == "string":
+        text = "".join(itertools.islice(words, 3)).strip()
+        least = int(schema.get("minLength", 0))
+        text = (text + " " + text * least)[: max(least, len(text))] if least > len(text) else text
+        return text[: int(schema.get("maxLength", len(text)))]
+    if kind in ("integer", "number"):
+        if "exclusiveMinimum" in schema:
+            return int(schema["exclusiveMinimum"]) + 1
+        least = schema.get("minimum", 0)
+        return int(least) if kind == "integer" else float(least)
+    if kind == "boolean":
+        return True
+    if kind == "null":
+        return None
+    return "".join(itertools.islice(words, 2)).strip()  # (any value: a string)
 
 
 def sample_key(token_ids: Sequence[int], temperature: float | None, seed: int | None) -> str | None:

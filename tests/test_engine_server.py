@@ -996,3 +996,63 @@ def test_logprobs_come_as_vllm_shapes_them_and_what_it_refuses_is_a_400(
         response = engine.post(path, json={**base, **extra})
         assert response.status_code == 400, (path, extra)
         assert response.json()["error"]["param"] == param
+
+
+_PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1},
+        "age": {"type": "integer", "minimum": 18},
+        "tags": {"type": "array", "items": {"type": "string"}, "minItems": 2},
+        "kind": {"enum": ["a", "b"]},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age", "tags", "kind", "ok"],
+}
+
+
+def test_a_response_format_makes_json_of_its_schema_and_ends_there(engine: httpx.Client) -> None:
+    """``response_format`` as vLLM takes it: a ``json_schema``'s output is JSON valid against
+    the schema, a ``json_object``'s a JSON object, the answer ending with it (``stop``, its
+    tokens counted) or cut at ``max_tokens`` (``length``); the same for the same greedy
+    request; what the simulated engine cannot follow, or a format that is not valid, a 400."""
+    import jsonschema
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": _PERSON}}
+    body = {"model": "sim-8b", "prompt": "x y z", "max_tokens": 200, "temperature": 0}
+    whole = engine.post("/v1/completions", json={**body, "response_format": fmt}).json()
+    text = whole["choices"][0]["text"]
+    jsonschema.validate(json.loads(text), _PERSON)
+    assert whole["choices"][0]["finish_reason"] == "stop"
+    assert whole["usage"]["completion_tokens"] == -(-len(text) // 4)  # (4 characters a token)
+    again = engine.post("/v1/completions", json={**body, "response_format": fmt}).json()
+    assert again["choices"][0]["text"] == text
+    streamed = "".join(
+        json.loads(line[6:])["choices"][0].get("text", "")
+        for line in engine.post(
+            "/v1/completions", json={**body, "response_format": fmt, "stream": True}
+        ).text.splitlines()
+        if line.startswith("data: {") and json.loads(line[6:])["choices"]
+    )
+    assert streamed == text
+    messages = [{"role": "user", "content": "x"}]
+    chat = engine.post(
+        "/v1/chat/completions",
+        json={"model": "sim-8b", "messages": messages, "response_format": {"type": "json_object"}},
+    ).json()
+    assert isinstance(json.loads(chat["choices"][0]["message"]["content"]), dict)
+    cut = engine.post(
+        "/v1/completions", json={**body, "max_tokens": 3, "response_format": fmt}
+    ).json()
+    assert cut["choices"][0]["finish_reason"] == "length"
+    assert cut["choices"][0]["text"] == text[:12]
+    for bad in (
+        {"type": "json_schema"},
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/a"}}},
+        {"type": "xml"},
+    ):
+        response = engine.post("/v1/completions", json={**body, "response_format": bad})
+        assert response.status_code == 400, bad
+        assert response.json()["error"]["param"] == "response_format"
+    response = engine.post("/v1/completions", json={**body, "response_format": fmt, "logprobs": 1})
+    assert response.status_code == 400

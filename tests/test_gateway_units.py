@@ -338,3 +338,37 @@ def test_each_choice_samples_with_its_own_seed() -> None:
         with pytest.raises(BadRequest):
             completion_job({"model": "m", "prompt": "hi", "n": bad}, 16)
     assert completion_job({"model": "m", "prompt": "hi", "n": 20}, 16, max_choices=32).n == 20
+
+
+def test_a_response_format_travels_to_the_engine_and_a_bad_one_is_a_400() -> None:
+    """``json_object`` and ``json_schema`` become ``Sampling.response_format`` (the engine
+    enforces them); ``text`` is no request; a format of another type or shape, or one over
+    ``MAX_SCHEMA_CHARS``, is a 400 naming ``response_format`` (it was refused whole)."""
+    from sluice.schemas.models import MAX_SCHEMA_CHARS
+
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "a_1", "schema": schema, "strict": True}}
+    job = chat_job({**_CHAT, "response_format": fmt}, 16)
+    assert job.sampling is not None and job.sampling.engine_fields() == {"response_format": fmt}
+    job = completion_job(
+        {"model": "m", "prompt": "x", "response_format": {"type": "json_object"}}, 16
+    )
+    assert job.sampling is not None
+    assert job.sampling.engine_fields() == {"response_format": {"type": "json_object"}}
+    assert chat_job({**_CHAT, "response_format": {"type": "text"}}, 16).sampling is None
+    huge = {"description": "x" * MAX_SCHEMA_CHARS}
+    big = {"type": "json_schema", "json_schema": {"name": "a", "schema": huge}}
+    for bad in (
+        {"type": "xml"},
+        {"type": "json_object", "schema": {}},
+        {"type": "json_schema"},
+        {"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}},
+        {"type": "json_schema", "json_schema": {"name": "a", "schema": []}},
+        {"type": "json_schema", "json_schema": {"name": "a", "schema": {}, "strict": "yes"}},
+        {"type": "json_schema", "json_schema": {"name": "a", "schema": {}, "extra": 1}},
+        "json",
+        big,
+    ):
+        with pytest.raises(BadRequest) as info:
+            chat_job({**_CHAT, "response_format": bad}, 16)
+        assert info.value.param == "response_format", bad

@@ -274,6 +274,60 @@ async def test_logprobs_come_from_the_engine_through_the_gateway(
             await oa.close()
 
 
+async def test_structured_output_comes_from_the_engine_through_the_gateway(
+    fleet: dict[str, Any], nats_url: str
+) -> None:
+    """The openai package asks the gateway for a ``json_schema`` and a ``json_object``
+    response format: the engine process makes the JSON (it got the format through the wire
+    and the agent), whole and streamed, and a batch line's comes back the same."""
+    import jsonschema
+    from openai import AsyncOpenAI
+
+    from sluice.gateway import GatewayServer, GatewaySettings
+
+    from .test_engine_server import _PERSON
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": _PERSON}}
+    messages = [{"role": "user", "content": "who are you?"}]
+    gs = GatewaySettings(nats_url=nats_url, host="127.0.0.1", port=0)
+    async with GatewayServer(gs) as gw:
+        oa = AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="k", max_retries=0, timeout=30)
+        try:
+            answer = await oa.chat.completions.create(
+                model="sim", messages=messages, max_tokens=200, temperature=0,  # type: ignore[arg-type]
+                response_format=fmt,  # type: ignore[arg-type]
+            )  # fmt: skip
+            content = answer.choices[0].message.content or ""
+            jsonschema.validate(json.loads(content), _PERSON)
+            assert answer.choices[0].finish_reason == "stop"
+            parts = []
+            async for c in await oa.chat.completions.create(
+                model="sim", messages=messages, max_tokens=200, temperature=0,  # type: ignore[arg-type]
+                response_format=fmt, stream=True,  # type: ignore[arg-type]
+            ):  # fmt: skip
+                if c.choices and c.choices[0].delta.content:
+                    parts.append(c.choices[0].delta.content)
+            assert "".join(parts) == content
+            plain = await oa.completions.create(
+                model="sim", prompt="x", max_tokens=64,
+                extra_body={"response_format": {"type": "json_object"}},  # (vLLM's extension)
+            )  # fmt: skip
+            assert isinstance(json.loads(plain.choices[0].text), dict)
+        finally:
+            await oa.close()
+    line = {"custom_id": "j", "url": "/v1/chat/completions",
+            "body": {"model": "sim", "messages": messages, "max_tokens": 200, "temperature": 0,
+                     "response_format": fmt}}  # fmt: skip
+    async with Client(nats_url) as c:
+        b = Batches(c)
+        record = await b.create((await b.upload(json.dumps(line).encode(), "in.jsonl")).id)
+        await b.submit(record.id)
+        record = await b.wait(record.id, every_s=0.2, timeout_s=60)
+        assert record.status == "completed" and record.output_file_id, record
+        out = json.loads(await b.content(record.output_file_id))
+    assert out["response"]["body"]["choices"][0]["message"]["content"] == content
+
+
 async def test_an_engine_killed_mid_generation_costs_an_attempt_not_the_request(
     fleet: dict[str, Any], nats_url: str
 ) -> None:
