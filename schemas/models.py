@@ -98,7 +98,7 @@ StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 MAX_SCHEMA_CHARS: Final = 65_536
 """The largest ``response_format`` a request may give, as JSON."""
-_SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def response_format(value: Any) -> dict[str, Any] | None:
@@ -109,7 +109,9 @@ def response_format(value: Any) -> dict[str, Any] | None:
     if not isinstance(value, dict):
         raise ValueError("response_format must be an object")
     kind = value.get("type")
-    if kind == "text" and set(value) == {"type"}:
+    if kind == "text":
+        if set(value) != {"type"}:
+            raise ValueError("a text response_format has no field but type")
         return None
     if kind == "json_object":
         if set(value) != {"type"}:
@@ -119,14 +121,15 @@ def response_format(value: Any) -> dict[str, Any] | None:
     else:
         raise ValueError("response_format's type must be text, json_object or json_schema")
     try:
-        size = len(json.dumps(value))
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError, RecursionError) as exc:
         raise ValueError(f"response_format is not JSON: {exc}") from None
-    if size > MAX_SCHEMA_CHARS:
+    if len(text) > MAX_SCHEMA_CHARS:
         raise ValueError(
-            f"response_format has {size} characters as JSON; at most {MAX_SCHEMA_CHARS}"
+            f"response_format has {len(text)} characters as JSON; at most {MAX_SCHEMA_CHARS}"
         )
-    return value
+    copy: dict[str, Any] = json.loads(text)  # (its own: the caller's dict may change later)
+    return copy
 
 
 def _json_schema(value: dict[str, Any]) -> None:
@@ -135,13 +138,13 @@ def _json_schema(value: dict[str, Any]) -> None:
         raise ValueError("a json_schema response_format needs json_schema, an object")
     if not set(spec) <= {"name", "schema", "strict", "description"}:
         raise ValueError(f"json_schema takes name, schema, strict, description: {sorted(spec)}")
-    if not isinstance(spec.get("name"), str) or not _SCHEMA_NAME.match(spec["name"]):
+    if not isinstance(spec.get("name"), str) or not _SCHEMA_NAME.fullmatch(spec["name"]):
         raise ValueError("json_schema.name must be 1-64 letters, digits, _ or -")
     if not isinstance(spec.get("schema"), dict):
         raise ValueError("json_schema.schema must be an object (a JSON Schema)")
-    if not isinstance(spec.get("strict", False), bool):
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
         raise ValueError("json_schema.strict must be a boolean")
-    if not isinstance(spec.get("description", ""), str):
+    if spec.get("description") is not None and not isinstance(spec["description"], str):
         raise ValueError("json_schema.description must be a string")
 
 

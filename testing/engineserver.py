@@ -894,39 +894,70 @@ def _script(body: Mapping[str, Any], key: str) -> tuple[str, ...] | None:
     if fmt["type"] == "json_object":
         value: Any = {"answer": "".join(itertools.islice(words, 8)).strip()}
     else:
-        value = _instance(fmt["json_schema"]["schema"], words, 0)
+        value = _instance_of(fmt["json_schema"]["schema"], words)
     text = json.dumps(value, ensure_ascii=False)
     return tuple(text[i : i + 4] for i in range(0, len(text), 4))
 
 
 _MAX_DEPTH = 32
+_MAX_ITEMS = 64
 
 
-def _instance(schema: Any, words: Iterator[str], depth: int) -> Any:
-    """An instance of a JSON Schema's common keywords (type, properties, items, enum, const,
-    anyOf/oneOf/allOf, minimum, minItems, minLength, maxLength): every property, each array
-    with its fewest items (at least one), strings of pseudo words."""
+def _instance_of(schema: Any, words: Iterator[str]) -> Any:
+    """An instance of ``schema`` (:func:`_instance`), or a 400 for one it cannot make."""
+    try:
+        return _instance(schema, words, 0, schema)
+    except BadRequest:
+        raise
+    except (TypeError, ValueError, OverflowError, KeyError) as exc:  # (a keyword of a bad type)
+        raise BadRequest(f"a schema the simulated engine cannot follow: {exc!r}", _FORMAT) from None
+
+
+_FORMAT = "response_format"
+
+
+def _instance(schema: Any, words: Iterator[str], depth: int, root: Any) -> Any:
+    """An instance of a JSON Schema's common keywords: type (a list: its first but null),
+    properties (every one), items and minItems/maxItems (the fewest, at least one unless at
+    most none), enum and const, anyOf/oneOf/allOf (the first), minimum/maximum and their
+    exclusive forms, minLength/maxLength, and ``$ref`` into the schema's own ``$defs`` or
+    ``definitions``; strings of pseudo words. Others (pattern, multipleOf, uniqueItems, not,
+    ...) are not followed: the output may not satisfy them."""
     if not isinstance(schema, dict) or depth > _MAX_DEPTH:
-        raise BadRequest("a schema the simulated engine cannot follow", "response_format")
+        raise BadRequest("a schema the simulated engine cannot follow", _FORMAT)
+    if "$ref" in schema:
+        return _instance(_resolve(schema["$ref"], root), words, depth + 1, root)
     if "const" in schema:
         return schema["const"]
     if isinstance(schema.get("enum"), list) and schema["enum"]:
         return schema["enum"][0]
     for key in ("anyOf", "oneOf", "allOf"):
         if isinstance(schema.get(key), list) and schema[key]:
-            return _instance(schema[key][0], words, depth + 1)
-    if "$ref" in schema:
-        raise BadRequest("$ref: the simulated engine does not follow references", "response_format")
+            return _instance(schema[key][0], words, depth + 1, root)
     kind = schema.get("type")
     if isinstance(kind, list):
         kind = next((k for k in kind if k != "null"), "null")
     if kind == "object" or (kind is None and "properties" in schema):
         props = schema.get("properties") or {}
-        return {k: _instance(v, words, depth + 1) for k, v in props.items()}
+        return {k: _instance(v, words, depth + 1, root) for k, v in props.items()}
     if kind == "array":
-        count = min(max(int(schema.get("minItems", 1)), 1), 8)
-        return [_instance(schema.get("items", {}), words, depth + 1) for _ in range(count)]
+        count = 0 if schema.get("maxItems") == 0 else max(int(schema.get("minItems", 1)), 1)
+        if count > _MAX_ITEMS:
+            raise BadRequest(f"minItems over {_MAX_ITEMS}: not simulated", _FORMAT)
+        item = schema.get("items", {})
+        return [_instance(item, words, depth + 1, root) for _ in range(count)]
     return _scalar(kind, schema, words)
+
+
+def _resolve(ref: Any, root: Any) -> Any:
+    """The schema a local ``$ref`` (``#/$defs/X``, ``#/definitions/X``) names."""
+    parts = ref.split("/") if isinstance(ref, str) else []
+    if len(parts) != 3 or parts[0] != "#" or parts[1] not in ("$defs", "definitions"):
+        raise BadRequest(f"$ref {ref!r}: the simulated engine follows #/$defs/... only", _FORMAT)
+    found = (root.get(parts[1]) or {}).get(parts[2])
+    if found is None:
+        raise BadRequest(f"$ref {ref!r} names no definition", _FORMAT)
+    return found
 
 
 def _scalar(kind: Any, schema: dict[str, Any], words: Iterator[str]) -> Any:
@@ -934,18 +965,35 @@ def _scalar(kind: Any, schema: dict[str, Any], words: Iterator[str]) -> Any:
     if kind == "string":
         text = "".join(itertools.islice(words, 3)).strip()
         least = int(schema.get("minLength", 0))
-        text = (text + " " + text * least)[: max(least, len(text))] if least > len(text) else text
+        while len(text) < least:
+            text += " " + text if text else "x"
         return text[: int(schema.get("maxLength", len(text)))]
     if kind in ("integer", "number"):
-        if "exclusiveMinimum" in schema:
-            return int(schema["exclusiveMinimum"]) + 1
-        least = schema.get("minimum", 0)
-        return int(least) if kind == "integer" else float(least)
+        return _number(kind == "integer", schema)
     if kind == "boolean":
         return True
     if kind == "null":
         return None
     return "".join(itertools.islice(words, 2)).strip()  # (any value: a string)
+
+
+def _number(integer: bool, schema: dict[str, Any]) -> int | float:
+    """A number within the schema's bounds: 0 if it may be, else the bound nearest 0."""
+    low, high = schema.get("minimum"), schema.get("maximum")
+    x_low, x_high = schema.get("exclusiveMinimum"), schema.get("exclusiveMaximum")
+    value: float = 0
+    if low is not None and value < low:
+        value = low
+    if x_low is not None and value <= x_low:
+        value = math.floor(x_low) + 1 if integer else x_low + (abs(x_low) or 1) * 1e-6
+    if high is not None and value > high:
+        value = high
+    if x_high is not None and value >= x_high:
+        value = math.ceil(x_high) - 1 if integer else x_high - (abs(x_high) or 1) * 1e-6
+    if integer:
+        whole = math.ceil(value)  # (a minimum of 2.5: 3)
+        return math.floor(high) if high is not None and whole > high else whole
+    return float(value)
 
 
 def sample_key(token_ids: Sequence[int], temperature: float | None, seed: int | None) -> str | None:

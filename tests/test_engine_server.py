@@ -1056,3 +1056,51 @@ def test_a_response_format_makes_json_of_its_schema_and_ends_there(engine: httpx
         assert response.json()["error"]["param"] == "response_format"
     response = engine.post("/v1/completions", json={**body, "response_format": fmt, "logprobs": 1})
     assert response.status_code == 400
+
+
+_SCHEMAS = [
+    _PERSON,
+    {"type": "integer", "maximum": -3},
+    {"type": "number", "exclusiveMinimum": 0, "maximum": 0.5},
+    {"type": "integer", "minimum": 2.5},
+    {"type": "number", "exclusiveMaximum": 0},
+    {"type": "array", "items": {"type": "integer"}, "minItems": 20},
+    {"type": "array", "maxItems": 0},
+    {"type": "string", "minLength": 50, "maxLength": 60},
+    {"type": ["null", "string"]},
+    {"anyOf": [{"type": "null"}, {"type": "boolean"}]},
+    # pydantic's model_json_schema() of a nested model: local references.
+    {
+        "type": "object",
+        "properties": {"owner": {"$ref": "#/$defs/Person"}, "n": {"type": "integer"}},
+        "required": ["owner", "n"],
+        "$defs": {"Person": _PERSON},
+    },
+]
+
+
+@pytest.mark.parametrize("schema", _SCHEMAS, ids=range(len(_SCHEMAS)))
+def test_the_simulated_json_is_valid_against_its_schema(schema: dict[str, Any]) -> None:
+    import itertools
+
+    import jsonschema
+
+    from sluice.sim.tokens import detokenize, output_token
+    from sluice.testing.engineserver import _instance_of
+
+    words = (detokenize([output_token("k", i)]) for i in itertools.count())
+    jsonschema.validate(_instance_of(schema, words), schema)
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [{"type": "array", "minItems": "x"}, {"$ref": "#/$defs/Nope"}, {"$ref": "http://x"}, []],
+)
+def test_a_schema_the_simulated_engine_cannot_follow_is_a_400_not_a_500(schema: Any) -> None:
+    import itertools
+
+    from sluice.testing.engineserver import BadRequest, _instance_of
+
+    with pytest.raises(BadRequest) as info:
+        _instance_of(schema, itertools.repeat(" w"))
+    assert info.value.param == "response_format"
