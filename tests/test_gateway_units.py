@@ -356,6 +356,15 @@ def test_a_response_format_travels_to_the_engine_and_a_bad_one_is_a_400() -> Non
     assert job.sampling is not None
     assert job.sampling.engine_fields() == {"response_format": {"type": "json_object"}}
     assert chat_job({**_CHAT, "response_format": {"type": "text"}}, 16).sampling is None
+    # strict and description may be null, as in OpenAI's API; the request keeps its own copy.
+    spec = {"name": "a", "schema": {"type": "object"}, "strict": None, "description": None}
+    mine = {"type": "json_schema", "json_schema": spec}
+    job = chat_job({**_CHAT, "response_format": mine}, 16)
+    spec["schema"]["type"] = "array"
+    assert job.sampling is not None
+    assert job.sampling.engine_fields()["response_format"]["json_schema"]["schema"] == {
+        "type": "object"
+    }
     huge = {"description": "x" * MAX_SCHEMA_CHARS}
     big = {"type": "json_schema", "json_schema": {"name": "a", "schema": huge}}
     for bad in (
@@ -368,6 +377,9 @@ def test_a_response_format_travels_to_the_engine_and_a_bad_one_is_a_400() -> Non
         {"type": "json_schema", "json_schema": {"name": "a", "schema": {}, "extra": 1}},
         "json",
         big,
+        {"type": "json_schema", "json_schema": {"name": "a\n", "schema": {}}},
+        {"type": "json_schema", "json_schema": {"name": "a", "schema": {"x": float("nan")}}},
+        {"type": "text", "json_schema": {}},
     ):
         with pytest.raises(BadRequest) as info:
             chat_job({**_CHAT, "response_format": bad}, 16)
