@@ -80,6 +80,9 @@ def openai_sampling(
     for key in UNSUPPORTED:
         if key in body and _asked(body[key]):
             raise InvalidRequest(f"{key} is not supported by Sluice", param=key)
+    best_of = body.get("best_of")  # (1 is no request: one sample per choice)
+    if best_of is not None and (best_of != 1 or isinstance(best_of, bool)):
+        raise InvalidRequest("best_of is not supported by Sluice", param="best_of")
     fields = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
     if kind == "chat":
         top = _chat_logprobs(body)

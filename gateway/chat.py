@@ -98,20 +98,12 @@ def _choices(body: Mapping[str, Any], max_choices: int) -> int:
     return n
 
 
-def _unsupported(body: Mapping[str, Any], kind: Kind) -> None:
-    """Refuse what Sluice cannot honour (see the module docstring)."""
-    best_of = body.get("best_of")
-    if best_of is not None and (best_of != 1 or isinstance(best_of, bool)):
-        raise BadRequest("best_of is not supported", param="best_of")
-
-
 def _common(
     body: Mapping[str, Any], kind: Kind, default_max_tokens: int, max_choices: int
 ) -> dict[str, Any]:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("model must be a non-empty string", param="model")
-    _unsupported(body, kind)
     n = _choices(body, max_choices)
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     options = body.get("stream_options")

@@ -327,13 +327,19 @@ async def test_too_many_lines_too_large_fail_the_batch_and_account_for_every_lin
 def test_a_lines_sampling_fields_are_read_and_what_sluice_cannot_honour_is_an_error() -> None:
     sampled = {**_chat(1), "body": {**_chat(1)["body"], "temperature": 0, "stop": "\n"}}
     refused = {**_chat(2), "body": {**_chat(2)["body"], "echo": True}}
+    best_of = {**_chat(3), "body": {**_chat(3)["body"], "best_of": 3}}  # (dropped before)
     native = {"custom_id": "n", "model": "sim", "prompt": "hi", "sampling": {"seed": 4}}
     bad_native = {"custom_id": "b", "model": "sim", "prompt": "hi", "sampling": {"tmp": 1}}
-    data = b"\n".join(json.dumps(x).encode() for x in (sampled, refused, native, bad_native))
+    data = b"\n".join(
+        json.dumps(x).encode() for x in (sampled, refused, native, bad_native, best_of)
+    )
     good, bad = parse_lines(data, "batch_1")
     assert [g.custom_id for g in good] == ["req-1", "n"]
     assert good[0].sampling is not None and good[1].sampling is not None
     assert good[0].sampling.engine_fields() == {"temperature": 0.0, "stop": ["\n"]}
     assert good[1].sampling.engine_fields() == {"seed": 4}
-    assert [(e.line, e.code) for e in bad] == [(2, "invalid_request"), (4, "invalid_request")]
+    assert [(e.line, e.code) for e in bad] == [
+        (2, "invalid_request"), (4, "invalid_request"), (5, "invalid_request")
+    ]  # fmt: skip
     assert "echo" in bad[0].message and "tmp" in bad[1].message
+    assert "best_of" in bad[2].message

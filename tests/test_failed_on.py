@@ -276,7 +276,8 @@ def test_a_worker_that_left_the_model_is_not_counted_against_the_retry() -> None
 def test_a_plan_looks_past_at_most_scan_limit_kept_off_requests() -> None:
     """A worker that fails every request fast always has room, and its failures queue up kept
     off it while the others are full: a plan looks past at most ``SCAN_LIMIT`` of them in a
-    queue (it walked them all: 50,000 took 0.2 s a plan), so one behind them waits."""
+    queue (it walked them all: 50,000 took 0.14 s a plan, 0.7 ms with the bound), so one
+    behind them waits."""
     from sluice.dispatcher.planner import SCAN_LIMIT
 
     s = _sched(LeastLoaded(1))

@@ -152,7 +152,8 @@ _CHAT = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
         ({"messages": [{"role": "user", "content": "x"}]}, "model"),
         ({**_CHAT, "n": 17}, "n"),
         ({**_CHAT, "n": True}, "n"),
-        ({**_CHAT, "best_of": True}, None),
+        ({**_CHAT, "best_of": True}, "best_of"),
+        ({**_CHAT, "best_of": 2}, "best_of"),
         ({**_CHAT, "stop": [""]}, "stop"),
         ({**_CHAT, "stop": 3}, "stop"),
         ({**_CHAT, "top_logprobs": 2}, "top_logprobs"),  # (needs logprobs: true)
